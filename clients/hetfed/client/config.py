@@ -1,0 +1,76 @@
+"""Organization (client) configuration: identity, aggregator, data, private model, device (validated on load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetfed.client.data import DataConfig
+from hetfed.wire.config import check, load_file
+from hetfed.wire.transport import TlsConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The organization's private architecture (it never leaves the organization under model-private algorithms)."""
+
+    name: str = "lenet"
+    # Width of the latent space z (0: the architecture's default).
+    latent_dim: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.latent_dim >= 0, f"latent_dim must be >= 0, got {self.latent_dim}")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Exponential backoff with full jitter while the aggregator is unavailable."""
+
+    initial_backoff_seconds: float = 0.2
+    max_backoff_seconds: float = 10.0
+    multiplier: float = 2.0
+    # Give up after this long without reaching the aggregator.
+    give_up_after_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        check(self.initial_backoff_seconds > 0, "initial_backoff_seconds must be > 0")
+        check(self.max_backoff_seconds >= self.initial_backoff_seconds, "max_backoff_seconds must be >= initial")
+        check(self.multiplier >= 1, "multiplier must be >= 1")
+        check(self.give_up_after_seconds > 0, "give_up_after_seconds must be > 0")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The whole client configuration file of one organization."""
+
+    organization: str
+    run: str
+    aggregator: str = "localhost:50051"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # "auto" picks CUDA when present, else CPU; or "cpu", "cuda", "cuda:N".
+    device: str = "auto"
+    # torch intra-op threads (0: torch's default).
+    threads: int = 0
+    # Prometheus /metrics port; 0 picks a free port, -1 disables the endpoint.
+    metrics_port: int = -1
+    metrics_host: str = "0.0.0.0"
+    pull_wait_seconds: float = 20.0
+    tls: TlsConfig | None = None
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.organization), "organization must not be empty")
+        check(bool(self.run), "run must not be empty")
+        check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        check(self.threads >= 0, "threads must be >= 0")
+        check(self.metrics_port >= -1, "metrics_port must be >= -1")
+        check(self.pull_wait_seconds > 0, "pull_wait_seconds must be > 0")
+
+
+def load_client_config(path: str | Path) -> ClientConfig:
+    """Load and validate a client config file."""
+    return load_file(ClientConfig, path)

@@ -1,0 +1,282 @@
+"""Private client models: an encoder to a flat latent z and a linear head, built deterministically by name."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "ModelUnavailableError",
+    "SplitModel",
+    "available_models",
+    "build_model",
+    "count_parameters",
+    "load_state_arrays",
+    "state_arrays",
+]
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model's optional dependency (torchvision) cannot be imported here."""
+
+
+class SplitModel(nn.Module):
+    """An encoder mapping inputs to a flat latent of width ``latent_dim`` and a linear classifier head on it."""
+
+    def __init__(self, encoder: nn.Module, latent_dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.latent_dim = int(latent_dim)
+        self.num_classes = int(num_classes)
+        self.head = nn.Linear(self.latent_dim, self.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (B, num_classes)."""
+        logits: torch.Tensor = self.head(self.encoder(x))
+        return logits
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Latent z of shape (B, latent_dim)."""
+        z: torch.Tensor = self.encoder(x)
+        return z
+
+
+EncoderBuilder = Callable[[tuple[int, ...], int, bool], nn.Module]
+"""(input_shape, latent_dim, bounded_latent) -> encoder producing (B, latent_dim)."""
+
+
+def _latent_activation(bounded: bool) -> nn.Module:
+    return nn.Sigmoid() if bounded else nn.ReLU()
+
+
+def _image_shape(name: str, input_shape: tuple[int, ...], min_side: int) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ValueError(f"model {name!r} needs an image input shape (C, H, W), got {input_shape}")
+    c, h, w = input_shape
+    if c < 1 or h < min_side or w < min_side:
+        raise ValueError(
+            f"model {name!r} needs at least 1 channel and {min_side}x{min_side} pixels, got {input_shape}"
+        )
+    return c, h, w
+
+
+def _flat_size(features: nn.Module, input_shape: tuple[int, ...]) -> int:
+    with torch.no_grad():
+        was_training = features.training
+        features.eval()
+        out = features(torch.zeros(1, *input_shape))
+        features.train(was_training)
+    return int(out.numel())
+
+
+def _mlp(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(input_shape), 200),
+        nn.ReLU(),
+        nn.Linear(200, latent_dim),
+        _latent_activation(bounded),
+    )
+
+
+def _lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    c, _, _ = _image_shape("lenet", input_shape, min_side=4)
+    features = nn.Sequential(
+        nn.Conv2d(c, 6, kernel_size=5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, kernel_size=5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    flat = _flat_size(features, input_shape)
+    return nn.Sequential(
+        *features,
+        nn.Linear(flat, 120),
+        nn.ReLU(),
+        nn.Linear(120, latent_dim),
+        _latent_activation(bounded),
+    )
+
+
+def _fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    # FedGen's 'mnist' config (zhuangdizhu/FedGen: utils/model_config.py, FLAlgorithms/trainmodel/models.py):
+    # [6, 16, 'F'] with 3x3 stride-2 padding-1 convolutions, each followed by BatchNorm and ReLU, then a
+    # linear layer to the latent (784 -> 32 on 28x28); the latent has no activation in FedGen.
+    c, _, _ = _image_shape("fedgen_cnn", input_shape, min_side=4)
+    features = nn.Sequential(
+        nn.Conv2d(c, 6, kernel_size=3, stride=2, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 16, kernel_size=3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Flatten(),
+    )
+    flat = _flat_size(features, input_shape)
+    layers: list[nn.Module] = [*features, nn.Linear(flat, latent_dim)]
+    if bounded:
+        layers.append(nn.Sigmoid())
+    return nn.Sequential(*layers)
+
+
+def _cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    c, _, _ = _image_shape("cnn", input_shape, min_side=4)
+    features = nn.Sequential(
+        nn.Conv2d(c, 32, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    flat = _flat_size(features, input_shape)
+    return nn.Sequential(*features, nn.Linear(flat, latent_dim), _latent_activation(bounded))
+
+
+def _torchvision_models(name: str) -> ModuleType:
+    try:
+        return importlib.import_module("torchvision.models")
+    except Exception as exc:  # ImportError, or RuntimeError from a torchvision built for another torch
+        raise ModelUnavailableError(
+            f"model {name!r} needs torchvision, but torchvision is not importable in this environment "
+            f"({type(exc).__name__}: {exc}); install a torchvision build matching your torch "
+            f"({torch.__version__}), e.g. use the hetfed GPU client image"
+        ) from exc
+
+
+def _resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    c, _, _ = _image_shape("resnet18", input_shape, min_side=8)
+    backbone = _torchvision_models("resnet18").resnet18(weights=None)
+    if c != 3:
+        old = backbone.conv1
+        backbone.conv1 = nn.Conv2d(
+            c,
+            old.out_channels,
+            kernel_size=old.kernel_size,
+            stride=old.stride,
+            padding=old.padding,
+            bias=False,
+        )
+    width = int(backbone.fc.in_features)
+    backbone.fc = nn.Identity()
+    return nn.Sequential(backbone, nn.Linear(width, latent_dim), _latent_activation(bounded))
+
+
+def _mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    c, _, _ = _image_shape("mobilenet_v2", input_shape, min_side=8)
+    backbone = _torchvision_models("mobilenet_v2").mobilenet_v2(weights=None)
+    if c != 3:
+        old = backbone.features[0][0]
+        backbone.features[0][0] = nn.Conv2d(
+            c,
+            old.out_channels,
+            kernel_size=old.kernel_size,
+            stride=old.stride,
+            padding=old.padding,
+            bias=False,
+        )
+    width = int(backbone.last_channel)
+    backbone.classifier = nn.Identity()
+    return nn.Sequential(backbone, nn.Linear(width, latent_dim), _latent_activation(bounded))
+
+
+# name -> (encoder builder, default latent width)
+_REGISTRY: dict[str, tuple[EncoderBuilder, int]] = {
+    "mlp": (_mlp, 64),
+    "lenet": (_lenet, 84),
+    "fedgen_cnn": (_fedgen_cnn, 32),
+    "cnn": (_cnn, 128),
+    "resnet18": (_resnet18, 128),
+    "mobilenet_v2": (_mobilenet_v2, 128),
+}
+
+
+def available_models() -> list[str]:
+    """Names accepted by :func:`build_model`."""
+    return list(_REGISTRY)
+
+
+def build_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    latent_dim: int | None = None,
+    bounded_latent: bool = False,
+    seed: int = 0,
+) -> SplitModel:
+    """Build a model by registry name on CPU, with initial weights fixed by ``seed`` (same in every process).
+
+    ``bounded_latent`` ends the encoder with a Sigmoid so that z lies in [0, 1]^latent_dim (Fed-CMA).
+    The global torch RNG state is left as it was.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    shape = tuple(int(s) for s in input_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    builder, default_dim = _REGISTRY[name]
+    dim = default_dim if latent_dim is None else int(latent_dim)
+    if dim < 1:
+        raise ValueError(f"latent_dim must be >= 1, got {latent_dim}")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(int(seed))
+        encoder = builder(shape, dim, bounded_latent)
+        return SplitModel(encoder, dim, int(num_classes))
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameter elements (all, or only those with requires_grad)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def state_arrays(module: nn.Module) -> dict[str, np.ndarray]:
+    """Numpy copies of ``module.state_dict()``: floating tensors as float32, others keep their dtype (e.g. int64)."""
+    out: dict[str, np.ndarray] = {}
+    for key, tensor in module.state_dict().items():
+        t = tensor.detach().cpu()
+        if t.is_floating_point():
+            t = t.to(torch.float32)
+        out[key] = t.numpy().copy()
+    return out
+
+
+def load_state_arrays(module: nn.Module, arrays: Mapping[str, np.ndarray], *, strict: bool = True) -> None:
+    """Copy arrays into ``module``'s parameters and buffers in place (the inverse of :func:`state_arrays`).
+
+    With ``strict`` the keys must match exactly; without it, missing keys keep their current values and
+    unexpected keys are ignored. A shape mismatch is always an error, and nothing is copied on any error.
+    """
+    state = module.state_dict()
+    missing = sorted(set(state) - set(arrays))
+    unexpected = sorted(set(arrays) - set(state))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {', '.join(unexpected)}")
+        raise ValueError(f"state arrays do not match {type(module).__name__}: " + "; ".join(parts))
+    shaped = []
+    for key, target in state.items():
+        if key in arrays:
+            shape = tuple(np.shape(arrays[key]))
+            if shape != tuple(target.shape):
+                shaped.append(f"{key}: expected {tuple(target.shape)}, got {shape}")
+    if shaped:
+        raise ValueError("state arrays have the wrong shape for " + "; ".join(shaped))
+    with torch.no_grad():
+        for key, target in state.items():
+            if key in arrays:
+                target.copy_(torch.tensor(np.asarray(arrays[key])).to(dtype=target.dtype))

@@ -1,0 +1,155 @@
+from hetfed.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_KIND_UNSPECIFIED: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_MODEL_WEIGHTS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_HEAD_WEIGHTS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_CLASS_COUNTS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_CLASS_MEAN_EMBEDDINGS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SEED_POSTERIORS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_FACTORIZED_WEIGHTS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_CRITERIA_EMBEDDINGS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_EVAL_METRICS: _ClassVar[PayloadKind]
+PAYLOAD_KIND_UNSPECIFIED: PayloadKind
+PAYLOAD_KIND_MODEL_WEIGHTS: PayloadKind
+PAYLOAD_KIND_HEAD_WEIGHTS: PayloadKind
+PAYLOAD_KIND_CLASS_COUNTS: PayloadKind
+PAYLOAD_KIND_CLASS_MEAN_EMBEDDINGS: PayloadKind
+PAYLOAD_KIND_SEED_POSTERIORS: PayloadKind
+PAYLOAD_KIND_FACTORIZED_WEIGHTS: PayloadKind
+PAYLOAD_KIND_CRITERIA_EMBEDDINGS: PayloadKind
+PAYLOAD_KIND_EVAL_METRICS: PayloadKind
+
+class ModelWeights(_message.Message):
+    __slots__ = ("tensors", "num_examples")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.NamedTensor]
+    num_examples: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.NamedTensor, _Mapping]]] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class HeadWeights(_message.Message):
+    __slots__ = ("weight", "bias", "num_examples")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    weight: _tensor_pb2.Tensor
+    bias: _tensor_pb2.Tensor
+    num_examples: int
+    def __init__(self, weight: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class ClassCounts(_message.Message):
+    __slots__ = ("counts",)
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    counts: _tensor_pb2.Tensor
+    def __init__(self, counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ClassMeanEmbeddings(_message.Message):
+    __slots__ = ("labels", "means", "counts", "presence")
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    MEANS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
+    labels: _tensor_pb2.Tensor
+    means: _tensor_pb2.Tensor
+    counts: _tensor_pb2.Tensor
+    presence: _tensor_pb2.Tensor
+    def __init__(self, labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., means: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., presence: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SeedPosteriors(_message.Message):
+    __slots__ = ("seed_set_id", "indices", "probabilities", "teaching_confidence", "source_organization")
+    SEED_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    TEACHING_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ORGANIZATION_FIELD_NUMBER: _ClassVar[int]
+    seed_set_id: str
+    indices: _tensor_pb2.Tensor
+    probabilities: _tensor_pb2.Tensor
+    teaching_confidence: float
+    source_organization: str
+    def __init__(self, seed_set_id: _Optional[str] = ..., indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., teaching_confidence: _Optional[float] = ..., source_organization: _Optional[str] = ...) -> None: ...
+
+class FactorizedLayer(_message.Message):
+    __slots__ = ("name", "u", "v", "mask_indices", "mask_values", "mask_shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    U_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    MASK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MASK_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MASK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    u: _tensor_pb2.Tensor
+    v: _tensor_pb2.Tensor
+    mask_indices: _tensor_pb2.Tensor
+    mask_values: _tensor_pb2.Tensor
+    mask_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., u: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FactorizedWeights(_message.Message):
+    __slots__ = ("layers", "num_examples")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[FactorizedLayer]
+    num_examples: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[FactorizedLayer, _Mapping]]] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class CriteriaEmbeddings(_message.Message):
+    __slots__ = ("criteria_set_id", "embeddings")
+    CRITERIA_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    criteria_set_id: str
+    embeddings: _tensor_pb2.Tensor
+    def __init__(self, criteria_set_id: _Optional[str] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class EvalMetrics(_message.Message):
+    __slots__ = ("train_loss", "num_train_examples", "test_accuracy", "test_loss", "num_test_examples", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAIN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEST_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    train_loss: float
+    num_train_examples: int
+    test_accuracy: float
+    test_loss: float
+    num_test_examples: int
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, train_loss: _Optional[float] = ..., num_train_examples: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., num_test_examples: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics")
+    MODEL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_MEAN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    SEED_POSTERIORS_FIELD_NUMBER: _ClassVar[int]
+    FACTORIZED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CRITERIA_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    model_weights: ModelWeights
+    head_weights: HeadWeights
+    class_counts: ClassCounts
+    class_mean_embeddings: ClassMeanEmbeddings
+    seed_posteriors: SeedPosteriors
+    factorized_weights: FactorizedWeights
+    criteria_embeddings: CriteriaEmbeddings
+    eval_metrics: EvalMetrics
+    def __init__(self, model_weights: _Optional[_Union[ModelWeights, _Mapping]] = ..., head_weights: _Optional[_Union[HeadWeights, _Mapping]] = ..., class_counts: _Optional[_Union[ClassCounts, _Mapping]] = ..., class_mean_embeddings: _Optional[_Union[ClassMeanEmbeddings, _Mapping]] = ..., seed_posteriors: _Optional[_Union[SeedPosteriors, _Mapping]] = ..., factorized_weights: _Optional[_Union[FactorizedWeights, _Mapping]] = ..., criteria_embeddings: _Optional[_Union[CriteriaEmbeddings, _Mapping]] = ..., eval_metrics: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...

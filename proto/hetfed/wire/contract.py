@@ -1,0 +1,198 @@
+"""Contract checks: every message a run receives is checked against its algorithm's declared contract."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import payloads_pb2 as pb
+from hetfed.v1 import tensor_pb2 as tpb
+from hetfed.wire import codec
+from hetfed.wire.errors import WireError
+from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, SeedPosteriors
+from hetfed.wire.specs import AlgorithmSpec
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """The declared wire dtype and shape of one tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# payload kind -> tensor name -> declaration
+Schema = dict[PayloadKind, dict[str, TensorDecl]]
+
+PHASES = ("setup", "train", "evaluate")
+
+
+def allowed_uploads(spec: AlgorithmSpec, phase: str) -> tuple[frozenset[PayloadKind], frozenset[PayloadKind]]:
+    """(allowed, required) upload kinds of ``spec`` in a phase of the run."""
+    metrics = frozenset({PayloadKind.EVAL_METRICS})
+    if phase == "setup":
+        return spec.setup_upload, spec.setup_upload
+    if phase == "train":
+        return spec.upload, spec.required_upload
+    if phase == "evaluate":
+        return metrics, metrics
+    raise ValueError(f"unknown phase {phase!r}")
+
+
+def schema_from_declared(declared: Iterable[apb.DeclaredTensor], spec: AlgorithmSpec) -> Schema:
+    """The schema a joining client declares for the kinds the run shares; other kinds are ignored."""
+    schema: Schema = {}
+    for d in declared:
+        try:
+            kind = PayloadKind.from_proto_enum(d.payload_kind)
+        except ValueError:
+            raise WireError("malformed", f"declared tensor {d.name!r} has an unknown payload kind") from None
+        if kind not in spec.shared_schema:
+            continue
+        if kind not in spec.upload:
+            raise WireError("payload_kind_not_allowed", f"{spec.name} does not accept {kind.value} uploads")
+        entry = schema.setdefault(kind, {})
+        if d.name in entry:
+            raise WireError("malformed", f"tensor {d.name!r} declared twice for {kind.value}")
+        entry[d.name] = TensorDecl(codec.dtype_name(d.dtype), tuple(int(s) for s in d.shape))
+    for kind in spec.shared_schema:
+        if kind not in schema:
+            raise WireError("missing_payload", f"{spec.name} needs the {kind.value} tensors declared at join")
+    return schema
+
+
+def declared_from_schema(schema: Schema) -> list[apb.DeclaredTensor]:
+    """The DeclaredTensor messages that describe a schema (for Join requests and checkpoints)."""
+    out = []
+    for kind, tensors in schema.items():
+        for name, decl in tensors.items():
+            out.append(
+                apb.DeclaredTensor(
+                    payload_kind=kind.proto_enum,  # type: ignore[arg-type]
+                    name=name,
+                    dtype=codec._WIRE[decl.dtype][0],  # type: ignore[arg-type]
+                    shape=decl.shape,
+                )
+            )
+    return out
+
+
+def check_same_schema(run_schema: Schema, declared: Schema) -> None:
+    """A joining client's declaration must equal the run's schema, tensor by tensor."""
+    for kind, tensors in run_schema.items():
+        theirs = declared.get(kind, {})
+        missing = sorted(set(tensors) - set(theirs))
+        extra = sorted(set(theirs) - set(tensors))
+        if missing or extra:
+            raise WireError(
+                "schema_mismatch",
+                f"{kind.value}: tensors differ from the run's (missing {missing[:5]}, unexpected {extra[:5]})",
+            )
+        for name, decl in tensors.items():
+            if theirs[name] != decl:
+                raise WireError(
+                    "schema_mismatch",
+                    f"{kind.value}.{name}: declared {theirs[name].dtype}{list(theirs[name].shape)}, "
+                    f"the run has {decl.dtype}{list(decl.shape)}",
+                )
+
+
+def _proto_tensors(message: pb.Payload) -> dict[str, tpb.Tensor]:
+    kind = message.WhichOneof("kind")
+    if kind == "model_weights":
+        return {t.name: t.tensor for t in message.model_weights.tensors}
+    if kind == "head_weights":
+        return {"weight": message.head_weights.weight, "bias": message.head_weights.bias}
+    return {}
+
+
+def _check_schema(kind: PayloadKind, message: pb.Payload, schema: dict[str, TensorDecl]) -> None:
+    tensors = _proto_tensors(message)
+    missing = sorted(set(schema) - set(tensors))
+    extra = sorted(set(tensors) - set(schema))
+    if missing or extra:
+        raise WireError(
+            "shape_mismatch", f"{kind.value}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}"
+        )
+    for name, decl in schema.items():
+        t = tensors[name]
+        got = codec.dtype_name(t.dtype)
+        if got != decl.dtype:
+            raise WireError("dtype_mismatch", f"{kind.value}.{name}: dtype {got}, the run declared {decl.dtype}")
+        shape = tuple(int(s) for s in t.shape)
+        if shape != decl.shape:
+            raise WireError(
+                "shape_mismatch", f"{kind.value}.{name}: shape {list(shape)}, the run declared {list(decl.shape)}"
+            )
+
+
+def check_finite(kind: PayloadKind, payload: Payload) -> None:
+    """Reject NaN or infinite values in any floating tensor or metric."""
+    from hetfed.wire.payloads import named_tensors
+
+    for name, array in named_tensors(payload):
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+            raise WireError("non_finite", f"{kind.value}.{name} holds {bad} NaN or infinite values")
+    if isinstance(payload, EvalMetrics):
+        values = {"train_loss": payload.train_loss, "test_accuracy": payload.test_accuracy,
+                  "test_loss": payload.test_loss, **payload.extra}
+        for name, v in values.items():
+            if not math.isfinite(v):
+                raise WireError("non_finite", f"eval_metrics.{name} is {v}")
+    if isinstance(payload, SeedPosteriors) and not math.isfinite(payload.teaching_confidence):
+        raise WireError("non_finite", f"seed_posteriors.teaching_confidence is {payload.teaching_confidence}")
+
+
+def check_update(
+    spec: AlgorithmSpec,
+    phase: str,
+    messages: Sequence[pb.Payload],
+    schema: Schema,
+    max_elements: int,
+) -> list[Payload]:
+    """Check an update's payloads against the contract and decode them; raises WireError."""
+    allowed, required = allowed_uploads(spec, phase)
+    kinds: list[PayloadKind] = []
+    for m in messages:
+        kind = codec.payload_kind_of(m)
+        if kind not in allowed:
+            allowed_names = ", ".join(sorted(k.value for k in allowed)) or "nothing"
+            raise WireError(
+                "payload_kind_not_allowed",
+                f"{spec.name} does not accept {kind.value} in its {phase} phase (allowed: {allowed_names})",
+            )
+        if kind in kinds:
+            raise WireError("duplicate_payload", f"the update carries two {kind.value} payloads")
+        kinds.append(kind)
+    missing = sorted(k.value for k in required - set(kinds))
+    if missing:
+        raise WireError("missing_payload", f"{spec.name} {phase} updates must carry {', '.join(missing)}")
+    elements = sum(codec.tensor_elements(m) for m in messages)
+    if elements > max_elements:
+        raise WireError("oversized", f"the update carries {elements} tensor elements, the limit is {max_elements}")
+    decoded: list[Payload] = []
+    for kind, m in zip(kinds, messages, strict=True):
+        if kind in schema:
+            _check_schema(kind, m, schema[kind])
+        payload = codec.payload_from_proto(m)
+        check_finite(kind, payload)
+        decoded.append(payload)
+    return decoded
+
+
+def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload]) -> list[Payload]:
+    """A client's check of what the aggregator sends: only the spec's download kinds, finite values."""
+    out = []
+    for m in messages:
+        kind = codec.payload_kind_of(m)
+        if kind not in spec.download:
+            raise WireError("payload_kind_not_allowed", f"{spec.name} never receives {kind.value}")
+        payload = codec.payload_from_proto(m)
+        check_finite(kind, payload)
+        out.append(payload)
+    return out

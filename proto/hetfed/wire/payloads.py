@@ -1,0 +1,177 @@
+"""Typed, numpy-backed payloads: what algorithm code sees instead of Protobuf messages."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetfed.v1 import payloads_pb2 as pb
+
+
+class PayloadKind(enum.Enum):
+    """The kinds of payload that may cross the wire; values are the Payload oneof field names."""
+
+    MODEL_WEIGHTS = "model_weights"
+    HEAD_WEIGHTS = "head_weights"
+    CLASS_COUNTS = "class_counts"
+    CLASS_MEAN_EMBEDDINGS = "class_mean_embeddings"
+    SEED_POSTERIORS = "seed_posteriors"
+    FACTORIZED_WEIGHTS = "factorized_weights"
+    CRITERIA_EMBEDDINGS = "criteria_embeddings"
+    EVAL_METRICS = "eval_metrics"
+
+    @property
+    def proto_enum(self) -> int:
+        """The matching hetfed.v1.PayloadKind enum number."""
+        return int(pb.PayloadKind.Value("PAYLOAD_KIND_" + self.name))
+
+    @classmethod
+    def from_proto_enum(cls, value: int) -> PayloadKind:
+        """The PayloadKind for a hetfed.v1.PayloadKind enum number."""
+        name = pb.PayloadKind.Name(value)
+        return cls[name.removeprefix("PAYLOAD_KIND_")]
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """Weights of a whole shared model, by parameter name."""
+
+    tensors: dict[str, np.ndarray]
+    num_examples: int = 0
+    kind = PayloadKind.MODEL_WEIGHTS
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The classification head Linear(d_e, K): weight [K, d_e] and bias [K]."""
+
+    weight: np.ndarray
+    bias: np.ndarray
+    num_examples: int = 0
+    kind = PayloadKind.HEAD_WEIGHTS
+
+
+@dataclass(frozen=True)
+class ClassCounts:
+    """Local training examples per class, int64 [K]."""
+
+    counts: np.ndarray
+    kind = PayloadKind.CLASS_COUNTS
+
+
+@dataclass(frozen=True)
+class ClassMeanEmbeddings:
+    """Class-conditional mean embeddings with per-class counts and presence."""
+
+    labels: np.ndarray
+    means: np.ndarray
+    counts: np.ndarray
+    presence: np.ndarray
+    kind = PayloadKind.CLASS_MEAN_EMBEDDINGS
+
+
+@dataclass(frozen=True)
+class SeedPosteriors:
+    """A node's posteriors on a batch of the shared seed set, with its teaching confidence."""
+
+    seed_set_id: str
+    indices: np.ndarray
+    probabilities: np.ndarray
+    teaching_confidence: float
+    source_organization: str = ""
+    kind = PayloadKind.SEED_POSTERIORS
+
+
+@dataclass(frozen=True)
+class FactorizedLayer:
+    """One layer as W = u x v (+) mask, the mask sparse as flat indices and values."""
+
+    name: str
+    u: np.ndarray
+    v: np.ndarray
+    mask_indices: np.ndarray
+    mask_values: np.ndarray
+    mask_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FactorizedWeights:
+    """Every factorised layer of a model."""
+
+    layers: tuple[FactorizedLayer, ...]
+    num_examples: int = 0
+    kind = PayloadKind.FACTORIZED_WEIGHTS
+
+
+@dataclass(frozen=True)
+class CriteriaEmbeddings:
+    """A model's embeddings of the shared criteria inputs, [B, D]."""
+
+    criteria_set_id: str
+    embeddings: np.ndarray
+    kind = PayloadKind.CRITERIA_EMBEDDINGS
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    """Training and evaluation figures a client reports for a round."""
+
+    train_loss: float = 0.0
+    num_train_examples: int = 0
+    test_accuracy: float = 0.0
+    test_loss: float = 0.0
+    num_test_examples: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+    kind = PayloadKind.EVAL_METRICS
+
+
+Payload = (
+    ModelWeights
+    | HeadWeights
+    | ClassCounts
+    | ClassMeanEmbeddings
+    | SeedPosteriors
+    | FactorizedWeights
+    | CriteriaEmbeddings
+    | EvalMetrics
+)
+
+
+def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor a payload carries, with a stable name (used by contract checks)."""
+    if isinstance(payload, ModelWeights):
+        yield from payload.tensors.items()
+    elif isinstance(payload, HeadWeights):
+        yield "weight", payload.weight
+        yield "bias", payload.bias
+    elif isinstance(payload, ClassCounts):
+        yield "counts", payload.counts
+    elif isinstance(payload, ClassMeanEmbeddings):
+        yield "labels", payload.labels
+        yield "means", payload.means
+        yield "counts", payload.counts
+        yield "presence", payload.presence
+    elif isinstance(payload, SeedPosteriors):
+        yield "indices", payload.indices
+        yield "probabilities", payload.probabilities
+    elif isinstance(payload, FactorizedWeights):
+        for layer in payload.layers:
+            yield f"{layer.name}.u", layer.u
+            yield f"{layer.name}.v", layer.v
+            yield f"{layer.name}.mask_indices", layer.mask_indices
+            yield f"{layer.name}.mask_values", layer.mask_values
+    elif isinstance(payload, CriteriaEmbeddings):
+        yield "embeddings", payload.embeddings
+
+
+def by_kind(payloads: list[Payload]) -> dict[PayloadKind, Payload]:
+    """Index a list of payloads by kind; at most one payload of each kind is allowed."""
+    out: dict[PayloadKind, Payload] = {}
+    for p in payloads:
+        if p.kind in out:
+            raise ValueError(f"two payloads of kind {p.kind.value}")
+        out[p.kind] = p
+    return out

@@ -1,0 +1,96 @@
+"""Communication-cost accounting where messages are serialized: bytes, messages and tensor elements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+
+from hetfed.v1 import payloads_pb2 as pb
+from hetfed.wire import codec
+
+LABELS = ("run", "algorithm", "organization", "direction", "payload_kind")
+ENVELOPE = "envelope"
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def embedded_size(message_size: int) -> int:
+    """Bytes a length-delimited sub-message of ``message_size`` bytes takes in its parent (tag + length)."""
+    return 1 + _varint_len(message_size) + message_size
+
+
+@dataclass
+class KindCount:
+    """Bytes, messages and tensor elements of one payload kind in one direction."""
+
+    bytes: int = 0
+    messages: int = 0
+    elements: int = 0
+
+
+@dataclass
+class TrafficBreakdown:
+    """Per-kind counts of one message; ``envelope`` holds every byte not inside a payload."""
+
+    kinds: dict[str, KindCount] = field(default_factory=dict)
+
+    def add(self, other: TrafficBreakdown) -> None:
+        """Accumulate another breakdown into this one."""
+        for k, c in other.kinds.items():
+            mine = self.kinds.setdefault(k, KindCount())
+            mine.bytes += c.bytes
+            mine.messages += c.messages
+            mine.elements += c.elements
+
+    @property
+    def total_bytes(self) -> int:
+        """All bytes, payloads and envelope together."""
+        return sum(c.bytes for c in self.kinds.values())
+
+
+def breakdown(payloads: Sequence[pb.Payload], wire_bytes: int, messages: int = 1) -> TrafficBreakdown:
+    """Attribute ``wire_bytes`` (the serialized gRPC messages) to payload kinds and the envelope."""
+    out = TrafficBreakdown()
+    inside = 0
+    for p in payloads:
+        kind = p.WhichOneof("kind") or "unknown"
+        size = embedded_size(p.ByteSize())
+        inside += size
+        c = out.kinds.setdefault(kind, KindCount())
+        c.bytes += size
+        c.messages += 1
+        c.elements += codec.tensor_elements(p)
+    env = out.kinds.setdefault(ENVELOPE, KindCount())
+    env.bytes += max(0, wire_bytes - inside)
+    env.messages += messages
+    return out
+
+
+class TrafficMetrics:
+    """Prometheus counters of communication cost, labelled by run, algorithm, organization, direction, kind."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Counter(
+            "hetfed_bytes", "Serialized bytes of gRPC messages, by payload kind", LABELS, registry=registry
+        )
+        self.messages = Counter("hetfed_messages", "Messages (payloads; envelopes per RPC)", LABELS, registry=registry)
+        self.parameters = Counter(
+            "hetfed_parameters", "Tensor elements carried by payloads", LABELS, registry=registry
+        )
+
+    def record(self, run: str, algorithm: str, organization: str, direction: str, b: TrafficBreakdown) -> None:
+        """Add one message's breakdown to the counters."""
+        for kind, c in b.kinds.items():
+            labels = (run, algorithm, organization, direction, kind)
+            self.bytes.labels(*labels).inc(c.bytes)
+            self.messages.labels(*labels).inc(c.messages)
+            if c.elements:
+                self.parameters.labels(*labels).inc(c.elements)

@@ -1,0 +1,115 @@
+"""Aggregator configuration: the server section and the runs it hosts (TOML or JSON, validated on load)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetfed.wire.config import ConfigError, check, from_mapping, load_file
+from hetfed.wire.specs import TrainConfig, get_spec
+from hetfed.wire.transport import TlsConfig
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class SeedSetConfig:
+    """A data set every organization of a run must hold, named by id and SHA-256."""
+
+    id: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One federated run: its algorithm, participants, rounds, quorum and deadline."""
+
+    id: str
+    algorithm: str
+    organizations: tuple[str, ...]
+    rounds: int = 10
+    # Quorum to close a round at the deadline; 0 means every organization.
+    min_clients: int = 0
+    round_deadline_seconds: float = 600.0
+    seed: int = 0
+    algorithm_config: dict[str, Any] = field(default_factory=dict)
+    seed_set: SeedSetConfig | None = None
+
+    def __post_init__(self) -> None:
+        check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
+        check(len(self.organizations) >= 1, "organizations must name at least one organization")
+        for org in self.organizations:
+            check(bool(NAME_RE.match(org)), f"organization {org!r} must match {NAME_RE.pattern}")
+        check(len(set(self.organizations)) == len(self.organizations), "organizations must be unique")
+        check(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
+        check(
+            0 <= self.min_clients <= len(self.organizations),
+            f"min_clients must be in [0, {len(self.organizations)}], got {self.min_clients}",
+        )
+        check(self.round_deadline_seconds > 0, "round_deadline_seconds must be > 0")
+        check(self.seed >= 0, "seed must be >= 0")
+        self.train_config()  # validates algorithm and algorithm_config now, with a precise message
+
+    @property
+    def quorum(self) -> int:
+        """Clients needed to close a round at its deadline."""
+        return self.min_clients or len(self.organizations)
+
+    def train_config(self) -> TrainConfig:
+        """The algorithm's typed, validated config."""
+        try:
+            spec = get_spec(self.algorithm)
+        except ValueError as exc:
+            raise ConfigError(f"runs[{self.id}].algorithm: {exc}") from None
+        return from_mapping(spec.config_type, self.algorithm_config, f"runs[{self.id}].algorithm_config")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the aggregator listens, where it keeps state and which limits it enforces."""
+
+    listen: str = "0.0.0.0:50051"
+    # Prometheus /metrics port; 0 picks a free port, -1 disables the endpoint.
+    metrics_port: int = 9090
+    metrics_host: str = "0.0.0.0"
+    state_dir: str = "hetfed-state"
+    max_update_bytes: int = 4 << 30
+    max_tensor_elements: int = 1 << 31
+    chunk_bytes: int = 1 << 20
+    max_pull_wait_seconds: float = 30.0
+    # Most RPCs per second one organization may make (0 = unlimited).
+    max_requests_per_second: float = 0.0
+    tls: TlsConfig | None = None
+
+    def __post_init__(self) -> None:
+        check(self.metrics_port >= -1, "metrics_port must be >= -1")
+        check(self.max_update_bytes > 0, "max_update_bytes must be > 0")
+        check(self.max_tensor_elements > 0, "max_tensor_elements must be > 0")
+        check(1024 <= self.chunk_bytes <= 16 << 20, "chunk_bytes must be in [1 KiB, 16 MiB]")
+        check(self.max_pull_wait_seconds > 0, "max_pull_wait_seconds must be > 0")
+        check(self.max_requests_per_second >= 0, "max_requests_per_second must be >= 0")
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    """The whole aggregator configuration file."""
+
+    runs: tuple[RunConfig, ...]
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        ids = [r.id for r in self.runs]
+        check(len(ids) >= 1, "runs must define at least one run")
+        check(len(set(ids)) == len(ids), f"run ids must be unique, got {ids}")
+
+
+def load_aggregator_config(path: str | Path) -> AggregatorConfig:
+    """Load and validate an aggregator config file."""
+    return load_file(AggregatorConfig, path)
+
+
+def aggregator_config_from_mapping(data: dict[str, Any]) -> AggregatorConfig:
+    """Validate an aggregator config given as a mapping."""
+    return from_mapping(AggregatorConfig, data, "aggregator")

@@ -1,0 +1,41 @@
+"""The aggregator's Prometheus metrics, on a registry of its own (several aggregators may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hetfed.wire.traffic import TrafficMetrics
+
+
+class AggregatorMetrics:
+    """Traffic, rounds, rejections and the training figures clients report."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.traffic = TrafficMetrics(r)
+        self.rejected = Counter(
+            "hetfed_rejected_messages", "Messages rejected, by reason", ["run", "reason"], registry=r
+        )
+        self.duplicates = Counter(
+            "hetfed_duplicate_pushes", "Retried pushes of an already accepted update (acknowledged, not re-applied)",
+            ["run"], registry=r,
+        )
+        self.round_duration = Histogram(
+            "hetfed_round_duration_seconds", "Wall time from a round's opening to its close",
+            ["run", "algorithm"], registry=r,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+        )
+        self.clients_per_round = Gauge(
+            "hetfed_clients_per_round", "Organizations whose update the last closed round used",
+            ["run", "algorithm"], registry=r,
+        )
+        self.current_round = Gauge("hetfed_current_round", "The open round", ["run", "algorithm"], registry=r)
+        self.client_train_loss = Gauge(
+            "hetfed_client_train_loss", "Training loss an organization reported for its last round",
+            ["run", "algorithm", "organization"], registry=r,
+        )
+        self.client_test_accuracy = Gauge(
+            "hetfed_client_test_accuracy", "Test accuracy an organization reported for its last round",
+            ["run", "algorithm", "organization"], registry=r,
+        )

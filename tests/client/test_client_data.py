@@ -1,0 +1,386 @@
+"""Tests for hetfed.client.data: pure partition functions, config validation and the dataset loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hetfed.client.data import (
+    ArrayDataset,
+    ClientData,
+    DataConfig,
+    class_counts,
+    class_proportions,
+    dirichlet_partition,
+    domain_partition,
+    generate_synthetic,
+    iid_partition,
+    load_client_data,
+    load_npz_dir,
+    split_like,
+    stratified_holdout,
+)
+
+
+def assert_disjoint_cover(parts: list[np.ndarray], n: int) -> None:
+    joined = np.concatenate(parts)
+    assert joined.dtype == np.int64
+    assert joined.size == n, "parts overlap or miss indices"
+    np.testing.assert_array_equal(np.sort(joined), np.arange(n))
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def test_class_counts_exact() -> None:
+    counts = class_counts(np.array([0, 2, 2, 3, 0, 2]), 5)
+    assert counts.dtype == np.int64
+    np.testing.assert_array_equal(counts, [2, 0, 3, 1, 0])
+
+
+def test_class_counts_rejects_out_of_range_label() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        class_counts(np.array([0, 3]), 3)
+
+
+def test_iid_partition_sizes_disjoint_and_seeded() -> None:
+    parts = iid_partition(10, 4, seed=7)
+    assert [p.size for p in parts] == [3, 3, 2, 2]
+    assert_disjoint_cover(parts, 10)
+    again = iid_partition(10, 4, seed=7)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    other = iid_partition(10, 4, seed=8)
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other, strict=True))
+
+
+def test_iid_partition_rejects_more_clients_than_examples() -> None:
+    with pytest.raises(ValueError, match="3 examples among 4 clients"):
+        iid_partition(3, 4, seed=0)
+
+
+def test_stratified_holdout_exact_counts() -> None:
+    labels = np.repeat(np.arange(3), [10, 20, 5])
+    keep, hold = stratified_holdout(labels, 0.2, seed=3)
+    np.testing.assert_array_equal(class_counts(labels[hold], 3), [2, 4, 1])
+    np.testing.assert_array_equal(class_counts(labels[keep], 3), [8, 16, 4])
+    assert_disjoint_cover([keep, hold], labels.size)
+    _, hold2 = stratified_holdout(labels, 0.2, seed=3)
+    np.testing.assert_array_equal(hold, hold2)
+    _, hold3 = stratified_holdout(labels, 0.2, seed=4)
+    assert not np.array_equal(hold, hold3)
+
+
+def test_stratified_holdout_keeps_singletons_and_holds_one_of_two() -> None:
+    labels = np.array([0, 1, 1])
+    keep, hold = stratified_holdout(labels, 0.2, seed=0)
+    np.testing.assert_array_equal(class_counts(labels[keep], 2), [1, 1])
+    np.testing.assert_array_equal(class_counts(labels[hold], 2), [0, 1])
+
+
+def test_dirichlet_partition_small_alpha_is_skewed_and_respects_minimum() -> None:
+    labels = np.repeat(np.arange(10), 100)
+    parts = dirichlet_partition(labels, 5, alpha=0.1, min_per_client=10, seed=0)
+    assert_disjoint_cover(parts, labels.size)
+    assert min(p.size for p in parts) >= 10
+    top_share = [class_counts(labels[p], 10).max() / p.size for p in parts]
+    assert np.mean(top_share) > 0.5  # a few classes dominate each client
+
+
+def test_dirichlet_partition_large_alpha_is_near_uniform() -> None:
+    labels = np.repeat(np.arange(10), 100)
+    parts = dirichlet_partition(labels, 5, alpha=1000.0, min_per_client=10, seed=0)
+    assert_disjoint_cover(parts, labels.size)
+    for p in parts:
+        shares = class_counts(labels[p], 10) / p.size
+        assert shares.max() < 0.2
+
+
+def test_dirichlet_partition_is_seeded() -> None:
+    labels = np.repeat(np.arange(10), 50)
+    a = dirichlet_partition(labels, 4, 0.5, 10, seed=11)
+    b = dirichlet_partition(labels, 4, 0.5, 10, seed=11)
+    c = dirichlet_partition(labels, 4, 0.5, 10, seed=12)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_dirichlet_partition_gives_up_with_a_clear_error() -> None:
+    labels = np.repeat(np.arange(2), 50)
+    with pytest.raises(ValueError, match=r"in 3 draws; raise data\.alpha"):
+        dirichlet_partition(labels, 10, alpha=0.001, min_per_client=10, seed=0, max_retries=3)
+    with pytest.raises(ValueError, match="at least 20 of 100 examples"):
+        dirichlet_partition(labels, 10, alpha=1.0, min_per_client=20, seed=0)
+
+
+def test_class_proportions_exact() -> None:
+    labels = np.array([0, 0, 1, 1, 1, 2])
+    props = class_proportions(labels, [np.array([0, 2]), np.array([1, 3, 4, 5])], 4)
+    np.testing.assert_allclose(props, [[0.5, 0.5], [1 / 3, 2 / 3], [0.0, 1.0], [0.0, 0.0]])
+
+
+def test_split_like_exact_counts() -> None:
+    pool = np.repeat(np.arange(2), 10)
+    props = np.array([[0.75, 0.25, 0.0], [0.0, 0.0, 1.0]])
+    parts = split_like(pool, props, seed=0)
+    assert [class_counts(pool[p], 2).tolist() for p in parts] == [[7, 0], [3, 0], [0, 10]]
+    assert_disjoint_cover(parts, pool.size)
+
+
+def test_split_like_gives_tiny_shares_at_least_one() -> None:
+    pool = np.zeros(10, dtype=np.int64)
+    parts = split_like(pool, np.array([[0.99, 0.01]]), seed=0)
+    assert [p.size for p in parts] == [9, 1]
+
+
+def test_split_like_fedgen_mode_gives_equal_shares_on_support() -> None:
+    pool = np.zeros(10, dtype=np.int64)
+    parts = split_like(pool, np.array([[0.9, 0.1, 0.0]]), seed=0, mode="fedgen")
+    assert [p.size for p in parts] == [3, 3, 0]
+
+
+def test_split_like_follows_train_support_of_a_dirichlet_partition() -> None:
+    labels = np.repeat(np.arange(10), 80)
+    pool = np.repeat(np.arange(10), 20)
+    parts = dirichlet_partition(labels, 6, alpha=0.2, min_per_client=10, seed=5)
+    test_parts = split_like(pool, class_proportions(labels, parts, 10), seed=5)
+    for train_idx, test_idx in zip(parts, test_parts, strict=True):
+        train_support = class_counts(labels[train_idx], 10) > 0
+        test_support = class_counts(pool[test_idx], 10) > 0
+        np.testing.assert_array_equal(train_support, test_support)
+    assert_disjoint_cover(test_parts, pool.size)
+
+
+def test_domain_partition_and_missing_domain() -> None:
+    domain = np.array([2, 0, 1, 0, 2, 1])
+    parts = domain_partition(domain, 2)
+    assert [p.tolist() for p in parts] == [[1, 3], [2, 5]]  # domain 2 stays out (a held-out target)
+    with pytest.raises(ValueError, match=r"no examples with domain \[3\]"):
+        domain_partition(domain, 4)
+
+
+def test_array_dataset_coerces_and_subsets() -> None:
+    ds = ArrayDataset(np.arange(12).reshape(6, 2), np.array([0, 1, 0, 1, 2, 2]), np.arange(6))
+    assert ds.x.dtype == np.float32
+    assert ds.y.dtype == np.int64
+    sub = ds.subset([4, 0])
+    assert len(sub) == 2
+    np.testing.assert_array_equal(sub.x, [[8, 9], [0, 1]])
+    np.testing.assert_array_equal(sub.y, [2, 0])
+    assert sub.domain is not None
+    np.testing.assert_array_equal(sub.domain, [4, 0])
+    with pytest.raises(ValueError, match=r"ArrayDataset\.y must have shape \(6,\)"):
+        ArrayDataset(np.zeros((6, 2)), np.zeros(5))
+
+
+# ---------------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"alpha": -1}, "data.alpha must be > 0, got -1"),
+        ({"alpha": float("nan")}, "data.alpha must be finite"),
+        ({"dataset": "cifar"}, "data.dataset must be one of"),
+        ({"partition": "shards"}, "data.partition must be one of"),
+        ({"num_clients": 0}, "data.num_clients must be >= 1, got 0"),
+        ({"num_clients": True}, "data.num_clients must be an integer"),
+        ({"client_index": 4}, r"data.client_index must be < data.num_clients \(4\), got 4"),
+        ({"min_per_client": -1}, "data.min_per_client must be >= 0"),
+        ({"seed": -3}, "data.seed must be >= 0"),
+        ({"synthetic_alpha": -0.5}, "data.synthetic_alpha must be >= 0"),
+        ({"synthetic_beta": "x"}, "data.synthetic_beta must be a number"),
+        ({"synthetic_samples": 5}, "data.synthetic_samples must be >= 10"),
+        ({"test_split": "equal"}, "data.test_split must be one of"),
+        ({"path": "/data"}, "data.path is only used with dataset 'npz'"),
+        ({"dataset": "npz", "partition": "natural"}, "data.path must name a directory"),
+        ({"partition": "domain"}, "partition 'domain' is not available for dataset 'mnist5k'.*'npz'"),
+        ({"dataset": "synthetic"}, "partition 'dirichlet' is not available for dataset 'synthetic'"),
+        (
+            {"dataset": "npz", "partition": "iid", "path": "/d"},
+            "partition 'iid' is not available for dataset 'npz'",
+        ),
+    ],
+)
+def test_data_config_rejects_bad_fields(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- built-in datasets
+
+
+def _all_clients(cfg: DataConfig) -> list[ClientData]:
+    return [
+        load_client_data(DataConfig(**{**cfg.__dict__, "client_index": i})) for i in range(cfg.num_clients)
+    ]
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet"])
+def test_mnist5k_real_images_partitioned(partition: str) -> None:
+    clients = _all_clients(DataConfig(dataset="mnist5k", partition=partition, num_clients=4, seed=0))
+    first = clients[0]
+    assert first.input_shape == (1, 28, 28)
+    assert first.num_classes == 10
+    assert first.train.x.shape[1:] == (1, 28, 28)
+    assert first.train.x.dtype == np.float32
+    assert first.global_test is not None
+    g = first.global_test
+    assert len(g) == 1000
+    np.testing.assert_array_equal(class_counts(g.y, 10), np.full(10, 100))
+    assert float(g.x.min()) == 0.0
+    assert float(g.x.max()) == 1.0
+    # 4000 training images among the clients, plus the 1000 held out: 500 real images per class
+    assert sum(len(c.train) for c in clients) == 4000
+    train_counts = sum(class_counts(c.train.y, 10) for c in clients)
+    np.testing.assert_array_equal(train_counts, np.full(10, 400))
+    assert sum(len(c.test) for c in clients) == 1000
+    # pixels are real digits: a typical image is mostly black with some ink
+    ink = (first.train.x > 0.5).mean()
+    assert 0.05 < ink < 0.3
+    for c in clients:
+        assert len(c.train) >= 10
+        if partition == "dirichlet":
+            np.testing.assert_array_equal(class_counts(c.train.y, 10) > 0, class_counts(c.test.y, 10) > 0)
+        else:
+            assert len(c.train) == 1000
+            assert len(c.test) == 250
+
+
+def test_mnist5k_partition_depends_only_on_seed() -> None:
+    a = load_client_data(DataConfig(dataset="mnist5k", client_index=1, seed=4))
+    b = load_client_data(DataConfig(dataset="mnist5k", client_index=1, seed=4))
+    c = load_client_data(DataConfig(dataset="mnist5k", client_index=1, seed=5))
+    np.testing.assert_array_equal(a.train.x, b.train.x)
+    np.testing.assert_array_equal(a.test.y, b.test.y)
+    assert len(a.train) != len(c.train) or not np.array_equal(a.train.y, c.train.y)
+
+
+def test_mnist5k_small_alpha_twenty_clients() -> None:
+    cfg = DataConfig(dataset="mnist5k", num_clients=20, alpha=0.05, min_per_client=10, client_index=7)
+    data = load_client_data(cfg)
+    assert len(data.train) >= 10
+    assert np.count_nonzero(class_counts(data.train.y, 10)) <= 5
+
+
+def test_digits_loads_and_holds_out_a_fifth() -> None:
+    clients = _all_clients(DataConfig(dataset="digits", partition="iid", num_clients=3))
+    first = clients[0]
+    assert first.input_shape == (1, 8, 8)
+    assert first.global_test is not None
+    total = sum(len(c.train) for c in clients) + len(first.global_test)
+    assert total == 1797
+    assert 355 <= len(first.global_test) <= 365
+    assert float(first.train.x.min()) >= 0.0
+    assert float(first.train.x.max()) == 1.0
+
+
+def test_synthetic_shape_and_determinism() -> None:
+    cfg = DataConfig(
+        dataset="synthetic", partition="natural", num_clients=8, client_index=2, synthetic_samples=500
+    )
+    a = load_client_data(cfg)
+    b = load_client_data(cfg)
+    other = load_client_data(DataConfig(**{**cfg.__dict__, "client_index": 3}))
+    assert a.input_shape == (60,)
+    assert a.num_classes == 10
+    assert a.global_test is None
+    assert a.train.x.shape[1] == 60
+    assert len(a.train) + len(a.test) == 500
+    assert 95 <= len(a.test) <= 105
+    np.testing.assert_array_equal(a.train.x, b.train.x)
+    np.testing.assert_array_equal(a.test.y, b.test.y)
+    assert not np.array_equal(a.train.x[:10], other.train.x[:10])
+
+
+def test_generate_synthetic_feature_covariance() -> None:
+    data = generate_synthetic(20_000, alpha=0.5, beta=0.5, seed=(0, 1))
+    assert data.x.shape == (20_000, 60)
+    assert data.y.min() >= 0
+    assert data.y.max() <= 9
+    expected_var = np.arange(1, 61, dtype=np.float64) ** -1.2
+    np.testing.assert_allclose(data.x.astype(np.float64).var(axis=0), expected_var, rtol=0.06)
+
+
+# ---------------------------------------------------------------- npz directories
+
+
+def _write(path: Path, **arrays: np.ndarray) -> None:
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+
+
+def test_npz_round_trip_with_test_file(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.random((12, 1, 4, 4), dtype=np.float32)
+    y = np.arange(12) % 3
+    _write(tmp_path / "train.npz", x=x, y=y)
+    _write(tmp_path / "test.npz", x=x[:4], y=np.array([0, 1, 2, 4]))
+    data = load_client_data(DataConfig(dataset="npz", partition="natural", path=str(tmp_path)))
+    np.testing.assert_array_equal(data.train.x, x)
+    np.testing.assert_array_equal(data.train.y, y)
+    np.testing.assert_array_equal(data.test.y, [0, 1, 2, 4])
+    assert data.num_classes == 5
+    assert data.input_shape == (1, 4, 4)
+    assert data.global_test is None
+
+
+def test_npz_without_test_file_holds_out_a_fifth_and_scales_uint8(tmp_path: Path) -> None:
+    x = np.full((20, 5, 5), 255, dtype=np.uint8)
+    _write(tmp_path / "train.npz", x=x, y=np.repeat([0, 1], 10))
+    data = load_client_data(DataConfig(dataset="npz", partition="natural", path=str(tmp_path), seed=2))
+    assert data.input_shape == (1, 5, 5)
+    assert len(data.train) == 16
+    np.testing.assert_array_equal(class_counts(data.test.y, 2), [2, 2])
+    assert float(data.train.x.max()) == 1.0
+
+
+def test_npz_domain_partition(tmp_path: Path) -> None:
+    x = np.arange(30, dtype=np.float32).reshape(10, 3)
+    domain = np.array([0, 1, 0, 1, 0, 1, 0, 1, 0, 1])
+    _write(tmp_path / "train.npz", x=x, y=np.zeros(10, dtype=np.int64), domain=domain)
+    _write(tmp_path / "test.npz", x=x[:4], y=np.zeros(4, dtype=np.int64), domain=domain[:4])
+    cfg = DataConfig(dataset="npz", partition="domain", path=str(tmp_path), num_clients=2, client_index=1)
+    data = load_client_data(cfg)
+    np.testing.assert_array_equal(data.train.x[:, 0], [3, 9, 15, 21, 27])
+    assert data.train.domain is not None
+    assert set(data.train.domain.tolist()) == {1}
+    np.testing.assert_array_equal(data.test.x[:, 0], [3, 9])
+
+
+def test_npz_domain_partition_needs_domain_array(tmp_path: Path) -> None:
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
+    cfg = DataConfig(dataset="npz", partition="domain", path=str(tmp_path), num_clients=1)
+    with pytest.raises(ValueError, match=r"train\.npz: partition 'domain' needs an array 'domain'"):
+        load_client_data(cfg)
+
+
+def test_npz_errors_name_the_file_and_array(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        load_npz_dir(tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match=r"train\.npz: not found"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)))
+    with pytest.raises(ValueError, match=r"train\.npz: missing array 'y' \(found: x\)"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"train\.npz: array 'y' must have shape \(4,\)"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros(4), y=np.zeros(4, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"train\.npz: array 'x' must be \(N, features\)"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.array([0.0, 0.5, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="array 'y' must hold whole numbers"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.full((4, 2), np.nan), y=np.zeros(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="array 'x' contains NaN"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.array([None] * 4, dtype=object))
+    with pytest.raises(ValueError, match=r"train\.npz: array 'y' cannot be read"):
+        load_npz_dir(tmp_path)
+    _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
+    _write(tmp_path / "test.npz", x=np.zeros((4, 3)), y=np.zeros(4, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"test\.npz: array 'x' has examples of shape \(3,\)"):
+        load_npz_dir(tmp_path)
+    (tmp_path / "test.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match=r"test\.npz: not a readable \.npz archive"):
+        load_npz_dir(tmp_path)

@@ -1,0 +1,239 @@
+"""Tests for hetfed.client.models: shapes, determinism, bounded latents, state arrays and torchvision handling."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hetfed.client.models import (
+    ModelUnavailableError,
+    SplitModel,
+    available_models,
+    build_model,
+    count_parameters,
+    load_state_arrays,
+    state_arrays,
+)
+from torch import nn
+
+LOCAL_MODELS = ["mlp", "lenet", "fedgen_cnn", "cnn"]
+DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "fedgen_cnn": 32, "cnn": 128}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_available_models() -> None:
+    assert available_models() == ["mlp", "lenet", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
+
+
+@pytest.mark.parametrize("name", LOCAL_MODELS)
+@pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8), (3, 32, 32)])
+def test_logits_and_latent_shapes(name: str, shape: tuple[int, int, int]) -> None:
+    model = build_model(name, shape, 7)
+    assert isinstance(model, SplitModel)
+    x = torch.rand(5, *shape)
+    assert model(x).shape == (5, 7)
+    z = model.embed(x)
+    assert z.shape == (5, DEFAULT_DIMS[name])
+    assert model.latent_dim == DEFAULT_DIMS[name]
+    assert isinstance(model.head, nn.Linear)
+    assert (model.head.in_features, model.head.out_features) == (DEFAULT_DIMS[name], 7)
+    torch.testing.assert_close(model(x), model.head(z))
+
+
+def test_mlp_on_tabular_input_and_custom_latent() -> None:
+    model = build_model("mlp", (60,), 10, latent_dim=20)
+    assert model(torch.randn(3, 60)).shape == (3, 10)
+    assert model.embed(torch.randn(3, 60)).shape == (3, 20)
+    # Flatten -> Linear(60, 200) -> ReLU -> Linear(200, 20) -> ReLU, then head Linear(20, 10)
+    assert count_parameters(model) == 60 * 200 + 200 + 200 * 20 + 20 + 20 * 10 + 10
+
+
+def test_fedgen_cnn_matches_fedgen_mnist_config() -> None:
+    model = build_model("fedgen_cnn", (1, 28, 28), 10)
+    linears = [m for m in model.encoder.modules() if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(784, 32)]  # FedGen: hidden 784, latent 32
+    convs = [m for m in model.encoder.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size, c.stride) for c in convs] == [
+        (6, (3, 3), (2, 2)),
+        (16, (3, 3), (2, 2)),
+    ]
+
+
+@pytest.mark.parametrize("name", LOCAL_MODELS)
+def test_bounded_latent_lies_in_unit_cube(name: str) -> None:
+    shape = (1, 8, 8)
+    model = build_model(name, shape, 10, latent_dim=16, bounded_latent=True)
+    assert isinstance(list(model.encoder.children())[-1], nn.Sigmoid)
+    z = model.embed(torch.randn(32, *shape) * 50).detach()
+    assert z.shape == (32, 16)
+    assert float(z.min()) >= 0.0
+    assert float(z.max()) <= 1.0
+
+
+@pytest.mark.parametrize("name", LOCAL_MODELS)
+def test_same_seed_gives_bit_identical_weights(name: str) -> None:
+    a = state_arrays(build_model(name, (1, 28, 28), 10, seed=3))
+    b = state_arrays(build_model(name, (1, 28, 28), 10, seed=3))
+    c = state_arrays(build_model(name, (1, 28, 28), 10, seed=4))
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], c[k]) for k in a if a[k].dtype == np.float32)
+
+
+def test_build_model_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    build_model("lenet", (1, 28, 28), 10, seed=9)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_weights_identical_in_a_fresh_process() -> None:
+    code = (
+        "import numpy as np; from hetfed.client.models import build_model, state_arrays;"
+        "s = state_arrays(build_model('fedgen_cnn', (1, 28, 28), 10, seed=5));"
+        "print(repr(float(sum(np.float64(v.astype(np.float64).sum()) * (i + 1) for i, v in enumerate(s.values())))))"
+    )
+    env_path = ":".join(str(REPO / p) for p in ("proto", "services", "clients"))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": env_path},
+        timeout=120,
+    )
+    s = state_arrays(build_model("fedgen_cnn", (1, 28, 28), 10, seed=5))
+    here = float(sum(np.float64(v.astype(np.float64).sum()) * (i + 1) for i, v in enumerate(s.values())))
+    assert float(out.stdout.strip()) == here
+
+
+def test_unknown_model_lists_available_names() -> None:
+    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, lenet, fedgen_cnn, cnn"):
+        build_model("vgg", (1, 28, 28), 10)
+
+
+def test_cnn_rejects_tabular_input() -> None:
+    with pytest.raises(
+        ValueError, match=r"model 'lenet' needs an image input shape \(C, H, W\), got \(60,\)"
+    ):
+        build_model("lenet", (60,), 10)
+
+
+def test_state_arrays_dtypes_and_round_trip() -> None:
+    source = build_model("fedgen_cnn", (1, 8, 8), 10, seed=0)
+    source.train()
+    source(torch.rand(4, 1, 8, 8))  # moves BatchNorm running statistics and num_batches_tracked
+    arrays = state_arrays(source)
+    assert arrays["encoder.1.num_batches_tracked"].dtype == np.int64
+    assert int(arrays["encoder.1.num_batches_tracked"]) == 1
+    assert all(v.dtype == np.float32 for k, v in arrays.items() if not k.endswith("num_batches_tracked"))
+    assert set(arrays) == set(source.state_dict())
+
+    target = build_model("fedgen_cnn", (1, 8, 8), 10, seed=1)
+    load_state_arrays(target, arrays)
+    again = state_arrays(target)
+    assert all(np.array_equal(arrays[k], again[k]) for k in arrays)
+    source.eval()
+    target.eval()
+    x = torch.rand(3, 1, 8, 8)
+    assert torch.equal(source(x), target(x))
+    arrays["head.bias"][:] = 7.0  # the arrays are copies, not views of the module
+    assert float(source.head.bias.detach()[0]) != 7.0
+
+
+def test_load_state_arrays_names_bad_keys_and_changes_nothing() -> None:
+    model = build_model("mlp", (4,), 3, latent_dim=2, seed=0)
+    arrays = state_arrays(model)
+    before = state_arrays(model)
+    missing = {k: v for k, v in arrays.items() if k != "head.bias"}
+    with pytest.raises(ValueError, match=r"missing keys: head\.bias"):
+        load_state_arrays(model, missing)
+    with pytest.raises(ValueError, match="unexpected keys: extra"):
+        load_state_arrays(model, {**arrays, "extra": np.zeros(1, dtype=np.float32)})
+    bad = {**{k: v + 1 for k, v in arrays.items()}, "head.weight": np.zeros((2, 3), dtype=np.float32)}
+    with pytest.raises(ValueError, match=r"head.weight: expected \(3, 2\), got \(2, 3\)"):
+        load_state_arrays(model, bad)
+    after = state_arrays(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    # not strict: missing keys keep their values, unexpected keys are ignored
+    load_state_arrays(model, {"head.bias": np.full(3, 2.0), "extra": np.zeros(1)}, strict=False)
+    np.testing.assert_array_equal(state_arrays(model)["head.bias"], [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(state_arrays(model)["head.weight"], before["head.weight"])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here"
+)
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_torchvision_models_unavailable_here(name: str) -> None:
+    with pytest.raises(ModelUnavailableError, match="torchvision is not importable in this environment"):
+        build_model(name, (1, 28, 28), 10)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_torchvision_import_failure_is_model_unavailable(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchvision.models", None)  # makes the import raise ImportError
+    with pytest.raises(
+        ModelUnavailableError, match="install a torchvision build matching your torch"
+    ) as info:
+        build_model(name, (1, 28, 28), 10)
+    assert isinstance(info.value, RuntimeError)
+
+
+class _FakeResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False)
+        self.fc = nn.Linear(8, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.conv1(x), 1), 1))
+
+
+class _FakeMobileNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.ReLU())
+        )
+        self.last_channel = 8
+        self.classifier = nn.Linear(8, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
+def test_torchvision_backbones_are_adapted(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("torchvision.models")
+    fake.resnet18 = lambda weights=None: _FakeResNet()  # type: ignore[attr-defined]
+    fake.mobilenet_v2 = lambda weights=None: _FakeMobileNet()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchvision.models", fake)
+    resnet = build_model("resnet18", (1, 28, 28), 10, latent_dim=16, bounded_latent=True)
+    assert resnet.encoder[0].conv1.in_channels == 1
+    assert isinstance(resnet.encoder[0].fc, nn.Identity)
+    z = resnet.embed(torch.rand(2, 1, 28, 28)).detach()
+    assert z.shape == (2, 16)
+    assert float(z.min()) >= 0.0
+    assert float(z.max()) <= 1.0
+    mobile = build_model("mobilenet_v2", (1, 28, 28), 10, latent_dim=12)
+    assert mobile.encoder[0].features[0][0].in_channels == 1
+    assert mobile(torch.rand(2, 1, 28, 28)).shape == (2, 10)
+    rgb = build_model("resnet18", (3, 32, 32), 10)
+    assert rgb.encoder[0].conv1.in_channels == 3
+    assert rgb.latent_dim == 128
+
+
+def test_count_parameters_trainable_only() -> None:
+    model = build_model("mlp", (4,), 3, latent_dim=2)
+    total = count_parameters(model)
+    assert total == 4 * 200 + 200 + 200 * 2 + 2 + 2 * 3 + 3
+    for p in model.head.parameters():
+        p.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == total - (2 * 3 + 3)
