@@ -108,6 +108,7 @@ class AggregatorService(agrpc.AggregatorServicer):
             self._reject(context, request.run_id, err)
             return
         responses = [apb.PullInstructionsResponse(chunk=c) for c in chunk_list]
+        log.debug("pull %s %s completed=%d -> round %d, %d chunks", run.cfg.id, org, request.completed_round, round_, len(chunk_list))
         run.record_down(org, round_, chunk_list, sum(r.ByteSize() for r in responses))
         yield from responses
 

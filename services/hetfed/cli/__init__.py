@@ -47,6 +47,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model=args.model,
         local_epochs=args.local_epochs,
         lr=args.lr,
+        momentum=args.momentum,
         batch_size=args.batch_size,
         output=args.output,
         wire_dtype=args.wire_dtype,
@@ -85,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     r.add_argument("--model", default="lenet", help="private architecture of every organization (default lenet)")
-    r.add_argument("--local-epochs", type=int, default=1, help="local epochs per round (default 1)")
-    r.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    r.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
+    r.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    r.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     r.add_argument("--batch-size", type=int, default=32, help="minibatch size (default 32)")
     r.add_argument("--wire-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="transport precision of floating tensors")

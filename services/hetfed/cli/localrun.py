@@ -37,8 +37,9 @@ class LocalRunOptions:
     # Per-organization architectures (cycled); overrides `model` when set.
     models: tuple[str, ...] = ()
     latent_dim: int = 0
-    local_epochs: int = 1
-    lr: float = 0.05
+    local_epochs: int = 2
+    lr: float = 0.01
+    momentum: float = 0.9
     batch_size: int = 32
     wire_dtype: str = "float32"
     output: str | None = None
@@ -136,6 +137,7 @@ def aggregator_config(opts: LocalRunOptions, state_dir: str) -> dict[str, Any]:
         algo_cfg: dict[str, Any] = {
             "local_epochs": opts.local_epochs,
             "lr": opts.lr,
+            "momentum": opts.momentum,
             "batch_size": opts.batch_size,
             "wire_dtype": opts.wire_dtype,
             **opts.extra_algorithm_config.get(algo, {}),
@@ -184,7 +186,8 @@ def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
         up: dict[str, int] = {}
         down: dict[str, int] = {}
         for t in rec.traffic:
-            (up if t.direction == "up" else down)[t.payload_kind] = up.get(t.payload_kind, 0) + t.bytes
+            side = up if t.direction == "up" else down
+            side[t.payload_kind] = side.get(t.payload_kind, 0) + t.bytes
         reports = {r.organization_id: r.metrics for r in rec.reports}
         n_test = sum(m.num_test_examples for m in reports.values())
         acc = sum(m.test_accuracy * m.num_test_examples for m in reports.values()) / n_test if n_test else None
