@@ -189,7 +189,7 @@ class ClientRuntime:
         self.algorithm = probe.runs[0].algorithm
         self.spec = get_spec(self.algorithm)
         latent = cfg.model.latent_dim or None
-        model_kwargs = {"latent_dim": latent, "bounded_latent": self.spec.model_private and self.algorithm == "fedcma"}
+        model_kwargs = {"latent_dim": latent, "bounded_latent": self.spec.bounded_latent}
 
         def build(seed: int):  # type: ignore[no-untyped-def]
             return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=seed,

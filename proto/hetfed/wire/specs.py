@@ -84,6 +84,8 @@ class AlgorithmSpec:
     shared_schema: frozenset[K] = field(default_factory=frozenset)
     # True when no encoder weights may ever leave an organization.
     model_private: bool = False
+    # True when encoders must end in a sigmoid so z lies in [0, 1]^d_e (Fed-CMA's Assumption 2).
+    bounded_latent: bool = False
 
     def __post_init__(self) -> None:
         if not self.required_upload <= self.upload:

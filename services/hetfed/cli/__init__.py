@@ -33,11 +33,35 @@ def _cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_sets(items: list[str], algorithms: tuple[str, ...]) -> dict[str, dict[str, object]]:
+    """``--set [ALGO.]FIELD=VALUE`` (VALUE as JSON, else a string) into per-algorithm config overrides."""
+    import json
+
+    out: dict[str, dict[str, object]] = {a: {} for a in algorithms}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"hetfed run: --set expects [ALGO.]FIELD=VALUE, got {item!r}")
+        try:
+            value: object = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        algo, dot, field = key.rpartition(".")
+        targets = [algo] if dot else list(algorithms)
+        for t in targets:
+            if t not in out:
+                raise SystemExit(f"hetfed run: --set names algorithm {t!r}, which is not among {list(algorithms)}")
+            out[t][field] = value
+    return out
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from hetfed.cli.localrun import LocalRunOptions, run_local
 
+    algorithms = tuple(a.strip() for a in args.algorithm.split(",") if a.strip())
+
     opts = LocalRunOptions(
-        algorithms=tuple(a.strip() for a in args.algorithm.split(",") if a.strip()),
+        algorithms=algorithms,
         clients=args.clients,
         rounds=args.rounds,
         dataset=args.dataset,
@@ -45,6 +69,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         alpha=args.alpha,
         seed=args.seed,
         model=args.model,
+        models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
+        latent_dim=args.latent_dim,
+        extra_algorithm_config=_parse_sets(args.set or [], algorithms),
         local_epochs=args.local_epochs,
         lr=args.lr,
         momentum=args.momentum,
@@ -54,6 +81,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     return run_local(opts)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from hetfed.cli.bench import run_benchmark
+
+    return run_benchmark(args.name, args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     r.add_argument("--model", default="lenet", help="private architecture of every organization (default lenet)")
+    r.add_argument("--models", help="comma-separated architectures assigned to organizations in turn "
+                   "(heterogeneous federations; overrides --model)")
+    r.add_argument("--latent-dim", type=int, default=0, help="latent width d_e (default: the architecture's)")
+    r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
+                   help="override an algorithm config field (VALUE is JSON); repeatable")
     r.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
     r.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     r.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -95,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output", help="directory for per-round results (results.json) and logs")
     r.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     r.set_defaults(func=_cmd_run)
+
+    b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
+    b.add_argument("name", help="benchmark name (hetfed bench --list)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=_cmd_bench)
     return p
 
 
