@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from hetfed.client.models import (
     ModelUnavailableError,
     SplitModel,
@@ -21,15 +23,14 @@ from hetfed.client.models import (
     load_state_arrays,
     state_arrays,
 )
-from torch import nn
 
-LOCAL_MODELS = ["mlp", "lenet", "fedgen_cnn", "cnn"]
-DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "fedgen_cnn": 32, "cnn": 128}
+LOCAL_MODELS = ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn"]
+DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn": 128}
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_models() -> None:
-    assert available_models() == ["mlp", "lenet", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
+    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
 
 
 @pytest.mark.parametrize("name", LOCAL_MODELS)
@@ -115,7 +116,7 @@ def test_weights_identical_in_a_fresh_process() -> None:
 
 
 def test_unknown_model_lists_available_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, lenet, fedgen_cnn, cnn"):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, lenet, lenet_wide, fedgen_cnn, cnn"):
         build_model("vgg", (1, 28, 28), 10)
 
 

@@ -58,6 +58,9 @@ class ClientConfig:
     pull_wait_seconds: float = 20.0
     tls: TlsConfig | None = None
     retry: RetryConfig = field(default_factory=RetryConfig)
+    # Where this client writes local artifacts for its operator (model snapshots, probe latents;
+    # hetfed.client.artifacts). Nothing written here is ever sent. None: write nothing.
+    output_dir: str | None = None
 
     def __post_init__(self) -> None:
         check(bool(self.organization), "organization must not be empty")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetfed.client.seedset import SeedSet
+
 __all__ = [
     "DATASETS",
     "HOLDOUT_FRACTION",
@@ -44,15 +46,16 @@ __all__ = [
 Seed = int | tuple[int, ...]
 """Anything ``np.random.default_rng`` accepts as an entropy source: a non-negative int or a tuple of them."""
 
-DATASETS: tuple[str, ...] = ("mnist5k", "digits", "synthetic", "npz")
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "domain", "natural")
+DATASETS: tuple[str, ...] = ("mnist5k", "digits", "synthetic", "npz", "gauss4")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "domain", "natural", "rotated")
 TEST_SPLITS: tuple[str, ...] = ("proportional", "fedgen")
 # Which partition schemes each dataset supports (checked when a DataConfig is built).
 _SUPPORTED_PARTITIONS: dict[str, tuple[str, ...]] = {
-    "mnist5k": ("iid", "dirichlet"),
+    "mnist5k": ("iid", "dirichlet", "rotated"),
     "digits": ("iid", "dirichlet"),
     "synthetic": ("natural",),
     "npz": ("natural", "domain"),
+    "gauss4": ("natural",),  # the Fed-CMA 2-D toy (hetfed.client.toy)
 }
 HOLDOUT_FRACTION = 0.2
 """Fraction of each class held out as test images (built-in image datasets, synthetic, npz without test.npz)."""
@@ -137,6 +140,12 @@ class DataConfig:
     synthetic_beta: float = 0.5
     synthetic_samples: int = 5000
     test_split: str = "proportional"
+    # Partition "rotated" (FedH2L's Rotated MNIST, see hetfed.client.rotated): the fraction alpha of each
+    # domain that forms the shared seed set; whether this organization also trains on the whole seed set
+    # (the AGG baseline); the seed set's .npz file when every organization mounts one (else it is derived).
+    public_fraction: float = 0.1
+    train_on_public: bool = False
+    seed_set_path: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("data.dataset", self.dataset, DATASETS)
@@ -163,6 +172,11 @@ class DataConfig:
             raise ValueError(
                 f"data.path is only used with dataset 'npz', got {self.path!r} for dataset {self.dataset!r}"
             )
+        _check_float("data.public_fraction", self.public_fraction, minimum=0.0, inclusive=False)
+        if self.public_fraction >= 0.75:
+            raise ValueError(f"data.public_fraction must be < 0.75, got {self.public_fraction:g}")
+        if (self.train_on_public or self.seed_set_path) and self.partition != "rotated":
+            raise ValueError("data.train_on_public and data.seed_set_path need data.partition 'rotated'")
         supported = _SUPPORTED_PARTITIONS[self.dataset]
         if self.partition not in supported:
             with_it = sorted(name for name, parts in _SUPPORTED_PARTITIONS.items() if self.partition in parts)
@@ -184,6 +198,16 @@ class ClientData:
     num_classes: int
     input_shape: tuple[int, ...]
     name: str
+    # Partitions with domains (rotated): the other organizations' domains' test data (cross-domain
+    # performance), the shared public seed set every organization holds, and this organization's domain.
+    cross_test: ArrayDataset | None = None
+    public: SeedSet | None = None
+    domain: int = -1
+
+    @property
+    def seed_set(self) -> tuple[str, str] | None:
+        """(id, SHA-256) of the seed set this organization holds, sent when it joins a run."""
+        return None if self.public is None else (self.public.id, self.public.sha256)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -409,10 +433,18 @@ def load_npz_dir(path: str | Path) -> tuple[ArrayDataset, ArrayDataset | None]:
 
 def load_client_data(cfg: DataConfig) -> ClientData:
     """This client's train set, own test set and the shared balanced test set, as ``cfg`` describes."""
+    if cfg.partition == "rotated":
+        from hetfed.client.rotated import load_rotated
+
+        return load_rotated(cfg)
     if cfg.dataset in ("mnist5k", "digits"):
         return _load_pooled(cfg)
     if cfg.dataset == "synthetic":
         return _load_synthetic(cfg)
+    if cfg.dataset == "gauss4":
+        from hetfed.client.toy import load_gauss4
+
+        return load_gauss4(cfg.num_clients, cfg.client_index, cfg.seed)
     return _load_npz(cfg)
 
 

@@ -106,6 +106,29 @@ def _lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.M
     )
 
 
+def _lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    # LeNet with twice the convolution channels (12, 32) and a wider hidden layer (200), for
+    # heterogeneous federations that mix architectures of one family at different sizes.
+    c, _, _ = _image_shape("lenet_wide", input_shape, min_side=4)
+    features = nn.Sequential(
+        nn.Conv2d(c, 12, kernel_size=5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(12, 32, kernel_size=5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    flat = _flat_size(features, input_shape)
+    return nn.Sequential(
+        *features,
+        nn.Linear(flat, 200),
+        nn.ReLU(),
+        nn.Linear(200, latent_dim),
+        _latent_activation(bounded),
+    )
+
+
 def _fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     # FedGen's 'mnist' config (zhuangdizhu/FedGen: utils/model_config.py, FLAlgorithms/trainmodel/models.py):
     # [6, 16, 'F'] with 3x3 stride-2 padding-1 convolutions, each followed by BatchNorm and ReLU, then a
@@ -193,6 +216,7 @@ def _mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) 
 _REGISTRY: dict[str, tuple[EncoderBuilder, int]] = {
     "mlp": (_mlp, 64),
     "lenet": (_lenet, 84),
+    "lenet_wide": (_lenet_wide, 84),
     "fedgen_cnn": (_fedgen_cnn, 32),
     "cnn": (_cnn, 128),
     "resnet18": (_resnet18, 128),

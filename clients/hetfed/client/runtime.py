@@ -18,7 +18,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, codec, contract
 from hetfed.wire.config import from_mapping
-from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, by_kind
+from hetfed.wire.payloads import RELAYED_KINDS, EvalMetrics, Payload, PayloadKind, by_kind
 from hetfed.wire.specs import AlgorithmSpec, get_spec
 from hetfed.wire.traffic import TrafficMetrics, breakdown
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
@@ -85,7 +85,9 @@ class ClientRuntime:
                 return call()
             except grpc.RpcError as err:
                 code = err.code()  # type: ignore[attr-defined]
-                if code not in RETRYABLE:
+                details = err.details() or ""  # type: ignore[attr-defined]
+                permanent = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not details.startswith("rate_limited")
+                if code not in RETRYABLE or permanent:
                     raise ClientError(f"{what} refused: {code.name}: {err.details()}") from None  # type: ignore[attr-defined]
                 if time.monotonic() - start > r.give_up_after_seconds:
                     raise ClientError(f"{what}: aggregator unreachable for {r.give_up_after_seconds:.0f}s "
@@ -174,7 +176,7 @@ class ClientRuntime:
 
         from hetfed.client.algorithms import ClientContext, make_client_half
         from hetfed.client.data import load_client_data
-        from hetfed.client.models import build_model
+        from hetfed.client.models import SplitModel, build_model
 
         cfg = self.config
         if cfg.threads:
@@ -189,11 +191,11 @@ class ClientRuntime:
         self.algorithm = probe.runs[0].algorithm
         self.spec = get_spec(self.algorithm)
         latent = cfg.model.latent_dim or None
-        model_kwargs = {"latent_dim": latent, "bounded_latent": self.spec.bounded_latent}
+        bounded = self.spec.bounded_latent
 
-        def build(seed: int):  # type: ignore[no-untyped-def]
-            return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=seed,
-                               **model_kwargs).to(device)
+        def build(seed: int) -> SplitModel:
+            return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=seed, latent_dim=latent,
+                               bounded_latent=bounded).to(device)
 
         # The declaration depends only on shapes, so a model built with seed 0 describes it.
         self._train_config = self.spec.config_type()
@@ -217,7 +219,7 @@ class ClientRuntime:
             if action == apb.ACTION_FINISH:
                 log.info("%s: run %s finished", cfg.organization, cfg.run)
                 break
-            received = by_kind(contract.check_download(self.spec, ins.payloads))
+            received = by_kind(contract.check_download(self.spec, ins.payloads), repeated=RELAYED_KINDS)
             if action == apb.ACTION_SETUP:
                 upload = half.setup(ins.round_seed)
             elif action == apb.ACTION_TRAIN:
@@ -227,6 +229,11 @@ class ClientRuntime:
             else:
                 raise ClientError(f"unknown action {action} in instructions for round {round_}")
             self._push(round_, upload)
+            if cfg.output_dir and (action == apb.ACTION_EVALUATE or (action == apb.ACTION_TRAIN and round_ == 1)):
+                from hetfed.client.artifacts import write_snapshot
+
+                tag = "final" if action == apb.ACTION_EVALUATE else "round-1"
+                write_snapshot(cfg.output_dir, tag, ctx.model, data, cfg.model.name)
             completed = round_
             for p in upload:
                 if isinstance(p, EvalMetrics):

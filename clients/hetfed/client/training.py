@@ -41,9 +41,9 @@ def minibatches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[n
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (with momentum) or Adam, as the run configures."""
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """SGD (with momentum), Adam or AMSGrad, as the run configures."""
+    if cfg.optimizer in ("adam", "amsgrad"):
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, amsgrad=cfg.optimizer == "amsgrad")
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

@@ -1,12 +1,18 @@
 """Pure conversions between numpy/dataclass payloads and hetfed.v1 Protobuf messages.
 
-Tensors travel as raw little-endian bytes; encoding is one contiguous copy and decoding is a
-zero-copy ``np.frombuffer`` view, so neither loops over elements.
+Tensors travel as raw little-endian bytes and no function loops over elements. Encoding copies a
+tensor twice (array -> ``bytes`` -> the message; Protobuf's bytes setter accepts nothing else) and
+fills every payload message in place, never through a constructor or ``add(tensor=...)`` that
+would copy the finished sub-message once more. Decoding reads each ``data`` field once (every read
+of a bytes field is a fresh copy) and returns a read-only ``np.frombuffer`` view of that copy.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from google.protobuf.message import EncodeError
 
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
@@ -23,6 +29,7 @@ from hetfed.wire.payloads import (
     Payload,
     PayloadKind,
     SeedPosteriors,
+    named_tensors,
 )
 
 # Wire dtype name -> (enum, little-endian numpy dtype of the raw bytes).
@@ -39,15 +46,21 @@ _WIRE: dict[str, tuple[int, np.dtype]] = {
 _BY_ENUM = {enum: (name, dt) for name, (enum, dt) in _WIRE.items()}
 WIRE_DTYPES = tuple(_WIRE)
 FLOAT_WIRE_DTYPES = ("float32", "float16", "bfloat16")
+# Protobuf (upb) cannot serialize a length-delimited field (bytes or sub-message) of 2 GiB or more.
+# So one tensor's bytes, and one whole Payload message (it is a field of Update / Instructions), must
+# stay below 2 GiB; only the top-level message may be larger.
+MAX_TENSOR_BYTES = (1 << 31) - 1
+MAX_PAYLOAD_BYTES = (1 << 31) - 1
 
 
 def wire_dtype_of(array: np.ndarray) -> str:
     """The wire dtype name an array is sent as by default (float64 travels as float32)."""
     kind = array.dtype
-    if kind == np.float64 or kind == np.float32:
+    native = kind.newbyteorder("=")  # byte order does not matter: the wire is always little-endian
+    if native == np.float64 or native == np.float32:
         return "float32"
     for name, (_, dt) in _WIRE.items():
-        if name != "bfloat16" and kind == dt.newbyteorder("="):
+        if name != "bfloat16" and native == dt.newbyteorder("="):
             return name
     raise WireError("unsupported_dtype", f"arrays of dtype {kind} cannot be sent")
 
@@ -70,18 +83,41 @@ def _to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def tensor_to_proto(array: np.ndarray, wire_dtype: str | None = None) -> tpb.Tensor:
-    """Encode a numpy array as a Tensor; floats may be narrowed to float16 or bfloat16 for transport."""
+def _encode(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[int, ...], bytes]:
+    """(dtype enum, shape, little-endian C-order bytes) of ``array`` sent as ``wire_dtype``."""
     array = np.asarray(array)
     name = wire_dtype or wire_dtype_of(array)
     if name not in _WIRE:
         raise WireError("unsupported_dtype", f"unknown wire dtype {name!r}; expected one of {WIRE_DTYPES}")
     enum, raw = _WIRE[name]
-    if name == "bfloat16":
-        data = _to_bfloat16_bits(array).tobytes()
-    else:
-        data = np.ascontiguousarray(array, dtype=raw).tobytes()
-    return tpb.Tensor(dtype=enum, shape=array.shape, data=data)  # type: ignore[arg-type]
+    n_bytes = array.size * raw.itemsize
+    if n_bytes > MAX_TENSOR_BYTES:
+        raise WireError(
+            "oversized",
+            f"a tensor of shape {list(array.shape)} takes {n_bytes} bytes as {name}; one tensor may take at most "
+            f"{MAX_TENSOR_BYTES} bytes (Protobuf's limit on one bytes field): split it into smaller tensors",
+        )
+    # Narrowing may overflow to +-inf by design (IEEE rounding); the receiver's finiteness check decides.
+    with np.errstate(over="ignore"):
+        if name == "bfloat16":
+            data = _to_bfloat16_bits(array).tobytes()
+        else:
+            data = np.ascontiguousarray(array, dtype=raw).tobytes()
+    return enum, array.shape, data
+
+
+def _fill(target: tpb.Tensor, array: np.ndarray, wire_dtype: str | None = None) -> None:
+    """Encode ``array`` into an existing (empty) Tensor field in place."""
+    enum, shape, data = _encode(array, wire_dtype)
+    target.dtype = enum  # type: ignore[assignment]
+    target.shape.extend(shape)
+    target.data = data
+
+
+def tensor_to_proto(array: np.ndarray, wire_dtype: str | None = None) -> tpb.Tensor:
+    """Encode a numpy array as a Tensor; floats may be narrowed to float16 or bfloat16 for transport."""
+    enum, shape, data = _encode(array, wire_dtype)
+    return tpb.Tensor(dtype=enum, shape=shape, data=data)  # type: ignore[arg-type]
 
 
 def tensor_from_proto(tensor: tpb.Tensor) -> np.ndarray:
@@ -91,82 +127,137 @@ def tensor_from_proto(tensor: tpb.Tensor) -> np.ndarray:
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise WireError("malformed", f"tensor shape {shape} has a negative dimension")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if len(tensor.data) != count * raw.itemsize:
+    count = math.prod(shape)  # exact: numpy's int64 product could wrap around for absurd shapes
+    data = tensor.data  # read once: every read of a bytes field copies it
+    if len(data) != count * raw.itemsize:
         raise WireError(
             "malformed",
-            f"tensor of shape {shape} and dtype {name} needs {count * raw.itemsize} bytes, got {len(tensor.data)}",
+            f"tensor of shape {shape} and dtype {name} needs {count * raw.itemsize} bytes, got {len(data)}",
         )
-    array = np.frombuffer(tensor.data, dtype=raw).reshape(shape)
+    array = np.frombuffer(data, dtype=raw).reshape(shape)
     if name == "bfloat16":
         array = (array.astype("<u4") << 16).view("<f4")
     return array
 
 
-def _t(array: np.ndarray, wire_dtype: str | None, *, floats: bool = True) -> tpb.Tensor:
-    """Encode with the transport dtype applied to floating arrays only."""
-    if wire_dtype is not None and floats and np.asarray(array).dtype.kind == "f":
-        return tensor_to_proto(array, wire_dtype)
-    return tensor_to_proto(array)
+def _fill_t(target: tpb.Tensor, array: np.ndarray, wire_dtype: str | None) -> None:
+    """Encode in place with the transport dtype applied to floating arrays only."""
+    if wire_dtype is not None and np.asarray(array).dtype.kind == "f":
+        _fill(target, array, wire_dtype)
+    else:
+        _fill(target, array)
 
 
 def payload_to_proto(payload: Payload, wire_dtype: str | None = None) -> pb.Payload:
     """Encode a typed payload; ``wire_dtype`` narrows floating tensors for transport."""
-    if isinstance(payload, ModelWeights):
-        msg = pb.ModelWeights(num_examples=payload.num_examples)
-        for name, arr in payload.tensors.items():
-            msg.tensors.add(name=name, tensor=_t(arr, wire_dtype))
-        return pb.Payload(model_weights=msg)
-    if isinstance(payload, HeadWeights):
-        return pb.Payload(
-            head_weights=pb.HeadWeights(
-                weight=_t(payload.weight, wire_dtype),
-                bias=_t(payload.bias, wire_dtype),
-                num_examples=payload.num_examples,
-            )
-        )
-    if isinstance(payload, ClassCounts):
-        return pb.Payload(class_counts=pb.ClassCounts(counts=tensor_to_proto(payload.counts)))
-    if isinstance(payload, ClassMeanEmbeddings):
-        return pb.Payload(
-            class_mean_embeddings=pb.ClassMeanEmbeddings(
-                labels=tensor_to_proto(payload.labels),
-                means=_t(payload.means, wire_dtype),
-                counts=tensor_to_proto(payload.counts),
-                presence=tensor_to_proto(payload.presence),
-            )
-        )
-    if isinstance(payload, SeedPosteriors):
-        return pb.Payload(
-            seed_posteriors=pb.SeedPosteriors(
-                seed_set_id=payload.seed_set_id,
-                indices=tensor_to_proto(payload.indices),
-                probabilities=_t(payload.probabilities, wire_dtype),
-                teaching_confidence=payload.teaching_confidence,
-                source_organization=payload.source_organization,
-            )
-        )
-    if isinstance(payload, FactorizedWeights):
-        fmsg = pb.FactorizedWeights(num_examples=payload.num_examples)
-        for layer in payload.layers:
-            fmsg.layers.add(
-                name=layer.name,
-                u=_t(layer.u, wire_dtype),
-                v=_t(layer.v, wire_dtype),
-                mask_indices=tensor_to_proto(layer.mask_indices),
-                mask_values=_t(layer.mask_values, wire_dtype),
-                mask_shape=list(layer.mask_shape),
-            )
-        return pb.Payload(factorized_weights=fmsg)
-    if isinstance(payload, CriteriaEmbeddings):
-        return pb.Payload(
-            criteria_embeddings=pb.CriteriaEmbeddings(
-                criteria_set_id=payload.criteria_set_id, embeddings=_t(payload.embeddings, wire_dtype)
-            )
-        )
+    return fill_payload(pb.Payload(), payload, wire_dtype)
+
+
+def _min_encoded_bytes(payload: Payload, wire_dtype: str | None) -> int:
+    """A lower bound of the tensor bytes ``payload`` encodes to (narrowing applied to every float)."""
+    narrow = wire_dtype in ("float16", "bfloat16")
+    total = 0
+    for _, a in named_tensors(payload):
+        a = np.asarray(a)
+        item = 2 if narrow and a.dtype.kind == "f" else min(a.dtype.itemsize, 4 if a.dtype.kind == "f" else 8)
+        total += a.size * item
+    return total
+
+
+def _oversized_payload(payload: Payload, size: str) -> WireError:
+    return WireError(
+        "oversized",
+        f"a {payload.kind.value} payload of {size} bytes: one payload may take at most {MAX_PAYLOAD_BYTES} "
+        "bytes serialized (Protobuf's limit on one message field)",
+    )
+
+
+def fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None = None) -> pb.Payload:
+    """Encode a typed payload into an empty Payload field in place (for example ``update.payloads.add()``).
+
+    ``Update(payloads=[payload_to_proto(p)])`` deep-copies every tensor once more; filling the
+    repeated field in place does not. A payload too large for Protobuf is refused with
+    WireError("oversized"), before any copy when its tensors alone exceed the limit. Returns ``out``.
+    """
     if isinstance(payload, EvalMetrics):
-        return pb.Payload(
-            eval_metrics=pb.EvalMetrics(
+        return _fill_payload(out, payload, wire_dtype)
+    at_least = _min_encoded_bytes(payload, wire_dtype)
+    if at_least > MAX_PAYLOAD_BYTES:
+        raise _oversized_payload(payload, f"at least {at_least}")
+    _fill_payload(out, payload, wire_dtype)
+    if at_least > MAX_PAYLOAD_BYTES - (64 << 20):  # names and headers may push it over: ask Protobuf
+        try:
+            size: int | None = out.ByteSize()
+        except EncodeError:  # a sub-message of 2 GiB or more inside it
+            size = None
+        if size is None or size > MAX_PAYLOAD_BYTES:
+            out.Clear()
+            raise _oversized_payload(payload, f"more than {MAX_PAYLOAD_BYTES}" if size is None else str(size))
+    return out
+
+
+def _fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None) -> pb.Payload:
+    if isinstance(payload, ModelWeights):
+        mw = out.model_weights
+        mw.SetInParent()
+        mw.num_examples = payload.num_examples
+        for name, arr in payload.tensors.items():
+            nt = mw.tensors.add()
+            nt.name = name
+            nt.tensor.SetInParent()
+            _fill_t(nt.tensor, arr, wire_dtype)
+        return out
+    if isinstance(payload, HeadWeights):
+        hw = out.head_weights
+        hw.SetInParent()
+        _fill_t(hw.weight, payload.weight, wire_dtype)
+        _fill_t(hw.bias, payload.bias, wire_dtype)
+        hw.num_examples = payload.num_examples
+        return out
+    if isinstance(payload, ClassCounts):
+        out.class_counts.SetInParent()
+        _fill(out.class_counts.counts, payload.counts)
+        return out
+    if isinstance(payload, ClassMeanEmbeddings):
+        ce = out.class_mean_embeddings
+        ce.SetInParent()
+        _fill(ce.labels, payload.labels)
+        _fill_t(ce.means, payload.means, wire_dtype)
+        _fill(ce.counts, payload.counts)
+        _fill(ce.presence, payload.presence)
+        return out
+    if isinstance(payload, SeedPosteriors):
+        sp = out.seed_posteriors
+        sp.SetInParent()
+        sp.seed_set_id = payload.seed_set_id
+        _fill(sp.indices, payload.indices)
+        _fill_t(sp.probabilities, payload.probabilities, wire_dtype)
+        sp.teaching_confidence = payload.teaching_confidence
+        sp.source_organization = payload.source_organization
+        return out
+    if isinstance(payload, FactorizedWeights):
+        fw = out.factorized_weights
+        fw.SetInParent()
+        fw.num_examples = payload.num_examples
+        for layer in payload.layers:
+            fl = fw.layers.add()
+            fl.name = layer.name
+            _fill_t(fl.u, layer.u, wire_dtype)
+            _fill_t(fl.v, layer.v, wire_dtype)
+            _fill(fl.mask_indices, layer.mask_indices)
+            _fill_t(fl.mask_values, layer.mask_values, wire_dtype)
+            fl.mask_shape.extend(layer.mask_shape)
+        return out
+    if isinstance(payload, CriteriaEmbeddings):
+        cr = out.criteria_embeddings
+        cr.SetInParent()
+        cr.criteria_set_id = payload.criteria_set_id
+        _fill_t(cr.embeddings, payload.embeddings, wire_dtype)
+        return out
+    if isinstance(payload, EvalMetrics):
+        out.eval_metrics.SetInParent()
+        out.eval_metrics.CopyFrom(
+            pb.EvalMetrics(
                 train_loss=payload.train_loss,
                 num_train_examples=payload.num_train_examples,
                 test_accuracy=payload.test_accuracy,
@@ -175,6 +266,7 @@ def payload_to_proto(payload: Payload, wire_dtype: str | None = None) -> pb.Payl
                 extra=payload.extra,
             )
         )
+        return out
     raise TypeError(f"not a payload: {type(payload).__name__}")
 
 
@@ -260,7 +352,7 @@ def tensor_elements(message: pb.Payload) -> int:
             values = value if fd.is_repeated else [value]
             for v in values:
                 if isinstance(v, tpb.Tensor):
-                    total += int(np.prod(v.shape, dtype=np.int64)) if len(v.shape) else 1
+                    total += math.prod(v.shape)  # exact Python ints; () -> 1
                 else:
                     stack.append(v)
     return total

@@ -34,6 +34,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1:  # `X | None`: X's own error names the field and the close match
+            return _convert(value, others[0], where)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -89,6 +92,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config") -
     """Build dataclass ``cls`` from a mapping, rejecting unknown, missing and ill-typed fields."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table of fields, got {type(data).__name__}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
@@ -106,8 +111,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config") -
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
+        # Range checks in __post_init__ know their field, not where the table sits: add the path.
         raise ConfigError(f"{where}: {exc}") from exc
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +32,10 @@ class PayloadKind(enum.Enum):
     @classmethod
     def from_proto_enum(cls, value: int) -> PayloadKind:
         """The PayloadKind for a hetfed.v1.PayloadKind enum number."""
-        name = pb.PayloadKind.Name(value)
-        return cls[name.removeprefix("PAYLOAD_KIND_")]
+        try:
+            return cls[pb.PayloadKind.Name(value).removeprefix("PAYLOAD_KIND_")]
+        except (ValueError, KeyError):
+            raise ValueError(f"{value} is not a known payload kind") from None
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,18 @@ def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
         yield "embeddings", payload.embeddings
 
 
-def by_kind(payloads: list[Payload]) -> dict[PayloadKind, Payload]:
-    """Index a list of payloads by kind; at most one payload of each kind is allowed."""
-    out: dict[PayloadKind, Payload] = {}
+# Kinds the aggregator may send several of in one instructions message: FedH2L relays one SeedPosteriors
+# per teacher. ``by_kind(..., repeated=RELAYED_KINDS)`` gathers each such kind into a tuple.
+RELAYED_KINDS = frozenset({PayloadKind.SEED_POSTERIORS})
+
+
+def by_kind(payloads: list[Payload], repeated: frozenset[PayloadKind] = frozenset()) -> dict[PayloadKind, Any]:
+    """Index payloads by kind: one payload per kind, except kinds in ``repeated``, gathered into a tuple."""
+    out: dict[PayloadKind, Any] = {}
     for p in payloads:
+        if p.kind in repeated:
+            out[p.kind] = (*out.get(p.kind, ()), p)
+            continue
         if p.kind in out:
             raise ValueError(f"two payloads of kind {p.kind.value}")
         out[p.kind] = p

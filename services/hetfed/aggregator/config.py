@@ -63,7 +63,7 @@ class RunConfig:
             spec = get_spec(self.algorithm)
         except ValueError as exc:
             raise ConfigError(f"runs[{self.id}].algorithm: {exc}") from None
-        return from_mapping(spec.config_type, self.algorithm_config, f"runs[{self.id}].algorithm_config")
+        return from_mapping(spec.config_type, self.algorithm_config, "algorithm_config")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class ServerConfig:
     # Most RPCs per second one organization may make (0 = unlimited).
     max_requests_per_second: float = 0.0
     tls: TlsConfig | None = None
+    # Certificate names (under mTLS) allowed to read every run's full Status; organizations see only their own.
+    operators: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(self.metrics_port >= -1, "metrics_port must be >= -1")

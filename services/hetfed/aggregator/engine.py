@@ -82,7 +82,11 @@ class RoundRecord:
             return TrafficBreakdown({k: KindCount(*v) for k, v in x.items()})
 
         rec = cls(d["round"], d["phase"], 0.0, d["duration"], d["clients"], tb(d["up"]), tb(d["down"]))
-        rec.reports = {org: EvalMetrics(*v[:5], dict(v[5])) for org, v in d["reports"].items()}
+        rec.reports = {
+            org: EvalMetrics(train_loss=v[0], num_train_examples=v[1], test_accuracy=v[2], test_loss=v[3],
+                             num_test_examples=v[4], extra=dict(v[5]))
+            for org, v in d["reports"].items()
+        }
         return rec
 
 
@@ -108,6 +112,7 @@ class Run:
         self.joined: set[str] = set()
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
         self.history: list[RoundRecord] = []
+        self._summaries: list[apb.RoundSummary] = []  # status() summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
         self._cache: dict[tuple[int, str], list[apb.Chunk]] = {}
@@ -123,7 +128,8 @@ class Run:
                 k.value: {n: [d.dtype, list(d.shape)] for n, d in t.items()} for k, t in self.schema.items()
             },
             "joined": sorted(self.joined),
-            "history": [r.to_json() for r in self.history],
+            # The closed rounds' records are in the store's append-only history; this many are valid.
+            "history_len": len(self.history),
         }
 
     def _checkpoint(self) -> None:
@@ -141,7 +147,8 @@ class Run:
             for k, t in meta["schema"].items()
         }
         self.joined = set(meta["joined"])
-        self.history = [RoundRecord.from_json(r) for r in meta["history"]]
+        records = meta["history"] if "history" in meta else self.store.load_history(int(meta["history_len"]))
+        self.history = [RoundRecord.from_json(r) for r in records]
         self.half.load_state(arrays)
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = bool(self.joined)
@@ -291,8 +298,11 @@ class Run:
                 f"envelope says run {env.run_id!r} round {env.round} organization {env.organization_id!r}; "
                 f"the stream is for run {self.cfg.id!r} round {round_} organization {organization!r}",
             )
-        declared_kinds = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
-        actual_kinds = [p.WhichOneof("kind") for p in update.payloads]
+        try:
+            declared_kinds = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
+        except ValueError as exc:
+            raise WireError("malformed", f"the envelope lists an unknown payload kind: {exc}") from None
+        actual_kinds = [codec.payload_kind_of(p).value for p in update.payloads]
         if declared_kinds != actual_kinds:
             raise WireError("envelope_mismatch", f"envelope lists {declared_kinds}, the update carries {actual_kinds}")
         payloads = by_kind(
@@ -338,6 +348,8 @@ class Run:
             labels = (self.cfg.id, self.cfg.algorithm, organization)
             self.metrics.client_train_loss.labels(*labels).set(m.train_loss)
             self.metrics.client_test_accuracy.labels(*labels).set(m.test_accuracy)
+            for name, value in m.extra.items():
+                self.metrics.client_metric.labels(*labels, name).set(value)
 
     # ----------------------------------------------------------------- closing rounds
     def tick(self) -> None:
@@ -363,8 +375,12 @@ class Run:
         rec.duration = time.monotonic() - rec.started
         rec.clients = len(self.pushed)
         self.history.append(rec)
+        self.store.append_history(rec.to_json())
         self.metrics.round_duration.labels(self.cfg.id, self.cfg.algorithm).observe(rec.duration)
         self.metrics.clients_per_round.labels(self.cfg.id, self.cfg.algorithm).set(rec.clients)
+        for name in {n for m in rec.reports.values() for n in m.extra}:
+            values = [m.extra[name] for m in rec.reports.values() if name in m.extra]
+            self.metrics.client_metric_mean.labels(self.cfg.id, self.cfg.algorithm, name).set(sum(values) / len(values))
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase, self.round,
                  rec.clients, rec.duration)
         if self.phase == "setup":
@@ -389,7 +405,6 @@ class Run:
     def status(self) -> apb.RunStatus:
         """The run's state and per-round history."""
         with self._cond:
-            history = [*self.history, self.current] if self.phase != "finished" else list(self.history)
             out = apb.RunStatus(
                 run_id=self.cfg.id,
                 algorithm=self.cfg.algorithm,
@@ -399,16 +414,23 @@ class Run:
                 organizations=list(self.cfg.organizations),
                 pushed_this_round=sorted(self.pushed),
             )
-            for rec in history:
-                s = out.history.add(round=rec.round, clients=rec.clients or len(self.pushed),
-                                    duration_seconds=rec.duration)
-                for direction, tb in (("up", rec.up), ("down", rec.down)):
-                    for kind, c in sorted(tb.kinds.items()):
-                        s.traffic.add(direction=direction, payload_kind=kind, bytes=c.bytes,
-                                      messages=c.messages, elements=c.elements)
-                for org, m in sorted(rec.reports.items()):
-                    s.reports.add(organization_id=org, metrics=codec.payload_to_proto(m).eval_metrics)
+            # Closed rounds never change: each one's summary is built once (runs of thousands of rounds
+            # are polled several times a second), the open round's every time.
+            self._summaries.extend(self._summary(rec) for rec in self.history[len(self._summaries):])
+            out.history.extend(self._summaries)
+            if self.phase != "finished":
+                out.history.append(self._summary(self.current))
             return out
+
+    def _summary(self, rec: RoundRecord) -> apb.RoundSummary:
+        s = apb.RoundSummary(round=rec.round, clients=rec.clients or len(self.pushed), duration_seconds=rec.duration)
+        for direction, tb in (("up", rec.up), ("down", rec.down)):
+            for kind, c in sorted(tb.kinds.items()):
+                s.traffic.add(direction=direction, payload_kind=kind, bytes=c.bytes,
+                              messages=c.messages, elements=c.elements)
+        for org, m in sorted(rec.reports.items()):
+            s.reports.add(organization_id=org, metrics=codec.payload_to_proto(m).eval_metrics)
+        return s
 
 
 def _config_json(config: Any) -> str:

@@ -39,3 +39,11 @@ class AggregatorMetrics:
             "hetfed_client_test_accuracy", "Test accuracy an organization reported for its last round",
             ["run", "algorithm", "organization"], registry=r,
         )
+        self.client_metric = Gauge(
+            "hetfed_client_metric", "A named figure an organization reported for its last round "
+            "(EvalMetrics.extra, e.g. wdp, cdp, acc)", ["run", "algorithm", "organization", "name"], registry=r,
+        )
+        self.client_metric_mean = Gauge(
+            "hetfed_client_metric_mean", "Mean over the organizations of a named figure in the last closed round",
+            ["run", "algorithm", "name"], registry=r,
+        )

@@ -64,20 +64,21 @@ class AggregatorService(agrpc.AggregatorServicer):
         return run
 
     def _identity(self, context: grpc.ServicerContext, claimed: str) -> str:
-        """The caller's organization: its certificate's name under mTLS, else the metadata header."""
+        """The caller's organization: its certificate's name under mTLS, else the metadata header; rate-limited."""
         cert_name = peer_identity(context)
         if cert_name is not None:
             if claimed and claimed != cert_name:
                 raise WireError(
                     "identity_mismatch", f"the client certificate is for {cert_name!r}, the request claims {claimed!r}"
                 )
-            return cert_name
-        header = dict(context.invocation_metadata()).get(ORGANIZATION_METADATA_KEY, "")
-        if header and claimed and header != claimed:
-            raise WireError("identity_mismatch", f"metadata names {header!r}, the request claims {claimed!r}")
-        org = claimed or header
-        if not org:
-            raise WireError("unauthenticated", "no organization identity (no client certificate, no organization)")
+            org = cert_name
+        else:
+            header = dict(context.invocation_metadata()).get(ORGANIZATION_METADATA_KEY, "")
+            if header and claimed and header != claimed:
+                raise WireError("identity_mismatch", f"metadata names {header!r}, the request claims {claimed!r}")
+            org = claimed or header
+            if not org:
+                raise WireError("unauthenticated", "no organization identity (no client certificate, no organization)")
         if not self._limiter.allow(org):
             raise WireError("rate_limited", f"organization {org!r} exceeds {self._limiter.rate} requests per second")
         return org
@@ -146,12 +147,32 @@ class AggregatorService(agrpc.AggregatorServicer):
             raise AssertionError("unreachable") from None
 
     def Status(self, request: apb.StatusRequest, context: grpc.ServicerContext) -> apb.StatusResponse:
+        """Run state and history. Under mTLS an operator (server.operators) sees every run; an organization sees
+        only the runs it belongs to, with only its own reported metrics."""
         try:
             runs = [self._run(request.run_id)] if request.run_id else list(self.runs.values())
+            caller = peer_identity(context)
+            if caller is not None and not self._limiter.allow(caller):
+                raise WireError("rate_limited", f"organization {caller!r} exceeds {self._limiter.rate} requests per second")
         except WireError as err:
             self._reject(context, request.run_id, err)
             raise AssertionError("unreachable") from None
-        return apb.StatusResponse(runs=[r.status() for r in runs])
+        if caller is None or caller in self.config.server.operators:
+            return apb.StatusResponse(runs=[r.status() for r in runs])
+        visible = []
+        for run in runs:
+            if caller not in run.cfg.organizations:
+                continue
+            status = run.status()
+            for rec in status.history:
+                own = [r for r in rec.reports if r.organization_id == caller]
+                del rec.reports[:]
+                rec.reports.extend(own)
+            visible.append(status)
+        if request.run_id and not visible:
+            self._reject(context, request.run_id, WireError(
+                "unknown_organization", f"organization {caller!r} is not part of run {request.run_id!r}"))
+        return apb.StatusResponse(runs=visible)
 
     def tick(self) -> None:
         """Close overdue rounds (called periodically by the server)."""

@@ -63,7 +63,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     opts = LocalRunOptions(
         algorithms=algorithms,
         clients=args.clients,
-        rounds=args.rounds,
+        rounds=args.rounds if args.rounds is not None else (500 if "fedh2l" in algorithms else 10),
+        public_fraction=args.public_fraction,
         dataset=args.dataset,
         partition=args.partition,
         alpha=args.alpha,
@@ -71,6 +72,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model=args.model,
         models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
         latent_dim=args.latent_dim,
+        test_split=args.test_split,
         extra_algorithm_config=_parse_sets(args.set or [], algorithms),
         local_epochs=args.local_epochs,
         lr=args.lr,
@@ -79,8 +81,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         output=args.output,
         wire_dtype=args.wire_dtype,
         timeout=args.timeout,
+        tls=args.tls,
     )
     return run_local(opts)
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from hetfed.cli.certs import make_federation_certs
+
+    orgs = [o.strip() for o in args.organizations.split(",") if o.strip()]
+    try:
+        certs = make_federation_certs(args.out, orgs, args.aggregator_name, days=args.days, force=args.force)
+    except (ValueError, FileExistsError) as exc:
+        print(f"hetfed certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"CA:         {certs.ca} (keep {certs.ca_key} offline)")
+    print(f"aggregator: {certs.aggregator}, {certs.aggregator_key}")
+    for org, (cert, key) in certs.organizations.items():
+        print(f"{org}: {cert}, {key}")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -113,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--algorithm", default="fedavg,local",
                    help="comma-separated algorithms (default: fedavg,local)")
     r.add_argument("--clients", type=int, default=4, help="organizations per algorithm (default 4)")
-    r.add_argument("--rounds", type=int, default=10, help="training rounds (default 10)")
+    r.add_argument("--rounds", type=int, default=None,
+                   help="training rounds (default 10; with fedh2l 500: one round is one FedH2L iteration)")
+    r.add_argument("--public-fraction", type=float, default=0.1,
+                   help="partition rotated: fraction alpha of each domain in the shared seed set (default 0.1)")
     r.add_argument("--dataset", default="mnist5k", help="mnist5k, digits or synthetic (default mnist5k)")
     r.add_argument("--partition", default="dirichlet", help="iid, dirichlet or natural (default dirichlet)")
     r.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
@@ -122,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--models", help="comma-separated architectures assigned to organizations in turn "
                    "(heterogeneous federations; overrides --model)")
     r.add_argument("--latent-dim", type=int, default=0, help="latent width d_e (default: the architecture's)")
+    r.add_argument("--test-split", default="proportional", choices=["proportional", "fedgen"],
+                   help="own test sets of dirichlet partitions: proportional to the train labels, or FedGen's equal share per label held (default proportional)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable")
     r.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
@@ -132,7 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transport precision of floating tensors")
     r.add_argument("--output", help="directory for per-round results (results.json) and logs")
     r.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    r.add_argument("--tls", action="store_true",
+                   help="generate a CA and certificates in the run directory and federate over mTLS")
     r.set_defaults(func=_cmd_run)
+
+    k = sub.add_parser(
+        "certs",
+        help="make a CA, the aggregator's certificate and one client certificate per organization (mTLS)",
+        description="Writes ca.pem, aggregator.pem and <org>.pem with their -key.pem files (mode 0600) for a "
+        "new federation. An organization's identity is its certificate's common name.",
+    )
+    k.add_argument("--out", required=True, help="directory to write the PEM files to")
+    k.add_argument("--organizations", required=True, help="comma-separated organization ids")
+    k.add_argument("--aggregator-name", action="append", metavar="NAME",
+                   help="DNS name or IP address the aggregator is reached at; repeatable "
+                   "(default: localhost and 127.0.0.1)")
+    k.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    k.add_argument("--force", action="store_true", help="replace existing files")
+    k.set_defaults(func=_cmd_certs)
 
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
     b.add_argument("name", help="benchmark name (hetfed bench --list)")

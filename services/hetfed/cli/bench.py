@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "fedh2l": ("hetfed.cli.bench_fedh2l:main",
+               "FedH2L vs IND, AGG and no-projection on Rotated MNIST-5k, heterogeneous nets; bytes vs FedAvg"),
     # name: ("module:function", one-line description)
 }
 

@@ -12,14 +12,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
+from hetfed.wire.config import to_mapping
+from hetfed.wire.transport import TlsConfig, make_channel
+
+if TYPE_CHECKING:
+    from hetfed.cli.certs import FederationCerts
+
+# The orchestrator's own certificate under --tls: a name no run lists, good only for the read-only Status.
+OPERATOR_ORGANIZATION = "hetfed-operator"
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,10 @@ class LocalRunOptions:
     # Per-organization architectures (cycled); overrides `model` when set.
     models: tuple[str, ...] = ()
     latent_dim: int = 0
+    # Own test sets of dirichlet partitions: "proportional" or "fedgen" (hetfed.client.data.split_like).
+    test_split: str = "proportional"
+    # Clients write model snapshots and probe latents under <workdir>/artifacts (hetfed.client.artifacts).
+    artifacts: bool = False
     local_epochs: int = 2
     lr: float = 0.01
     momentum: float = 0.9
@@ -45,7 +56,12 @@ class LocalRunOptions:
     output: str | None = None
     timeout: float = 1800.0
     extra_algorithm_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Partition "rotated": the seed-set fraction alpha of each domain; train on the whole seed set too (AGG).
+    public_fraction: float = 0.1
+    train_on_public: bool = False
     quiet: bool = False
+    # Federate over mTLS with certificates generated into <workdir>/certs.
+    tls: bool = False
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -57,8 +73,10 @@ def _subprocess_env() -> dict[str, str]:
 class LocalFederation:
     """Starts, watches and stops an aggregator process and its client processes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, tls: TlsConfig | None = None) -> None:
         self.workdir = workdir
+        # The orchestrator's client certificate when the aggregator requires mTLS.
+        self.tls = tls
         self.env = _subprocess_env()
         self.aggregator: subprocess.Popen[bytes] | None = None
         self.clients: dict[str, subprocess.Popen[bytes]] = {}
@@ -107,7 +125,7 @@ class LocalFederation:
 
     def status(self, timeout: float = 10.0) -> apb.StatusResponse:
         """The aggregator's Status of every run."""
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+        with make_channel(f"127.0.0.1:{self.port}", self.tls) as ch:
             return agrpc.AggregatorStub(ch).Status(apb.StatusRequest(), timeout=timeout)
 
     def wait_clients(self, timeout: float) -> None:
@@ -130,7 +148,7 @@ class LocalFederation:
                 p.wait()
 
 
-def aggregator_config(opts: LocalRunOptions, state_dir: str) -> dict[str, Any]:
+def aggregator_config(opts: LocalRunOptions, state_dir: str, tls: TlsConfig | None = None) -> dict[str, Any]:
     """The aggregator config of a local federation: one run per algorithm."""
     runs = []
     for algo in opts.algorithms:
@@ -151,16 +169,34 @@ def aggregator_config(opts: LocalRunOptions, state_dir: str) -> dict[str, Any]:
             "seed": opts.seed,
             "algorithm_config": algo_cfg,
         })
-    return {
-        "server": {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir},
-        "runs": runs,
+        if algo == "fedh2l":
+            from hetfed.cli.fedh2l_local import apply_fedh2l
+
+            apply_fedh2l(runs[-1], opts.dataset, opts.partition, opts.clients, opts.seed, opts.public_fraction,
+                         opts.extra_algorithm_config.get(algo, {}))
+        if algo == "fedcma":
+            from hetfed.cli.fedcma_local import fedcma_run_defaults
+
+            fedcma_run_defaults(runs[-1], opts)
+    server: dict[str, Any] = {
+        "listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir,
     }
+    if tls is not None:
+        server["tls"] = to_mapping(tls)
+        server["operators"] = [OPERATOR_ORGANIZATION]
+    return {"server": server, "runs": runs}
 
 
-def client_config(opts: LocalRunOptions, run_id: str, index: int, port: int) -> dict[str, Any]:
-    """The config of organization ``index`` in run ``run_id``."""
+def client_config(
+    opts: LocalRunOptions, run_id: str, index: int, port: int, tls: TlsConfig | None = None
+) -> dict[str, Any]:
+    """The config of organization ``index`` in run ``run_id`` (``tls``: its certificate, under mTLS)."""
     models = opts.models or (opts.model,)
-    return {
+    if not opts.models and run_id == "fedh2l":
+        from hetfed.cli.fedh2l_local import DEFAULT_MODELS
+
+        models = DEFAULT_MODELS
+    cfg: dict[str, Any] = {
         "organization": f"org-{index}",
         "run": run_id,
         "aggregator": f"127.0.0.1:{port}",
@@ -177,11 +213,27 @@ def client_config(opts: LocalRunOptions, run_id: str, index: int, port: int) -> 
         "model": {"name": models[index % len(models)], "latent_dim": opts.latent_dim},
         "retry": {"give_up_after_seconds": 120.0},
     }
+    if opts.dataset == "gauss4":  # the 2-D toy has one fixed split (hetfed.client.toy)
+        cfg["data"]["partition"] = "natural"
+    if opts.test_split != "proportional":
+        cfg["data"]["test_split"] = opts.test_split
+    if run_id == "fedcma" or opts.artifacts or opts.dataset == "gauss4":
+        from hetfed.cli.fedcma_local import artifacts_dir, fedcma_client_defaults
+
+        if run_id == "fedcma":
+            fedcma_client_defaults(cfg, opts, index)
+        if opts.artifacts or opts.dataset == "gauss4":
+            cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
+    if opts.partition == "rotated":
+        cfg["data"].update(public_fraction=opts.public_fraction, train_on_public=opts.train_on_public)
+    if tls is not None:
+        cfg["tls"] = to_mapping(tls)
+    return cfg
 
 
 def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
     """Per-round results of a finished run and its final figures, as JSON-ready dicts."""
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     for rec in status.history:
         up: dict[str, int] = {}
         down: dict[str, int] = {}
@@ -272,16 +324,22 @@ def _bar(status: apb.RunStatus, width: int = 24) -> str:
     return f"{status.algorithm:<12} [{'#' * filled}{'.' * (width - filled)}] {done:>3}/{status.total_rounds} {state:<10}{acc}"
 
 
-def federate(opts: LocalRunOptions, workdir: Path) -> list[dict[str, Any]]:
-    """Run every algorithm of ``opts`` on one local aggregator; returns each run's summary."""
-    fed = LocalFederation(workdir)
+def federate(opts: LocalRunOptions, workdir: Path,
+             on_status: Callable[[LocalFederation, apb.StatusResponse], None] | None = None) -> list[dict[str, Any]]:
+    """Run every algorithm of ``opts`` on one local aggregator; returns each run's summary.
+
+    ``on_status`` sees the federation and each Status it polls (benchmarks measure the processes with it).
+    """
+    certs = _make_certs(opts, workdir) if opts.tls else None
+    fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None)
     started = time.monotonic()
     try:
-        fed.start_aggregator(aggregator_config(opts, str(workdir / "state")))
+        fed.start_aggregator(aggregator_config(opts, str(workdir / "state"), certs.aggregator_tls() if certs else None))
         for algo in opts.algorithms:
             run_id = algo.replace("_", "-")
             for i in range(opts.clients):
-                fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, fed.port))
+                client_tls = certs.client_tls(f"org-{i}") if certs else None
+                fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, fed.port, client_tls))
         tty = sys.stdout.isatty() and not opts.quiet
         last: dict[str, str] = {}
         while True:
@@ -291,6 +349,8 @@ def federate(opts: LocalRunOptions, workdir: Path) -> list[dict[str, Any]]:
             if fed.aggregator is not None and fed.aggregator.poll() is not None:
                 raise RuntimeError(f"the aggregator exited:\n{fed.log_tail('aggregator')}")
             status = fed.status()
+            if on_status is not None:
+                on_status(fed, status)
             bars = [_bar(s) for s in status.runs]
             if tty:
                 sys.stdout.write("".join(f"\r\x1b[2K{b}\n" for b in bars) + f"\x1b[{len(bars)}A")
@@ -304,7 +364,8 @@ def federate(opts: LocalRunOptions, workdir: Path) -> list[dict[str, Any]]:
                 break
             if time.monotonic() - started > opts.timeout:
                 raise TimeoutError(f"the federation did not finish within {opts.timeout}s")
-            time.sleep(0.25)
+            # Status carries every round's history: poll long runs (FedH2L's thousands of rounds) less often.
+            time.sleep(0.25 if max(s.round for s in status.runs) < 200 else 1.0)
         if tty:
             sys.stdout.write("\n" * len(status.runs))
         fed.wait_clients(timeout=60)
@@ -319,10 +380,20 @@ def federate(opts: LocalRunOptions, workdir: Path) -> list[dict[str, Any]]:
         fed.stop()
 
 
+def _make_certs(opts: LocalRunOptions, workdir: Path) -> FederationCerts:
+    """A fresh CA and certificates for this local federation (and the orchestrator) in ``workdir/certs``."""
+    from hetfed.cli.certs import make_federation_certs
+
+    orgs = [f"org-{i}" for i in range(opts.clients)]
+    # Absolute paths: the processes run with the work directory as their current directory.
+    return make_federation_certs((workdir / "certs").resolve(), [*orgs, OPERATOR_ORGANIZATION], force=True)
+
+
 def run_local(opts: LocalRunOptions) -> int:
     """The ``hetfed run`` command: federate, print the table, write results.json when asked."""
     if opts.output:
-        workdir = Path(opts.output)
+        # Absolute: the processes it starts run inside it and are handed paths in it.
+        workdir = Path(opts.output).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         return _run_in(opts, workdir)
     with tempfile.TemporaryDirectory(prefix="hetfed-run-") as tmp:
@@ -336,6 +407,13 @@ def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
               f"{opts.rounds} rounds, seed {opts.seed}", flush=True)
     results = federate(opts, workdir)
     print(format_table(results))
+    if opts.dataset == "gauss4":
+        from hetfed.cli.fedcma_local import plot_gauss4
+
+        for r in results:
+            png = plot_gauss4(workdir, r["run"], Path(opts.output or "."))
+            if png is not None:
+                print(f"latent spaces and decision boundaries: {png}")
     if opts.output:
         out = {"options": {k: v for k, v in opts.__dict__.items()}, "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))

@@ -6,12 +6,16 @@ from collections.abc import Callable
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.algorithms.fedavg import FedAvgClient, HeadFedAvgClient, LocalClient
+from hetfed.client.algorithms.fedcma import FedCMAClient
+from hetfed.client.algorithms.fedh2l import FedH2LClient
 
 CLIENT_HALVES: dict[str, Callable[[ClientContext], ClientHalf]] = {
     "local": LocalClient,
     "fedavg": FedAvgClient,
     "fedprox": FedAvgClient,
     "fedavg_head": HeadFedAvgClient,
+    "fedcma": FedCMAClient,
+    "fedh2l": FedH2LClient,
 }
 
 

@@ -32,6 +32,7 @@ class ClientContext:
         self.train = DeviceData.of(self.data.train, self.device)
         self.test = DeviceData.of(self.data.test, self.device)
         self.global_test = DeviceData.of(self.data.global_test, self.device) if self.data.global_test else None
+        self.cross_test = DeviceData.of(self.data.cross_test, self.device) if self.data.cross_test else None
 
     def rng(self, round_seed: int) -> np.random.Generator:
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
@@ -45,6 +46,12 @@ class ClientContext:
             gacc, gloss = evaluate(self.model, self.global_test)
             figures["global_test_accuracy"] = gacc
             figures["global_test_loss"] = gloss
+            if self.cross_test is not None:
+                # Domain partitions: within-domain (own test set), cross-domain (the other organizations'
+                # domains) and all-domain accuracy, FedH2L's WDP, CDP and ACC.
+                figures["wdp"] = acc
+                figures["cdp"] = evaluate(self.model, self.cross_test)[0]
+                figures["acc"] = gacc
         return EvalMetrics(
             train_loss=train_loss,
             num_train_examples=len(self.train),

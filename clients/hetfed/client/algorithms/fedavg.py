@@ -62,7 +62,7 @@ class FedAvgClient:
             state = shared_state(self.ctx.model)
             with torch.no_grad():
                 for name, arr in mw.tensors.items():
-                    state[name].copy_(torch.as_tensor(np.asarray(arr, dtype=np.float32)))
+                    state[name].copy_(torch.from_numpy(np.array(arr, dtype=np.float32)))
 
     def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
         """Evaluate the received global model, then train on it and upload the result."""
@@ -110,8 +110,8 @@ class HeadFedAvgClient:
         hw = received.get(PayloadKind.HEAD_WEIGHTS)
         if isinstance(hw, HeadWeights):
             with torch.no_grad():
-                self.ctx.model.head.weight.copy_(torch.as_tensor(np.asarray(hw.weight, dtype=np.float32)))
-                self.ctx.model.head.bias.copy_(torch.as_tensor(np.asarray(hw.bias, dtype=np.float32)))
+                self.ctx.model.head.weight.copy_(torch.from_numpy(np.array(hw.weight, dtype=np.float32)))
+                self.ctx.model.head.bias.copy_(torch.from_numpy(np.array(hw.bias, dtype=np.float32)))
 
     def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
         """Evaluate own encoder + global head, train the whole model, upload the head."""

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.algorithms.fedavg import HeadFedAvgServer, LocalServer, ModelFedAvgServer
+from hetfed.aggregator.algorithms.fedcma import FedCMAServer
+from hetfed.aggregator.algorithms.fedh2l import FedH2LServer
 from hetfed.wire.specs import SPECS, TrainConfig
 
 SERVER_HALVES: dict[str, Callable[[TrainConfig, int], ServerHalf]] = {
@@ -13,6 +15,8 @@ SERVER_HALVES: dict[str, Callable[[TrainConfig, int], ServerHalf]] = {
     "fedavg": ModelFedAvgServer,
     "fedprox": ModelFedAvgServer,
     "fedavg_head": HeadFedAvgServer,
+    "fedcma": FedCMAServer,
+    "fedh2l": FedH2LServer,
 }
 
 

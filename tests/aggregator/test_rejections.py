@@ -1,0 +1,222 @@
+"""Every rejection reason, sent to a running aggregator: exact status, precise message, counted, round unharmed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import payloads_pb2 as pb
+from hetfed.wire import codec
+from hetfed.wire.payloads import EvalMetrics, HeadWeights, ModelWeights, PayloadKind
+from tests.conftest import RawClient, run_config
+
+W = {"w": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([0.5, -0.5], np.float32)}
+DECL = [(PayloadKind.MODEL_WEIGHTS, k, v) for k, v in W.items()]
+
+
+def good(scale: float = 1.0, n: int = 10, **weights: np.ndarray) -> list[Any]:
+    tensors = {k: v * scale for k, v in W.items()}
+    tensors.update(weights)
+    return [ModelWeights(tensors, n), EvalMetrics(train_loss=0.5, test_accuracy=0.9, num_test_examples=5)]
+
+
+def rejected(agg: Any, reason: str, run: str = "r") -> float:
+    value = agg.service.metrics.registry.get_sample_value(
+        "hetfed_rejected_messages_total", {"run": run, "reason": reason}
+    )
+    return value or 0.0
+
+
+@pytest.fixture
+def fed(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> tuple[Any, RawClient, RawClient]:
+    agg = aggregator(run_config(), max_update_bytes=1 << 20)
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    assert a.pull().action == apb.ACTION_TRAIN
+    return agg, a, b
+
+
+def finish_round_and_check(a: RawClient, b: RawClient) -> None:
+    """The good updates of a (n=10, W) and b (n=30, 3W) still make round 1's FedAvg exactly 2.5·W."""
+    a.push(1, good(1.0, 10))
+    b.push(1, good(3.0, 30))
+    ins = a.pull(completed=1)
+    assert ins.action == apb.ACTION_TRAIN and ins.envelope.round == 2
+    mw = codec.payload_from_proto(ins.payloads[0])
+    assert isinstance(mw, ModelWeights)
+    for k, v in W.items():
+        np.testing.assert_array_equal(mw.tensors[k], v * 2.5)
+
+
+def _tamper_sha(parts: list[apb.Chunk]) -> list[apb.Chunk]:
+    parts[-1].sha256 = b"\x00" * 32
+    return parts
+
+
+def _reorder(parts: list[apb.Chunk]) -> list[apb.Chunk]:
+    return [parts[1], parts[0], *parts[2:]]
+
+
+def _drop_last(parts: list[apb.Chunk]) -> list[apb.Chunk]:
+    return parts[:-1]
+
+
+def _empty_payload(a: RawClient) -> None:
+    env = apb.Envelope(run_id="r", round=1, organization_id="a",
+                       payload_kinds=[PayloadKind.MODEL_WEIGHTS.proto_enum])
+    data = apb.Update(envelope=env, payloads=[pb.Payload()]).SerializeToString()
+    a.push_bytes(1, data)
+
+
+BAD: dict[str, tuple[Callable[[RawClient], object], grpc.StatusCode, str, str]] = {
+    "garbage bytes": (lambda a: a.push_bytes(1, b"\xff\xfe not a protobuf"), grpc.StatusCode.INVALID_ARGUMENT,
+                      "malformed", "not a valid hetfed.v1.Update"),
+    "empty payload oneof": (_empty_payload, grpc.StatusCode.INVALID_ARGUMENT, "malformed", "empty oneof"),
+    "bad checksum": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), tamper=_tamper_sha),
+                     grpc.StatusCode.INVALID_ARGUMENT, "checksum_mismatch", "SHA-256"),
+    "chunks out of order": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_reorder),
+                            grpc.StatusCode.INVALID_ARGUMENT, "malformed", "out of order"),
+    "stream cut short": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_drop_last),
+                         grpc.StatusCode.INVALID_ARGUMENT, "malformed", "ended after"),
+    "envelope names another org": (
+        lambda a: a.push_bytes(1, a.update_bytes(1, good(), envelope=apb.Envelope(
+            run_id="r", round=1, organization_id="b", payload_kinds=[1, 8]))),
+        grpc.StatusCode.INVALID_ARGUMENT, "envelope_mismatch", "organization 'b'"),
+    "metrics missing weights": (lambda a: a.push(1, good()[1:]), grpc.StatusCode.INVALID_ARGUMENT,
+                                "missing_payload", "model_weights"),
+    "two metrics payloads": (lambda a: a.push(1, [*good(), EvalMetrics()]), grpc.StatusCode.INVALID_ARGUMENT,
+                             "duplicate_payload", "two eval_metrics"),
+    "head weights under fedavg": (
+        lambda a: a.push(1, [*good(), HeadWeights(np.zeros((2, 3), np.float32), np.zeros(2, np.float32), 1)]),
+        grpc.StatusCode.PERMISSION_DENIED, "payload_kind_not_allowed", "does not accept head_weights"),
+    "float16 instead of float32": (
+        lambda a: a.push_bytes(1, a.update_bytes(1, good(), wire_dtype="float16")),
+        grpc.StatusCode.INVALID_ARGUMENT, "dtype_mismatch", "model_weights.w: dtype float16"),
+    "wrong shape": (lambda a: a.push(1, good(w=np.zeros(4, np.float32))), grpc.StatusCode.INVALID_ARGUMENT,
+                    "shape_mismatch", "shape [4], the run declared [3]"),
+    "unknown tensor": (lambda a: a.push(1, good(extra=np.zeros(1, np.float32))), grpc.StatusCode.INVALID_ARGUMENT,
+                       "shape_mismatch", "unexpected tensors ['extra']"),
+    "NaN weights": (lambda a: a.push(1, good(w=np.array([1, np.nan, 3], np.float32))),
+                    grpc.StatusCode.INVALID_ARGUMENT, "non_finite", "model_weights.w holds 1 NaN"),
+    "infinite metric": (lambda a: a.push(1, [good()[0], EvalMetrics(train_loss=float("inf"))]),
+                        grpc.StatusCode.INVALID_ARGUMENT, "non_finite", "eval_metrics.train_loss"),
+    "zero examples": (lambda a: a.push(1, good(n=0)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_value",
+                      "num_examples must be > 0"),
+    "oversized": (lambda a: a.push(1, good(w=np.zeros(300_000, np.float32))),
+                  grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", "exceeds the limit of 1048576 bytes"),
+    "closed round": (lambda a: a.push(0, good()), grpc.StatusCode.FAILED_PRECONDITION, "late",
+                     "round 0 is closed; the current round is 1"),
+    "future round": (lambda a: a.push(7, good()), grpc.StatusCode.FAILED_PRECONDITION, "late",
+                     "round 7 has not started; the current round is 1"),
+    "claims another org": (lambda a: a.push(1, good(), organization="b"), grpc.StatusCode.PERMISSION_DENIED,
+                           "identity_mismatch", "metadata names 'a', the request claims 'b'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_push_is_rejected_counted_and_harmless(fed: tuple[Any, RawClient, RawClient], case: str) -> None:
+    agg, a, b = fed
+    send, code, reason, detail = BAD[case]
+    before = rejected(agg, reason)
+    with pytest.raises(grpc.RpcError) as err:
+        send(a)
+    assert err.value.code() == code
+    assert err.value.details().startswith(f"{reason}: ")
+    assert detail in err.value.details()
+    assert rejected(agg, reason) == before + 1
+    assert agg.service.runs["r"].pushed == {}
+    finish_round_and_check(a, b)
+
+
+def test_unknown_organization_is_denied(fed: tuple[Any, RawClient, RawClient],
+                                        raw_client: Callable[..., RawClient]) -> None:
+    agg, a, b = fed
+    mallory = raw_client(agg.port, "mallory")
+    for call in (lambda: mallory.join(DECL), lambda: mallory.push(1, good()), lambda: mallory.pull()):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "organization 'mallory' is not part of run 'r'" in err.value.details()
+    assert rejected(agg, "unknown_organization") == 3
+    finish_round_and_check(a, b)
+
+
+def test_no_identity_is_unauthenticated(fed: tuple[Any, RawClient, RawClient],
+                                        raw_client: Callable[..., RawClient]) -> None:
+    agg, a, b = fed
+    anon = raw_client(agg.port, "", header="")
+    with pytest.raises(grpc.RpcError) as err:
+        anon.join(DECL)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert rejected(agg, "unauthenticated") == 1
+    finish_round_and_check(a, b)
+
+
+def test_unknown_run_is_not_found(fed: tuple[Any, RawClient, RawClient],
+                                  raw_client: Callable[..., RawClient]) -> None:
+    agg, a, b = fed
+    other = raw_client(agg.port, "a", run="nope")
+    with pytest.raises(grpc.RpcError) as err:
+        other.join(DECL)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no run 'nope'" in err.value.details()
+    finish_round_and_check(a, b)
+
+
+def test_mismatched_schema_at_join(fed: tuple[Any, RawClient, RawClient]) -> None:
+    agg, a, b = fed
+    bad = [(PayloadKind.MODEL_WEIGHTS, "w", np.zeros(5, np.float32)), DECL[1]]
+    with pytest.raises(grpc.RpcError) as err:
+        b.join(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model_weights.w: declared float32[5], the run has float32[3]" in err.value.details()
+    assert rejected(agg, "schema_mismatch") == 1
+    finish_round_and_check(a, b)
+
+
+def test_push_before_join(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    agg = aggregator(run_config())
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    with pytest.raises(grpc.RpcError) as err:
+        b.push(1, good())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "must Join run 'r' first" in err.value.details()
+    b.join(DECL)
+    finish_round_and_check(a, b)
+
+
+def test_retry_is_idempotent_and_replay_is_refused(fed: tuple[Any, RawClient, RawClient]) -> None:
+    agg, a, b = fed
+    data = a.update_bytes(1, good(1.0, 10))
+    first = a.push_bytes(1, data)
+    assert first.accepted and not first.duplicate
+    again = a.push_bytes(1, data)
+    assert again.accepted and again.duplicate
+    assert agg.service.metrics.registry.get_sample_value("hetfed_duplicate_pushes_total", {"run": "r"}) == 1
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(1, good(100.0, 10))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already pushed a different update for round 1" in err.value.details()
+    assert rejected(agg, "replayed") == 1
+    b.push(1, good(3.0, 30))
+    mw = codec.payload_from_proto(a.pull(completed=1).payloads[0])
+    assert isinstance(mw, ModelWeights)
+    np.testing.assert_array_equal(mw.tensors["w"], W["w"] * 2.5)
+
+
+def test_too_many_elements(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    agg = aggregator(run_config(), max_tensor_elements=4)
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(1, good())
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "5 tensor elements, the limit is 4" in err.value.details()

@@ -1,0 +1,89 @@
+"""Durability: an aggregator process killed between pushes resumes the open round with every acknowledged update."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import codec
+from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
+from tests.conftest import RawClient, free_port, wait_until
+
+W = np.array([2.0, 4.0, 8.0], np.float32)
+DECL = [(PayloadKind.MODEL_WEIGHTS, "w", W)]
+
+
+def upd(scale: float, n: int) -> list[Any]:
+    return [ModelWeights({"w": W * scale}, n), EvalMetrics(test_accuracy=0.5, num_test_examples=1)]
+
+
+@pytest.fixture
+def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], int]]]:
+    """Start (and restart) a real ``hetfed aggregator`` process on one port and one state directory."""
+    port = free_port()
+    cfg = {
+        "server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state")},
+        "runs": [{"id": "r", "algorithm": "fedavg", "organizations": ["a", "b", "c"], "rounds": 2}],
+    }
+    (tmp_path / "agg.json").write_text(json.dumps(cfg))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> tuple[subprocess.Popen[bytes], int]:
+        ready = tmp_path / "ready"
+        ready.unlink(missing_ok=True)
+        log = open(tmp_path / f"agg{len(procs)}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
+                              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the aggregator to start")
+        assert p.poll() is None, (tmp_path / f"agg{len(procs) - 1}.log").read_text()
+        return p, port
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_kill_between_pushes_then_resume(aggregator_process: Callable[[], tuple[Any, int]],
+                                         raw_client: Callable[..., RawClient]) -> None:
+    proc, port = aggregator_process()
+    a, b, c = (raw_client(port, o) for o in "abc")
+    for cl in (a, b, c):
+        cl.join(DECL)
+    # Round 1 completes; round 2 gets two acknowledged pushes, then the process dies without warning.
+    for cl, s in ((a, 1.0), (b, 1.0), (c, 1.0)):
+        cl.push(1, upd(s, 1))
+    assert a.push(2, upd(1.0, 1)).accepted
+    assert b.push(2, upd(2.0, 2)).accepted
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    aggregator_process()
+    # c's client reconnects and is told round 2 is open; a's retry of its acknowledged push is a duplicate.
+    ins = c.pull(completed=1)
+    assert ins.action == apb.ACTION_TRAIN and ins.envelope.round == 2
+    assert a.push(2, upd(1.0, 1)).duplicate
+    c.push(2, upd(7.0, 1))
+    ins = c.pull(completed=2)
+    assert ins.action == apb.ACTION_EVALUATE
+    mw = codec.payload_from_proto(ins.payloads[0])
+    assert isinstance(mw, ModelWeights)
+    # (1·1 + 2·2 + 7·1) / (1 + 2 + 1) = 3 → 3·W: nothing acknowledged before the kill was lost.
+    np.testing.assert_array_equal(mw.tensors["w"], W * 3.0)
+    for cl in (a, b, c):
+        cl.push(3, [EvalMetrics(test_accuracy=1.0)])
+    assert a.pull(completed=3).action == apb.ACTION_FINISH
+    status = a.stub.Status(apb.StatusRequest(run_id="r"), timeout=5).runs[0]
+    assert [h.round for h in status.history] == [1, 2, 3]

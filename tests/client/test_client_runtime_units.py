@@ -1,0 +1,70 @@
+"""Client-side units: config validation, backoff, the proximal term, every spec having a client half."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetfed.client.algorithms import CLIENT_HALVES
+from hetfed.client.config import load_client_config
+from hetfed.client.losses import ProximalTerm
+from hetfed.client.runtime import backoff_delays
+from hetfed.wire.config import ConfigError
+from hetfed.wire.specs import SPECS
+
+
+def test_misspelled_field_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "client.toml"
+    p.write_text('organization = "a"\nrun = "r"\n[data]\ndatset = "digits"\n')
+    with pytest.raises(ConfigError, match=r"client.toml.data: unknown field 'datset' \(did you mean 'dataset'\?\)"):
+        load_client_config(p)
+
+
+def test_bad_values_are_named(tmp_path: Path) -> None:
+    p = tmp_path / "client.toml"
+    p.write_text('organization = "a"\nrun = "r"\ndevice = "tpu"\n')
+    with pytest.raises(ConfigError, match="device must be auto, cpu, cuda or cuda:N"):
+        load_client_config(p)
+    p.write_text('organization = "a"\nrun = "r"\n[retry]\nmultiplier = "fast"\n')
+    with pytest.raises(ConfigError, match=r"retry.multiplier: expected a number, got 'fast'"):
+        load_client_config(p)
+    p.write_text('run = "r"\n')
+    with pytest.raises(ConfigError, match="missing required field 'organization'"):
+        load_client_config(p)
+
+
+def test_valid_client_config(tmp_path: Path) -> None:
+    p = tmp_path / "client.toml"
+    p.write_text('organization = "a"\nrun = "r"\naggregator = "agg:50051"\n[model]\nname = "mlp"\nlatent_dim = 16\n'
+                 '[data]\ndataset = "digits"\npartition = "iid"\nnum_clients = 2\nclient_index = 1\n')
+    cfg = load_client_config(p)
+    assert (cfg.model.name, cfg.model.latent_dim, cfg.data.client_index) == ("mlp", 16, 1)
+
+
+def test_backoff_is_capped_full_jitter() -> None:
+    delays = backoff_delays(0.5, 4.0, 2.0, random.Random(3))
+    caps = [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    got = [next(delays) for _ in caps]
+    assert all(0 <= d <= c for d, c in zip(got, caps, strict=True))
+    again = backoff_delays(0.5, 4.0, 2.0, random.Random(3))
+    assert [next(again) for _ in caps] == got  # seeded: deterministic
+
+
+def test_proximal_term_matches_hand_computation() -> None:
+    ref = [torch.tensor([1.0, 2.0]), torch.tensor([[0.0, -1.0]])]
+    params = [torch.tensor([2.0, 0.0], requires_grad=True), torch.tensor([[1.0, 1.0]], requires_grad=True)]
+    term = ProximalTerm(0.1, ref)
+    value = term(params)
+    # ||(1, -2)||² + ||(1, 2)||² = 5 + 5 = 10; (0.1 / 2) · 10 = 0.5
+    assert float(value.detach()) == pytest.approx(0.5, abs=1e-7)
+    value.backward()
+    # d/dw (mu/2)||w - r||² = mu (w - r)
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.1, -0.2]))
+    torch.testing.assert_close(params[1].grad, torch.tensor([[0.1, 0.2]]))
+
+
+def test_every_spec_has_a_client_half() -> None:
+    assert set(SPECS) == set(CLIENT_HALVES)

@@ -1,0 +1,140 @@
+"""Shared fixtures: an in-process aggregator on loopback and a numpy-only raw client that speaks its gRPC."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from hetfed.aggregator.config import aggregator_config_from_mapping
+from hetfed.aggregator.server import RunningAggregator, start_aggregator
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import aggregator_pb2_grpc as agrpc
+from hetfed.wire import chunks, codec
+from hetfed.wire.payloads import Payload, PayloadKind
+from hetfed.wire.transport import ORGANIZATION_METADATA_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def run_config(**overrides: Any) -> dict[str, Any]:
+    """A run config mapping with small defaults."""
+    cfg: dict[str, Any] = {"id": "r", "algorithm": "fedavg", "organizations": ["a", "b"], "rounds": 2}
+    cfg.update(overrides)
+    return cfg
+
+
+class RawClient:
+    """A numpy-only client that builds every message by hand (to send good and bad ones)."""
+
+    def __init__(self, port: int, organization: str, run: str = "r", *, header: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = agrpc.AggregatorStub(self.channel)
+        self.organization = organization
+        self.run = run
+        name = organization if header is None else header
+        self.metadata = ((ORGANIZATION_METADATA_KEY, name),) if name else ()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def join(self, declared: list[tuple[PayloadKind, str, np.ndarray]] | None = None,
+             organization: str | None = None) -> apb.JoinResponse:
+        """Join, declaring ``declared`` tensors."""
+        req = apb.JoinRequest(run_id=self.run, organization_id=self.organization if organization is None else organization)
+        for kind, name, arr in declared or []:
+            req.declared_tensors.add(payload_kind=kind.proto_enum, name=name,
+                                     dtype=codec._WIRE[codec.wire_dtype_of(arr)][0], shape=arr.shape)
+        return self.stub.Join(req, metadata=self.metadata, timeout=10)
+
+    def pull(self, completed: int = -1, wait: float = 5.0) -> apb.Instructions:
+        """Long-poll for instructions and reassemble them."""
+        req = apb.PullInstructionsRequest(run_id=self.run, organization_id=self.organization,
+                                          completed_round=completed, wait_seconds=wait)
+        asm = chunks.Reassembler(1 << 40)
+        for resp in self.stub.PullInstructions(req, metadata=self.metadata, timeout=wait + 10):
+            asm.add(resp.chunk)
+        return apb.Instructions.FromString(asm.data())
+
+    def update_bytes(self, round_: int, payloads: list[Payload], *, envelope: apb.Envelope | None = None,
+                     wire_dtype: str | None = None) -> bytes:
+        """A serialized Update with a correct envelope unless one is given."""
+        messages = [codec.payload_to_proto(p, wire_dtype) for p in payloads]
+        env = envelope or apb.Envelope(run_id=self.run, round=round_, organization_id=self.organization,
+                                       payload_kinds=[p.kind.proto_enum for p in payloads])
+        return apb.Update(envelope=env, payloads=messages).SerializeToString()
+
+    def push_bytes(self, round_: int, data: bytes, *, chunk_bytes: int = 1 << 20,
+                   tamper: Callable[[list[apb.Chunk]], list[apb.Chunk]] | None = None,
+                   organization: str | None = None) -> apb.PushUpdateResponse:
+        """Push raw update bytes as chunks (optionally tampered with)."""
+        parts = list(chunks.split(data, chunk_bytes))
+        if tamper is not None:
+            parts = tamper(parts)
+        org = self.organization if organization is None else organization
+        reqs = [apb.PushUpdateRequest(run_id=self.run, round=round_, organization_id=org, chunk=c) for c in parts]
+        return self.stub.PushUpdate(iter(reqs), metadata=self.metadata, timeout=30)
+
+    def push(self, round_: int, payloads: list[Payload], **kw: Any) -> apb.PushUpdateResponse:
+        """Push a well-formed update of ``payloads``."""
+        return self.push_bytes(round_, self.update_bytes(round_, payloads), **kw)
+
+
+@pytest.fixture
+def aggregator(tmp_path: Path) -> Iterator[Callable[..., RunningAggregator]]:
+    """Factory: start an in-process aggregator hosting the given runs; stopped after the test."""
+    started: list[RunningAggregator] = []
+
+    def start(*runs: dict[str, Any], **server: Any) -> RunningAggregator:
+        cfg = aggregator_config_from_mapping({
+            "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(tmp_path / "state"), **server},
+            "runs": list(runs) or [run_config()],
+        })
+        agg = start_aggregator(cfg)
+        started.append(agg)
+        return agg
+
+    yield start
+    for agg in started:
+        agg.stop(grace=0.5)
+
+
+@pytest.fixture
+def raw_client() -> Iterator[Callable[..., RawClient]]:
+    """Factory of RawClients, closed after the test."""
+    made: list[RawClient] = []
+
+    def make(port: int, organization: str, run: str = "r", **kw: Any) -> RawClient:
+        c = RawClient(port, organization, run, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

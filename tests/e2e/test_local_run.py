@@ -1,0 +1,102 @@
+"""``hetfed run`` end to end: a real aggregator process and real client processes over loopback gRPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+pytestmark = pytest.mark.e2e
+
+
+def hetfed_run(tmp_path: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run ``hetfed run ARGS --output tmp`` as a user would; return its results.json by algorithm."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", *args, "--output", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bytes up" in proc.stdout  # the final table
+    results = json.loads((out / "results.json").read_text())
+    return {r["algorithm"]: r for r in results["runs"]}
+
+
+def param_bytes(model: str, dataset: str, latent_dim: int | None = None) -> int:
+    """Bytes of the floating state FedAvg ships for one model (float32)."""
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.models import build_model
+
+    data = load_client_data(DataConfig(dataset=dataset, partition="iid", num_clients=1))
+    m = build_model(model, data.input_shape, data.num_classes, latent_dim=latent_dim)
+    return sum(v.numel() * 4 for v in m.state_dict().values() if v.is_floating_point())
+
+
+def test_fedavg_iid_mnist_reaches_90_percent_and_bytes_match_the_model(tmp_path: Path) -> None:
+    runs = hetfed_run(tmp_path, "--algorithm", "fedavg", "--clients", "4", "--dataset", "mnist5k",
+                      "--partition", "iid")
+    fedavg = runs["fedavg"]
+    assert fedavg["final_test_accuracy"] >= 0.90
+    model = param_bytes("lenet", "mnist5k")
+    expected = 2 * 4 * model
+    steady = [r for r in fedavg["rounds"] if 2 <= r["round"] <= 10]
+    assert len(steady) == 9
+    for r in steady:
+        assert "model_weights" in r["bytes_up"] and "model_weights" in r["bytes_down"]
+        weights = r["bytes_up"]["model_weights"] + r["bytes_down"]["model_weights"]
+        total = sum(r["bytes_up"].values()) + sum(r["bytes_down"].values())
+        assert expected <= weights <= total
+        assert (total - expected) / expected < 0.02, (total, expected)
+
+
+def test_dirichlet_fedavg_beats_local_on_held_out_data(tmp_path: Path) -> None:
+    runs = hetfed_run(tmp_path, "--algorithm", "fedavg,local", "--clients", "4", "--dataset", "mnist5k",
+                      "--partition", "dirichlet", "--alpha", "0.1")
+    fedavg, local = runs["fedavg"], runs["local"]
+    assert fedavg["final_global_test_accuracy"] > local["final_global_test_accuracy"] + 0.2
+    assert local["bytes_per_train_round"] < 2000  # Local sends metrics only
+
+
+def test_head_only_fedavg_counts_only_the_head(tmp_path: Path) -> None:
+    runs = hetfed_run(tmp_path, "--algorithm", "fedavg_head", "--clients", "3", "--rounds", "3",
+                      "--dataset", "digits", "--model", "mlp", "--partition", "iid")
+    head = 4 * (10 * 64 + 10)
+    for r in runs["fedavg_head"]["rounds"]:
+        kinds = set(r["bytes_up"]) | set(r["bytes_down"])
+        assert "model_weights" not in kinds
+        if 2 <= r["round"] <= 3:
+            assert head * 3 <= r["bytes_up"]["head_weights"] < head * 3 * 1.02
+            assert head * 3 <= r["bytes_down"]["head_weights"] < head * 3 * 1.02
+
+
+def test_baselines_match_golden_metrics(tmp_path: Path) -> None:
+    """A short deterministic run of every baseline against golden figures (bytes exact, accuracy ± 3 points)."""
+    runs = hetfed_run(tmp_path, "--algorithm", "local,fedavg,fedprox,fedavg_head", "--clients", "3",
+                      "--rounds", "3", "--dataset", "digits", "--model", "mlp", "--partition", "dirichlet",
+                      "--alpha", "0.5", "--seed", "1", "--set", "fedprox.mu=0.1")
+    got = {
+        algo: {
+            "final_test_accuracy": r["final_test_accuracy"],
+            "final_global_test_accuracy": r["final_global_test_accuracy"],
+            "bytes_up": [r2["bytes_up"] for r2 in r["rounds"]],
+            "bytes_down": [r2["bytes_down"] for r2 in r["rounds"]],
+        }
+        for algo, r in runs.items()
+    }
+    golden_file = GOLDEN / "baselines_digits.json"
+    if os.environ.get("HETFED_UPDATE_GOLDEN"):
+        golden_file.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    golden = json.loads(golden_file.read_text())
+    assert set(got) == set(golden)
+    for algo, want in golden.items():
+        for key in ("final_test_accuracy", "final_global_test_accuracy"):
+            assert got[algo][key] == pytest.approx(want[key], abs=0.03), (algo, key)
+        for key in ("bytes_up", "bytes_down"):
+            for rg, rw in zip(got[algo][key], want[key], strict=True):
+                for kind, n in rw.items():
+                    # Payload bytes are exact; the envelope varies by a few bytes with varint-encoded values.
+                    assert rg[kind] == pytest.approx(n, abs=0 if kind != "envelope" else 16), (algo, key, kind)
