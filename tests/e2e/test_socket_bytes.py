@@ -49,8 +49,9 @@ def test_counted_bytes_match_socket_bytes_for_fedavg(tmp_path: Path) -> None:
         assert 0 < counted <= parts["gRPC messages (serialized Protobuf)"] < sock
         ratio = counted / sock
         assert abs(ratio - 1) < 0.05, f"{d}: counted {counted} B, socket {sock} B, ratio {ratio:.4f}"
-    # Status history holds the same counting per round (FINISH pulls come after the last round).
-    assert r["status_counted"]["up"] == r["counted"]["up"]
+    # Status history holds the same counting per round; only the final FINISH pulls (request up, answer
+    # down) come after the last round's record.
+    assert 0 < r["counted"]["up"] - r["status_counted"]["up"] < 100 * opts.clients
     assert 0 < r["counted"]["down"] - r["status_counted"]["down"] < 200 * opts.clients
 
 

@@ -20,7 +20,7 @@ from hetfed.wire import chunks, codec, contract
 from hetfed.wire.config import from_mapping
 from hetfed.wire.payloads import RELAYED_KINDS, EvalMetrics, Payload, PayloadKind, by_kind
 from hetfed.wire.specs import AlgorithmSpec, get_spec
-from hetfed.wire.traffic import TrafficMetrics, breakdown
+from hetfed.wire.traffic import TrafficBreakdown, TrafficMetrics, breakdown
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
 
 log = logging.getLogger("hetfed.client")
@@ -112,9 +112,12 @@ class ClientRuntime:
             req.declared_tensors.add(payload_kind=kind.proto_enum, name=name,  # type: ignore[arg-type]
                                      dtype=codec._WIRE[dt][0], shape=arr.shape)  # type: ignore[arg-type]
         resp = self._retry("Join", lambda: self._stub.Join(req, metadata=self._metadata, timeout=30))
-        self.traffic.record(self.config.run, self.algorithm or "unknown", self.config.organization, "up",
-                            breakdown([], req.ByteSize()))
+        self._count("up", breakdown([], req.ByteSize()))
+        self._count("down", breakdown([], resp.ByteSize()))
         return resp
+
+    def _count(self, direction: str, b: TrafficBreakdown) -> None:
+        self.traffic.record(self.config.run, self.algorithm or "unknown", self.config.organization, direction, b)
 
     def _pull(self, completed: int) -> apb.Instructions:
         req = apb.PullInstructionsRequest(run_id=self.config.run, organization_id=self.config.organization,
@@ -132,17 +135,18 @@ class ClientRuntime:
 
         data, wire, n = self._retry("PullInstructions", call)
         ins = apb.Instructions.FromString(data)
-        self.traffic.record(self.config.run, self.algorithm, self.config.organization, "down",
-                            breakdown(list(ins.payloads), wire, n))
+        self._count("up", breakdown([], req.ByteSize()))
+        self._count("down", breakdown(list(ins.payloads), wire, n))
         return ins
 
     def _push(self, round_: int, payloads: list[Payload]) -> apb.PushUpdateResponse | None:
-        messages = [codec.payload_to_proto(p, self._wire_dtype) for p in payloads]
         update = apb.Update(
             envelope=apb.Envelope(run_id=self.config.run, round=round_, organization_id=self.config.organization,
                                   payload_kinds=[p.kind.proto_enum for p in payloads]),  # type: ignore[misc]
-            payloads=messages,
         )
+        for p in payloads:
+            codec.fill_payload(update.payloads.add(), p, self._wire_dtype)  # in place: no extra tensor copy
+        messages = update.payloads
         data = update.SerializeToString()
         requests = [apb.PushUpdateRequest(run_id=self.config.run, round=round_,
                                           organization_id=self.config.organization, chunk=c)
@@ -159,8 +163,8 @@ class ClientRuntime:
                 return None
             raise
         if not resp.duplicate:
-            self.traffic.record(self.config.run, self.algorithm, self.config.organization, "up",
-                                breakdown(messages, sum(r.ByteSize() for r in requests), len(requests)))
+            self._count("up", breakdown(messages, sum(r.ByteSize() for r in requests), len(requests)))
+            self._count("down", breakdown([], resp.ByteSize()))
         return resp
 
     # ------------------------------------------------------------------ main loop

@@ -56,22 +56,29 @@ class TrafficBreakdown:
         return sum(c.bytes for c in self.kinds.values())
 
 
-def breakdown(payloads: Sequence[pb.Payload], wire_bytes: int, messages: int = 1) -> TrafficBreakdown:
-    """Attribute ``wire_bytes`` (the serialized gRPC messages) to payload kinds and the envelope."""
+def payload_breakdown(payloads: Sequence[pb.Payload]) -> TrafficBreakdown:
+    """Bytes, messages and elements of each payload kind, without the envelope (see ``with_envelope``)."""
     out = TrafficBreakdown()
-    inside = 0
     for p in payloads:
-        kind = p.WhichOneof("kind") or "unknown"
-        size = embedded_size(p.ByteSize())
-        inside += size
-        c = out.kinds.setdefault(kind, KindCount())
-        c.bytes += size
+        c = out.kinds.setdefault(p.WhichOneof("kind") or "unknown", KindCount())
+        c.bytes += embedded_size(p.ByteSize())
         c.messages += 1
         c.elements += codec.tensor_elements(p)
+    return out
+
+
+def with_envelope(payloads: TrafficBreakdown, wire_bytes: int, messages: int = 1) -> TrafficBreakdown:
+    """A copy of a payload breakdown whose ``envelope`` holds the rest of ``wire_bytes``."""
+    out = TrafficBreakdown({k: KindCount(c.bytes, c.messages, c.elements) for k, c in payloads.kinds.items()})
     env = out.kinds.setdefault(ENVELOPE, KindCount())
-    env.bytes += max(0, wire_bytes - inside)
+    env.bytes += max(0, wire_bytes - payloads.total_bytes)
     env.messages += messages
     return out
+
+
+def breakdown(payloads: Sequence[pb.Payload], wire_bytes: int, messages: int = 1) -> TrafficBreakdown:
+    """Attribute ``wire_bytes`` (the serialized gRPC messages) to payload kinds and the envelope."""
+    return with_envelope(payload_breakdown(payloads), wire_bytes, messages)
 
 
 class TrafficMetrics:

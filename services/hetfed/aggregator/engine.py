@@ -29,7 +29,7 @@ from hetfed.wire import chunks, codec, contract
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, PayloadKind, by_kind
 from hetfed.wire.specs import get_spec
-from hetfed.wire.traffic import TrafficBreakdown
+from hetfed.wire.traffic import TrafficBreakdown, breakdown, payload_breakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
 
@@ -115,7 +115,8 @@ class Run:
         self._summaries: list[apb.RoundSummary] = []  # status() summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
-        self._cache: dict[tuple[int, str], list[apb.Chunk]] = {}
+        # (round, organization or "*") -> the instructions' chunks and their payload-only traffic breakdown
+        self._cache: dict[tuple[int, str], tuple[list[apb.Chunk], TrafficBreakdown]] = {}
         self._restore()
         self._publish_round_gauges()
 
@@ -214,44 +215,42 @@ class Run:
         """The seed of a round's shared random draws, derived from the run seed."""
         return int.from_bytes(hashlib.sha256(f"{self.cfg.seed}:{round_}".encode()).digest()[:8], "little")
 
-    def _instructions_locked(self, organization: str) -> tuple[list[apb.Chunk], TrafficBreakdown | None, int]:
-        """Chunks of this organization's instructions for the open round (cached when broadcast)."""
+    def _instructions_locked(self, organization: str) -> tuple[list[apb.Chunk], TrafficBreakdown]:
+        """This organization's instructions for the open round, built once (once for all when broadcast)."""
         key = (self.round, "*" if self.half.broadcast else organization)
         if key not in self._cache:
             self._cache = {k: v for k, v in self._cache.items() if k[0] == self.round}
-            payloads = [
-                codec.payload_to_proto(p, self.wire_dtype)
-                for p in self.half.payloads_for(self.phase, self.round, organization)
-            ]
             ins = apb.Instructions(
                 envelope=apb.Envelope(
-                    run_id=self.cfg.id,
-                    round=self.round,
+                    run_id=self.cfg.id, round=self.round,
                     organization_id="" if self.half.broadcast else organization,
-                    payload_kinds=[codec.payload_kind_of(p).proto_enum for p in payloads],  # type: ignore[misc]
                 ),
                 action=_ACTION[self.phase],  # type: ignore[arg-type]
                 round_seed=self.round_seed(self.round),
-                payloads=payloads,
                 total_rounds=self.cfg.rounds,
             )
-            self._cache[key] = list(chunks.split(ins.SerializeToString(), self.chunk_bytes))
-        return self._cache[key], None, self.round
+            for p in self.half.payloads_for(self.phase, self.round, organization):
+                codec.fill_payload(ins.payloads.add(), p, self.wire_dtype)  # in place: no extra tensor copy
+                ins.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+            self._cache[key] = (list(chunks.split(ins.SerializeToString(), self.chunk_bytes)),
+                                payload_breakdown(ins.payloads))
+        return self._cache[key]
 
-    def instructions(self, organization: str, completed_round: int, wait: float) -> tuple[list[apb.Chunk], int]:
-        """Long-poll: the next instructions for ``organization``, or WAIT after ``wait`` seconds."""
+    def instructions(self, organization: str, completed_round: int,
+                     wait: float) -> tuple[list[apb.Chunk], TrafficBreakdown, int]:
+        """Long-poll: the next instructions for ``organization`` (chunks, payload traffic, round), or WAIT."""
         self._check_member(organization)
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
                 if self.phase == "finished":
-                    return self._simple(apb.ACTION_FINISH), self.round
+                    return self._simple(apb.ACTION_FINISH), TrafficBreakdown(), self.round
                 if organization not in self.pushed and completed_round < self.round:
-                    chunk_list, _, r = self._instructions_locked(organization)
-                    return chunk_list, r
+                    chunk_list, payload_traffic = self._instructions_locked(organization)
+                    return chunk_list, payload_traffic, self.round
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return self._simple(apb.ACTION_WAIT), self.round
+                    return self._simple(apb.ACTION_WAIT), TrafficBreakdown(), self.round
                 self._cond.wait(min(remaining, 1.0))
 
     def _simple(self, action: int) -> list[apb.Chunk]:
@@ -262,20 +261,15 @@ class Run:
         )
         return list(chunks.split(ins.SerializeToString(), self.chunk_bytes))
 
-    def record_down(self, organization: str, round_: int, payload_chunks: list[apb.Chunk],
-                    wire_bytes: int) -> None:
-        """Count an instructions message sent to ``organization`` (traffic attributed to its round)."""
-        if len(payload_chunks) == 1 and len(payload_chunks[0].data) < 64:
-            payloads: list[pb.Payload] = []
-        else:
-            payloads = list(apb.Instructions.FromString(b"".join(c.data for c in payload_chunks)).payloads)
-        from hetfed.wire.traffic import breakdown
-
-        b = breakdown(payloads, wire_bytes, messages=len(payload_chunks))
-        self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, "down", b)
+    def record_traffic(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
+        """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
         with self._cond:
-            if round_ == self.current.round:
-                self.current.down.add(b)
+            self._count_locked(organization, round_, direction, b)
+
+    def _count_locked(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
+        self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
+        if round_ == self.current.round:
+            (self.current.up if direction == "up" else self.current.down).add(b)
 
     # ----------------------------------------------------------------- push
     def push(self, organization: str, round_: int, data: bytes, digest: bytes,
@@ -309,19 +303,19 @@ class Run:
             contract.check_update(self.spec, phase, update.payloads, self.schema, self.max_tensor_elements)
         )
         self.half.validate(phase, organization, payloads)
-        from hetfed.wire.traffic import breakdown
-
-        b = breakdown(update.payloads, wire_bytes, messages=n_chunks)
+        up = breakdown(update.payloads, wire_bytes, messages=n_chunks)
         with self._cond:
             self._check_round_locked(round_)
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
             self.store.write_update(round_, organization, data)
             self._fold(organization, payloads, digest)
-            self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, "up", b)
-            self.current.up.add(b)
+            resp = apb.PushUpdateResponse(accepted=True, duplicate=False, round=round_)
+            # Counted before the round can close, so both belong to this round's record.
+            self._count_locked(organization, round_, "up", up)
+            self._count_locked(organization, round_, "down", with_envelope(TrafficBreakdown(), resp.ByteSize()))
             self._maybe_close_locked()
-            return apb.PushUpdateResponse(accepted=True, duplicate=False, round=round_)
+            return resp
 
     def _check_round_locked(self, round_: int) -> None:
         if self.phase == "finished":

@@ -16,6 +16,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks
 from hetfed.wire.errors import WireError
+from hetfed.wire.traffic import TrafficBreakdown, with_envelope
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, peer_identity
 
 log = logging.getLogger("hetfed.aggregator")
@@ -92,7 +93,11 @@ class AggregatorService(agrpc.AggregatorServicer):
     def Join(self, request: apb.JoinRequest, context: grpc.ServicerContext) -> apb.JoinResponse:
         try:
             org = self._identity(context, request.organization_id)
-            return self._run(request.run_id).join(org, request)
+            run = self._run(request.run_id)
+            resp = run.join(org, request)
+            run.record_traffic(org, resp.current_round, "up", with_envelope(TrafficBreakdown(), request.ByteSize()))
+            run.record_traffic(org, resp.current_round, "down", with_envelope(TrafficBreakdown(), resp.ByteSize()))
+            return resp
         except WireError as err:
             self._reject(context, request.run_id, err)
             raise AssertionError("unreachable") from None
@@ -104,13 +109,17 @@ class AggregatorService(agrpc.AggregatorServicer):
             org = self._identity(context, request.organization_id)
             run = self._run(request.run_id)
             wait = min(max(request.wait_seconds, 0.0), self.config.server.max_pull_wait_seconds)
-            chunk_list, round_ = run.instructions(org, request.completed_round, wait)
+            chunk_list, payload_traffic, round_ = run.instructions(org, request.completed_round, wait)
         except WireError as err:
             self._reject(context, request.run_id, err)
             return
         responses = [apb.PullInstructionsResponse(chunk=c) for c in chunk_list]
-        log.debug("pull %s %s completed=%d -> round %d, %d chunks", run.cfg.id, org, request.completed_round, round_, len(chunk_list))
-        run.record_down(org, round_, chunk_list, sum(r.ByteSize() for r in responses))
+        log.debug("pull %s %s completed=%d -> round %d, %d chunks", run.cfg.id, org, request.completed_round,
+                  round_, len(chunk_list))
+        # The request is traffic too: an envelope-only message up.
+        run.record_traffic(org, round_, "up", with_envelope(TrafficBreakdown(), request.ByteSize(), 1))
+        run.record_traffic(org, round_, "down", with_envelope(
+            payload_traffic, sum(r.ByteSize() for r in responses), len(responses)))
         yield from responses
 
     def PushUpdate(
