@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -21,6 +24,18 @@ from hetfed.wire.payloads import Payload, PayloadKind
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import benchmarks/<name>.py (the benchmarks folder is scripts, not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

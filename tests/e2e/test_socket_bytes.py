@@ -6,28 +6,12 @@ TCP relay (benchmarks/socket_bytes.py), so the comparison is against real socket
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from hetfed.cli.localrun import LocalRunOptions
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """Import benchmarks/<name>.py (the benchmarks folder is scripts, not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import load_benchmark
 
 
 @pytest.mark.e2e
