@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 import torch
 
+from hetfed.client.algorithms.base import ClientContext
+from hetfed.client.algorithms.fedh2l import FedH2LClient
+from hetfed.client.data import DataConfig, load_client_data
 from hetfed.client.losses import (
     ConfidenceWeightedDistillation,
     ConflictProjection,
     assign_flat_grad,
     flat_grad,
 )
+from hetfed.client.models import build_model
+from hetfed.wire.specs import FedH2LConfig
 
 
 def _kl(p: list[float], z: list[float]) -> float:
@@ -144,21 +149,11 @@ def test_flat_gradients_cover_trainable_parameters_with_zeros_for_missing_grads(
 
 def test_client_learn_step_takes_the_projected_gradient() -> None:
     """FedH2LClient.learn hands the second optimiser g̃ = project(g_pub, g_loc), exactly eq. 14's."""
-    from hetfed.client.algorithms.base import ClientContext
-    from hetfed.client.algorithms.fedh2l import FedH2LClient
-    from hetfed.client.data import DataConfig, load_client_data
-    from hetfed.client.models import build_model
-    from hetfed.wire.specs import FedH2LConfig
 
     def node(i: int, project: bool = True) -> FedH2LClient:
-        cfg = FedH2LConfig(optimizer="sgd", lr=0.1, weight_decay=0.0, batch_size=8, project=project)
-        data = load_client_data(DataConfig(dataset="mnist5k", partition="rotated", num_clients=2, client_index=i))
-        model = build_model("mlp", data.input_shape, data.num_classes, seed=i)
-        return FedH2LClient(ClientContext(f"org-{i}", model, data, torch.device("cpu"), cfg, 0))
+        return _node(i, project=project)
 
-    def weights(h: FedH2LClient) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in h.params]).clone()
-
+    weights = _weights
     rng = np.random.default_rng(0)
     teacher_node = node(1)
     teacher_node.local(rng)
@@ -186,3 +181,40 @@ def test_client_learn_step_takes_the_projected_gradient() -> None:
     stats = agreeing.learn((teacher,))
     assert stats["projected"] == 0.0 and agreeing.g_loc is None
     torch.testing.assert_close(weights(agreeing), weights(free))
+
+
+def _node(i: int, **cfg: object) -> FedH2LClient:
+    """An mlp node of a two-domain rotated federation with plain SGD (lr 0.1), so steps are lr·gradient."""
+    config = FedH2LConfig(**{"optimizer": "sgd", "lr": 0.1, "weight_decay": 0.0, "batch_size": 8, **cfg})  # type: ignore[arg-type]
+    data = load_client_data(DataConfig(dataset="mnist5k", partition="rotated", num_clients=2, client_index=i))
+    model = build_model("mlp", data.input_shape, data.num_classes, seed=i)
+    return FedH2LClient(ClientContext(f"org-{i}", model, data, torch.device("cpu"), config, 0))
+
+
+def _weights(node: FedH2LClient) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in node.params]).clone()
+
+
+def test_with_e_local_steps_g_loc_is_the_displacement() -> None:
+    node = _node(0, local_steps=3)
+    w0 = _weights(node)
+    node.local(np.random.default_rng(0))
+    w1 = _weights(node)
+    torch.testing.assert_close(node.g_loc, w0 - w1)
+    # E = 1: g_loc is the gradient itself, and plain SGD moved the weights by lr·g_loc.
+    one = _node(0)
+    w0 = _weights(one)
+    one.local(np.random.default_rng(0))
+    w1 = _weights(one)
+    torch.testing.assert_close(0.1 * one.g_loc, w0 - w1)
+
+
+def test_unlabelled_seed_data_uses_kl_only_and_private_accuracy_as_confidence() -> None:
+    teacher_node, student = _node(1, labelled_seed=False), _node(0, labelled_seed=False)
+    rng = np.random.default_rng(0)
+    teacher_node.local(rng)
+    teacher = teacher_node.teach(rng)
+    assert teacher.teaching_confidence == teacher_node.private_batch_accuracy
+    student.local(rng)
+    stats = student.learn((teacher,))
+    assert stats["loss_ce_pub"] == 0.0 and stats["loss_kl"] > 0

@@ -105,6 +105,8 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from hetfed.cli.bench import run_benchmark
 
+    if args.list or not args.name:
+        return run_benchmark("--list", [])
     return run_benchmark(args.name, args.args)
 
 
@@ -176,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=_cmd_certs)
 
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
-    b.add_argument("name", help="benchmark name (hetfed bench --list)")
+    b.add_argument("name", nargs="?", help="benchmark name (see --list)")
+    b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
     return p

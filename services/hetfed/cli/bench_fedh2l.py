@@ -39,7 +39,8 @@ PAPER = {
     "IND": (68.45, 92.56, 60.47),
     "AGG": (85.25, 92.00, 83.00),
 }
-OPTIMIZER = {"optimizer": "amsgrad", "lr": 1e-3, "weight_decay": 1e-4, "batch_size": 32}
+LR, BATCH = 1e-3, 32
+OPTIMIZER: dict[str, Any] = {"optimizer": "amsgrad", "lr": LR, "weight_decay": 1e-4, "batch_size": BATCH}
 FIGURES = ("acc", "wdp", "cdp")
 
 
@@ -120,8 +121,8 @@ def _throughput(summary: dict[str, Any], probe: ProcessProbe) -> dict[str, float
 
 def _opts(algorithm: str, seed: int, rounds: int, config: dict[str, Any], **kw: Any) -> LocalRunOptions:
     return LocalRunOptions(algorithms=(algorithm,), clients=4, rounds=rounds, partition="rotated", seed=seed,
-                           models=kw.pop("models", DEFAULT_MODELS), lr=OPTIMIZER["lr"], momentum=0.0,
-                           batch_size=OPTIMIZER["batch_size"], quiet=True, timeout=3600,
+                           models=kw.pop("models", DEFAULT_MODELS), lr=LR, momentum=0.0,
+                           batch_size=BATCH, quiet=True, timeout=3600,
                            extra_algorithm_config={algorithm: config}, **kw)
 
 
@@ -207,10 +208,11 @@ def _report(args: argparse.Namespace, seeds: list[int], results: dict[str, list[
     means = {m: [_means(r["per_organization"]) for r in runs] for m, runs in results.items()}
     avg = {m: {k: statistics.fmean(x[k] for x in v) for k in FIGURES} for m, v in means.items()}
     ind, h2l = avg["IND"], avg["FedH2L"]
+    eps = 1e-9  # the means are exact multiples of 1/(test images x nodes x seeds); float sums are not
     claims = {
-        "ACC >= IND + 10": 100 * (h2l["acc"] - ind["acc"]) >= 10,
-        "CDP >= IND + 15": 100 * (h2l["cdp"] - ind["cdp"]) >= 15,
-        "|WDP - IND| <= 1": abs(100 * (h2l["wdp"] - ind["wdp"])) <= 1,
+        "ACC >= IND + 10": 100 * (h2l["acc"] - ind["acc"]) >= 10 - eps,
+        "CDP >= IND + 15": 100 * (h2l["cdp"] - ind["cdp"]) >= 15 - eps,
+        "|WDP - IND| <= 1": abs(100 * (h2l["wdp"] - ind["wdp"])) <= 1 + eps,
     }
     lines = [
         "# FedH2L on Rotated MNIST (MNIST-5k): reproduction",
@@ -244,7 +246,27 @@ def _report(args: argparse.Namespace, seeds: list[int], results: dict[str, list[
     lines.append(f"- WDP: FedH2L {100 * h2l['wdp']:.2f} vs IND {100 * ind['wdp']:.2f} "
                  f"({100 * (h2l['wdp'] - ind['wdp']):+.2f}; claim within 1 point): "
                  f"{'holds' if claims['|WDP - IND| <= 1'] else 'FAILS'}")
-    lines += ["", "Per node (FedH2L vs IND, mean over seeds; WDP / CDP / ACC):", "",
+    wdp_gap = abs(100 * (h2l["wdp"] - ind["wdp"]))
+    if claims["|WDP - IND| <= 1"] and wdp_gap > 0.75:
+        lines.append(f"- The WDP claim holds only at its edge ({wdp_gap:.2f} of the 1 point allowed): FedH2L's models "
+                     "pay a little own-domain accuracy for learning the other domains, as AGG's do.")
+    proj = {k: 100 * (avg["FedH2L"][k] - avg["FedH2L (no project)"][k]) for k in FIGURES}
+    lines.append(f"- Projection (FedH2L minus no project): ACC {proj['acc']:+.2f}, WDP {proj['wdp']:+.2f}, CDP "
+                 f"{proj['cdp']:+.2f} points (paper, Table V: +0.67, +0.66, +0.27)"
+                 + ("; here it does not help." if proj["acc"] <= 0 and proj["wdp"] <= 0 else "."))
+    agg = {k: 100 * (h2l[k] - avg["AGG"][k]) for k in FIGURES}
+    lines.append(f"- FedH2L minus AGG: ACC {agg['acc']:+.2f}, WDP {agg['wdp']:+.2f}, CDP {agg['cdp']:+.2f} points "
+                 "(paper: +3.88, +1.33, +4.72).")
+    lines += ["", "Paired differences against IND, seed by seed (points; the seeds differ in difficulty for every "
+              "method, so these are tighter than the ± above):", "",
+              "| method | ΔACC | ΔWDP | ΔCDP |", "|---|---|---|---|"]
+    for m in ("FedH2L", "FedH2L (no project)", "AGG"):
+        cells = []
+        for k in FIGURES:
+            diffs = [100 * (a[k] - b[k]) for a, b in zip(means[m], means["IND"], strict=True)]
+            cells.append(" / ".join(f"{d:+.2f}" for d in diffs) + f" (mean {statistics.fmean(diffs):+.2f})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Per node (mean over seeds; WDP / CDP / ACC):", "",
               "| node | FedH2L | IND | AGG |", "|---|---|---|---|"]
     for i, model in enumerate(DEFAULT_MODELS):
         org = f"org-{i}"

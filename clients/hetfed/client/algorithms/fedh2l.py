@@ -152,7 +152,7 @@ class FedH2LClient:
     def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
         """learn(t − 1) from the relayed posteriors, then local(t) and teach(t); upload posteriors and metrics."""
         cpu, wall = time.process_time(), time.perf_counter()
-        stats = self.learn(received.get(SP, ()))
+        stats = self.learn(_teachers(received))
         if self.last_eval is None or (round_ - 1) % self.cfg.eval_every == 0:
             self.last_eval = self.ctx.metrics(0.0, evaluated_round=round_ - 1)
         rng = self.ctx.rng(round_seed)
@@ -171,5 +171,11 @@ class FedH2LClient:
 
     def evaluate(self, round_: int, received: dict[PayloadKind, Payload]) -> EvalMetrics:
         """learn(T) from the last relayed posteriors, then the final model on every test set."""
-        stats = self.learn(received.get(SP, ()))
+        stats = self.learn(_teachers(received))
         return self.ctx.metrics(0.0, evaluated_round=round_ - 1, **stats)
+
+
+def _teachers(received: dict[PayloadKind, Payload]) -> tuple[SeedPosteriors, ...]:
+    """The relayed posteriors of a round (the runtime gathers the repeated kind into a tuple)."""
+    got = received.get(SP, ())
+    return tuple(t for t in (got if isinstance(got, tuple) else (got,)) if isinstance(t, SeedPosteriors))
