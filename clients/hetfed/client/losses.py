@@ -140,12 +140,12 @@ class ConflictProjection(nn.Module):
         return (g_pub.double() + v * g_loc64).to(g_pub.dtype), v
 
 
-def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
+def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parameters' gradients as one flat vector; a parameter without a gradient contributes zeros."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def assign_flat_grad(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+def assign_flat_grad(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Set each parameter's gradient from the matching slice of a flat vector (the inverse of flat_grad)."""
     offset = 0
     for p in params:

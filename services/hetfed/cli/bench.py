@@ -11,6 +11,8 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "fedh2l": ("hetfed.cli.bench_fedh2l:main",
                "FedH2L vs IND, AGG and no-projection on Rotated MNIST-5k, heterogeneous nets; bytes vs FedAvg"),
+    "fedcma": ("hetfed.cli.bench_fedcma:main",
+               "Fed-CMA vs Local and head-only FedAvg on MNIST-5k, 20 orgs, CNN+MLP encoders; latent discriminator; bytes vs FedAvg"),
     # name: ("module:function", one-line description)
 }
 

@@ -132,16 +132,20 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
                 ax_z.set_xlim(lo, hi)
                 ax_z.set_ylim(lo, hi)
                 ax_all.scatter(probe_z[:, 0], probe_z[:, 1], c=colors[probe_y], marker=markers[col % 4], s=6,
-                               alpha=0.5, edgecolors="none", label=f"org-{col}")
+                               alpha=0.5, edgecolors="none")
                 ax_all.set_title(f"every org's latents of the shared test set, {stage}", fontsize=8)
                 if bounded:
                     ax_all.set_xlim(0, 1)
                     ax_all.set_ylim(0, 1)
             ax_z.set_title(f"latent space z, {stage}", fontsize=8)
             drawn = True
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color="gray", marker=markers[i % 4], linestyle="", label=f"org-{i}") for i in range(n)]
+    handles += [Line2D([], [], color=colors[k], marker="s", linestyle="", label=f"class {k}") for k in range(4)]
     for s in range(2):
         axes[2 * s, n].axis("off")
-        axes[2 * s + 1, n].legend(fontsize=6, loc="best", markerscale=2)
+        axes[2 * s + 1, n].legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     if not drawn:
         plt.close(fig)
         return None

@@ -213,8 +213,11 @@ def client_config(
         "model": {"name": models[index % len(models)], "latent_dim": opts.latent_dim},
         "retry": {"give_up_after_seconds": 120.0},
     }
-    if opts.dataset == "gauss4":  # the 2-D toy has one fixed split (hetfed.client.toy)
+    if opts.dataset == "gauss4":  # the 2-D toy: one fixed split, flat inputs, a 2-D latent space to draw
         cfg["data"]["partition"] = "natural"
+        if not opts.models and opts.model == "lenet":
+            cfg["model"]["name"] = "mlp"
+        cfg["model"]["latent_dim"] = opts.latent_dim or 2
     if opts.test_split != "proportional":
         cfg["data"]["test_split"] = opts.test_split
     if run_id == "fedcma" or opts.artifacts or opts.dataset == "gauss4":
@@ -270,6 +273,12 @@ def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
         "rounds": rounds,
         "final_test_accuracy": final.get("test_accuracy"),
         "final_global_test_accuracy": final.get("global_test_accuracy"),
+        # Domain partitions (rotated): the mean over organizations of WDP, CDP and ACC in the final report.
+        "final_domain_metrics": {
+            k: sum(m[k] for m in final["per_organization"].values()) / len(final["per_organization"])
+            for k in ("wdp", "cdp", "acc")
+            if final and final["per_organization"] and all(k in m for m in final["per_organization"].values())
+        },
         "bytes_up_total": total_up,
         "bytes_down_total": total_down,
         "bytes_per_train_round": (
@@ -407,6 +416,10 @@ def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
               f"{opts.rounds} rounds, seed {opts.seed}", flush=True)
     results = federate(opts, workdir)
     print(format_table(results))
+    for r in results:
+        if r["final_domain_metrics"]:
+            print(f"{r['algorithm']}: mean over organizations " + "  ".join(
+                f"{k.upper()} {100 * v:.2f}%" for k, v in r["final_domain_metrics"].items()))
     if opts.dataset == "gauss4":
         from hetfed.cli.fedcma_local import plot_gauss4
 

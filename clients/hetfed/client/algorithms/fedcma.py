@@ -20,7 +20,14 @@ from hetfed.client.algorithms.base import ClientContext
 from hetfed.client.data import class_counts
 from hetfed.client.losses import BatchMeanSquaredAlignment, ClassMeanAlignment, HeadConsensusTerm
 from hetfed.client.training import DeviceData, ExtraLoss, fit
-from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, PayloadKind
+from hetfed.wire.payloads import (
+    ClassCounts,
+    ClassMeanEmbeddings,
+    EvalMetrics,
+    HeadWeights,
+    Payload,
+    PayloadKind,
+)
 from hetfed.wire.specs import FedCMAConfig
 
 CME = PayloadKind.CLASS_MEAN_EMBEDDINGS
@@ -140,16 +147,17 @@ class FedCMAClient:
         if head_term is None and align is None:
             return None
         batch = self.fixed_batch() if (align is not None and paper) else None
+        net = self.ctx.model  # the model the shared loop trains (it passes the same one in)
 
         def extra(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
             total = logits.new_zeros(())
             if head_term is not None:
-                total = total + head_term(model.head.weight, model.head.bias)
+                total = total + head_term(net.head.weight, net.head.bias)
             if align is not None:
                 if batch is not None:
-                    total = total + align(model.embed(batch.x), batch.y)
+                    total = total + align(net.embed(batch.x), batch.y)
                 else:
-                    total = total + align(model.embed(x), y)
+                    total = total + align(net.embed(x), y)
             return total
 
         return extra

@@ -1,0 +1,249 @@
+"""Fed-CMA's server half driven with three-element arrays: setup p weights and eq. 7, exact numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetfed.aggregator.algorithms import make_server_half
+from hetfed.aggregator.algorithms.fedcma import FedCMAServer, initial_head, p_weights
+from hetfed.aggregator.store import RunStore
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import codec
+from hetfed.wire.config import ConfigError, from_mapping
+from hetfed.wire.errors import WireError
+from hetfed.wire.payloads import (
+    ClassCounts,
+    ClassMeanEmbeddings,
+    EvalMetrics,
+    HeadWeights,
+    ModelWeights,
+    PayloadKind,
+)
+from hetfed.wire.specs import SPECS, FedCMAConfig
+from tests.conftest import RawClient
+
+CC, CME, HW = PayloadKind.CLASS_COUNTS, PayloadKind.CLASS_MEAN_EMBEDDINGS, PayloadKind.HEAD_WEIGHTS
+# K = 3 classes, d_e = 1: every tensor below has three elements. λ1 = λ2 = 0.5, η = 1: both EMA steps are 0.5.
+CFG = FedCMAConfig(latent_dim=1, num_classes=3, lambda1=0.5, lambda2=0.5, server_lr=1.0)
+COUNTS = {"a": [2, 0, 2], "b": [2, 4, 0], "c": [0, 4, 6]}
+
+
+def cme(means: list[float | None], counts: list[int]) -> ClassMeanEmbeddings:
+    """Class means of three classes (None: the class is absent and its row is zero)."""
+    present = np.array([m is not None for m in means])
+    rows = np.array([[m if m is not None else 0.0] for m in means], np.float32)
+    return ClassMeanEmbeddings(np.arange(3, dtype=np.int64), rows, np.array(counts, np.int64), present)
+
+
+def head(weight: list[float], bias: list[float], n: int = 1) -> HeadWeights:
+    """A head Linear(1, 3)."""
+    return HeadWeights(np.array(weight, np.float32).reshape(3, 1), np.array(bias, np.float32), n)
+
+
+def after_setup(seed: int = 0) -> FedCMAServer:
+    """A server half whose setup round saw the three organizations' counts, with v̄ set to zero."""
+    half = make_server_half("fedcma", CFG, seed)
+    assert isinstance(half, FedCMAServer)
+    assert half.payloads_for("setup", 0, "a") == []
+    for org, counts in COUNTS.items():
+        payloads = {CC: ClassCounts(np.array(counts, np.int64))}
+        half.validate("setup", org, payloads)
+        half.accumulate("setup", org, payloads)
+    half.close_round("setup", 0)
+    half.head_weight = np.zeros((3, 1))
+    half.head_bias = np.zeros(3)
+    return half
+
+
+def push(half: FedCMAServer, org: str, means: list[float | None], weight: list[float], bias: list[float]) -> None:
+    counts = [min(2, c) if m is not None else 0 for m, c in zip(means, COUNTS[org], strict=True)]
+    payloads = {CME: cme(means, counts), HW: head(weight, bias)}
+    half.validate("train", org, payloads)
+    half.accumulate("train", org, payloads)
+
+
+def test_setup_p_weights_are_exact() -> None:
+    p_ik, p_i = p_weights(np.array([COUNTS["a"], COUNTS["b"], COUNTS["c"]]))
+    # n^k = [4, 8, 8], N = 20.
+    np.testing.assert_array_equal(p_ik, [[0.5, 0.0, 0.25], [0.5, 0.5, 0.0], [0.0, 0.5, 0.75]])
+    np.testing.assert_array_equal(p_i, [0.2, 0.3, 0.5])
+    half = after_setup()
+    assert half.organizations == ["a", "b", "c"]
+    np.testing.assert_array_equal(half.p_class, p_ik)
+    np.testing.assert_array_equal(half.p_org, p_i)
+
+
+def test_first_round_carries_zero_means_marked_absent_and_the_seeded_head() -> None:
+    half = make_server_half("fedcma", CFG, 7)
+    for org, counts in COUNTS.items():
+        half.accumulate("setup", org, {CC: ClassCounts(np.array(counts, np.int64))})
+    half.close_round("setup", 0)
+    means, v = half.payloads_for("train", 1, "b")
+    assert isinstance(means, ClassMeanEmbeddings) and isinstance(v, HeadWeights)
+    np.testing.assert_array_equal(means.means, np.zeros((3, 1), np.float32))
+    np.testing.assert_array_equal(means.presence, [False, False, False])
+    np.testing.assert_array_equal(means.counts, [4, 8, 8])  # Σ_j n_j^k: clients derive p_i^k and p_i from it
+    np.testing.assert_array_equal(means.labels, [0, 1, 2])
+    w0, b0 = initial_head(3, 1, 7)
+    np.testing.assert_array_equal(v.weight, w0.astype(np.float32))
+    np.testing.assert_array_equal(v.bias, b0.astype(np.float32))
+    assert np.abs(w0).max() <= 1.0 and np.abs(b0).max() <= 1.0  # U(-1/√d_e, 1/√d_e) with d_e = 1
+    # The same seed gives the same v̄⁰ in every process; another seed another one.
+    np.testing.assert_array_equal(initial_head(3, 1, 7)[0], w0)
+    assert not np.array_equal(initial_head(3, 1, 8)[0], w0)
+    assert half.broadcast  # one payload list for every organization (the engine caches it per round)
+
+
+def test_eq7_with_every_organization_reporting() -> None:
+    half = after_setup()
+    push(half, "a", [0.25, None, 0.5], [1.0, 0.0, -1.0], [1.0, 0.0, 0.0])
+    push(half, "b", [0.75, 0.5, None], [0.0, 2.0, 0.0], [0.0, 1.0, 0.0])
+    push(half, "c", [None, 0.25, 1.0], [2.0, 0.0, 2.0], [0.0, 0.0, 1.0])
+    half.close_round("train", 1)
+    means, v = half.payloads_for("train", 2, "a")
+    # ē^k = 0.5·0 + 0.5·Σ_i p_i^k e_i^k:  k=0: 0.5·0.25 + 0.5·0.75 = 0.5;  k=1: 0.5·0.5 + 0.5·0.25 = 0.375;
+    # k=2: 0.25·0.5 + 0.75·1.0 = 0.875.
+    np.testing.assert_array_equal(half.means, [[0.25], [0.1875], [0.4375]])
+    np.testing.assert_array_equal(means.means, np.array([[0.25], [0.1875], [0.4375]], np.float32))
+    np.testing.assert_array_equal(means.presence, [True, True, True])
+    # v̄ = 0.5·0 + 0.5·(0.2·v_a + 0.3·v_b + 0.5·v_c).
+    np.testing.assert_allclose(half.head_weight, [[0.5 * (0.2 + 1.0)], [0.5 * 0.6], [0.5 * (-0.2 + 1.0)]],
+                               rtol=0, atol=1e-15)
+    np.testing.assert_allclose(half.head_bias, [0.1, 0.15, 0.25], rtol=0, atol=1e-15)
+    assert v.weight.dtype == np.float32 and v.weight.shape == (3, 1)
+
+
+def test_eq7_renormalises_over_the_organizations_that_report_a_class() -> None:
+    half = after_setup()
+    half.means = np.array([[0.25], [0.5], [0.75]])
+    half.present[:] = True
+    # c is a straggler this round; a holds class 0 but does not report it (e.g. its batch was empty).
+    push(half, "a", [None, None, 0.5], [1.0, 1.0, 1.0], [2.0, 0.0, 0.0])
+    push(half, "b", [0.75, 0.25, None], [3.0, 1.0, 1.0], [0.0, 2.0, 0.0])
+    half.close_round("train", 2)
+    # k=0: only b reports -> its p^0 = 0.5 renormalises to 1:  0.5·0.25 + 0.5·0.75 = 0.5.
+    # k=1: only b (p^1 = 0.5 -> 1):  0.5·0.5 + 0.5·0.25 = 0.375.   k=2: only a (0.25 -> 1): 0.5·0.75 + 0.5·0.5.
+    # Without renormalisation k=0 would be pulled toward 0 (0.5·0.25 + 0.5·0.375 = 0.3125).
+    np.testing.assert_array_equal(half.means, [[0.5], [0.375], [0.625]])
+    # v̄: p_a = 0.2, p_b = 0.3 renormalise to 0.4, 0.6:  0.5·(0.4·v_a + 0.6·v_b).
+    np.testing.assert_allclose(half.head_weight, [[0.5 * (0.4 + 1.8)], [0.5], [0.5]], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(half.head_bias, [0.4, 0.6, 0.0], rtol=0, atol=1e-15)
+
+
+def test_a_class_nobody_reports_keeps_its_mean_and_stays_absent() -> None:
+    half = after_setup()
+    push(half, "a", [0.5, None, None], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    push(half, "b", [0.5, None, None], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    half.close_round("train", 1)
+    np.testing.assert_array_equal(half.means, [[0.25], [0.0], [0.0]])
+    np.testing.assert_array_equal(half.present, [True, False, False])
+    # A round without pushes of means (the evaluate phase) changes nothing.
+    half.close_round("evaluate", 2)
+    np.testing.assert_array_equal(half.means, [[0.25], [0.0], [0.0]])
+
+
+def test_state_survives_a_checkpoint_round_trip(tmp_path: object) -> None:
+    half = after_setup(seed=3)
+    push(half, "a", [0.25, None, 0.5], [1.0, 0.0, -1.0], [1.0, 0.0, 0.0])
+    half.close_round("train", 1)
+    store = RunStore(str(tmp_path), "r")
+    store.save_checkpoint({"x": 1}, half.state())
+    _, arrays = store.load_checkpoint()  # type: ignore[misc]
+    other = make_server_half("fedcma", CFG, 99)
+    other.load_state(arrays)
+    assert isinstance(other, FedCMAServer)
+    assert other.organizations == ["a", "b", "c"]
+    np.testing.assert_array_equal(other.p_class, half.p_class)
+    for mine, theirs in zip(half.payloads_for("train", 2, "a"), other.payloads_for("train", 2, "a"), strict=True):
+        for x, y in zip(vars(mine).values(), vars(theirs).values(), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def reason(half: FedCMAServer, phase: str, org: str, payloads: dict) -> str:
+    with pytest.raises(WireError) as err:
+        half.validate(phase, org, payloads)
+    return err.value.reason
+
+
+def test_validate_rejects_shapes_counts_and_unbounded_means() -> None:
+    half = after_setup()
+    good_head = head([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    wide = ClassMeanEmbeddings(np.arange(3), np.zeros((3, 2), np.float32), np.array([1, 0, 1]),
+                               np.array([True, False, True]))
+    assert reason(half, "train", "a", {CME: wide, HW: good_head}) == "shape_mismatch"
+    bad_head = HeadWeights(np.zeros((3, 2), np.float32), np.zeros(3, np.float32))
+    assert reason(half, "train", "a", {CME: cme([0.5, None, 0.5], [1, 0, 1]), HW: bad_head}) == "shape_mismatch"
+    # presence must equal counts > 0
+    lying = ClassMeanEmbeddings(np.arange(3), np.zeros((3, 1), np.float32), np.array([1, 0, 1]),
+                                np.array([True, True, True]))
+    assert reason(half, "train", "a", {CME: lying, HW: good_head}) == "invalid_value"
+    # a reports class 1, which it does not hold (n_a^1 = 0)
+    assert reason(half, "train", "a", {CME: cme([0.5, 0.5, 0.5], [1, 1, 1]), HW: good_head}) == "invalid_value"
+    # latents are sigmoid-bounded
+    assert reason(half, "train", "a", {CME: cme([1.5, None, 0.5], [1, 0, 1]), HW: good_head}) == "invalid_value"
+    # an organization without setup counts has no p weights
+    assert reason(half, "train", "z", {CME: cme([0.5, None, 0.5], [1, 0, 1]), HW: good_head}) == "missing_payload"
+    # setup counts: K int64 entries, non-negative
+    assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1, 2], np.int64))}) == "shape_mismatch"
+    assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1.0, 2.0, 3.0]))}) == "shape_mismatch"
+    assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1, -2, 3], np.int64))}) == "invalid_value"
+    half.validate("train", "a", {CME: cme([0.5, None, 0.5], [1, 0, 1]), HW: good_head})
+
+
+def test_config_requires_0_lt_lambda_eta_le_1() -> None:
+    assert FedCMAConfig().lambda1 * FedCMAConfig().server_lr == pytest.approx(0.45)
+    with pytest.raises(ConfigError, match=r"lambda1·server_lr must lie in \(0, 1\]"):
+        from_mapping(FedCMAConfig, {"lambda1": 2.0, "server_lr": 0.9})
+    with pytest.raises(ConfigError, match="lambda2"):
+        from_mapping(FedCMAConfig, {"lambda2": 0.0})
+    with pytest.raises(ConfigError, match="alignment"):
+        from_mapping(FedCMAConfig, {"alignment": "batch"})
+    assert from_mapping(FedCMAConfig, {"lambda1": 2.0, "lambda2": 2.0, "server_lr": 0.5}).server_lr == 0.5
+
+
+def test_the_spec_is_model_private_and_never_accepts_model_weights() -> None:
+    spec = SPECS["fedcma"]
+    assert spec.model_private and spec.bounded_latent
+    assert spec.setup_upload == {CC}
+    assert spec.upload == {CME, HW, PayloadKind.EVAL_METRICS}
+    assert spec.download == {CME, HW}
+    assert ModelWeights.kind not in spec.upload | spec.download | spec.setup_upload
+
+
+def test_a_restarted_aggregator_resumes_with_the_same_p_weights_and_stored_updates(
+    aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]
+) -> None:
+    """Kill the aggregator after a's round-1 push: the restart keeps n_i^k, v̄⁰ and a's update; eq. 7 is exact."""
+    run = {"id": "r", "algorithm": "fedcma", "organizations": ["a", "b"], "rounds": 2, "seed": 5,
+           "algorithm_config": {"latent_dim": 1, "num_classes": 3, "lambda1": 0.5, "lambda2": 0.5, "server_lr": 1.0}}
+    first = aggregator(run)
+    a, b = raw_client(first.port, "a"), raw_client(first.port, "b")
+    a.join()
+    b.join()
+    a.push(0, [ClassCounts(np.array([2, 0, 2], np.int64))])
+    b.push(0, [ClassCounts(np.array([2, 4, 0], np.int64))])
+    v_a, v_b = head([1.0, 0.0, -1.0], [1.0, 0.0, 0.0], 4), head([0.0, 2.0, 0.0], [0.0, 1.0, 0.0], 6)
+    metrics = EvalMetrics(test_accuracy=0.5, num_test_examples=2)
+    assert a.push(1, [cme([0.25, None, 0.5], [2, 0, 2]), v_a, metrics]).accepted
+    first.stop(grace=0.1)
+
+    second = aggregator(run)
+    a2, b2 = raw_client(second.port, "a"), raw_client(second.port, "b")
+    assert b2.push(1, [cme([0.75, 0.5, None], [2, 2, 0]), v_b, metrics]).accepted
+    ins = a2.pull(completed=1)
+    assert ins.action == apb.ACTION_TRAIN and ins.envelope.round == 2
+    means, v = (codec.payload_from_proto(p) for p in ins.payloads)
+    assert isinstance(means, ClassMeanEmbeddings) and isinstance(v, HeadWeights)
+    # n^k = [4, 4, 2]: p_a^k = [0.5, 0, 1], p_b^k = [0.5, 1, 0]; every target is 0.5, halved by the EMA.
+    np.testing.assert_array_equal(means.means, [[0.25], [0.25], [0.25]])
+    np.testing.assert_array_equal(means.counts, [4, 4, 2])
+    # v̄ = 0.5·v̄⁰ + 0.5·(0.4·v_a + 0.6·v_b), v̄⁰ drawn from the run seed.
+    w0, b0 = initial_head(3, 1, 5)
+    want_w = 0.5 * w0 + 0.5 * (0.4 * v_a.weight + 0.6 * v_b.weight)
+    want_b = 0.5 * b0 + 0.5 * (0.4 * v_a.bias + 0.6 * v_b.bias)
+    np.testing.assert_allclose(v.weight, want_w.astype(np.float32), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(v.bias, want_b.astype(np.float32), rtol=0, atol=1e-7)
