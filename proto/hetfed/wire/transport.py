@@ -14,7 +14,7 @@ from hetfed.wire.config import check
 MAX_GRPC_MESSAGE_BYTES = 64 << 20
 ORGANIZATION_METADATA_KEY = "x-hetfed-organization"
 
-_COMMON_OPTIONS = [
+_COMMON_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),

@@ -24,7 +24,6 @@ from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.store import RunStore
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import payloads_pb2 as pb
 from hetfed.wire import chunks, codec, contract
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, PayloadKind, by_kind

@@ -428,7 +428,7 @@ def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
             if png is not None:
                 print(f"latent spaces and decision boundaries: {png}")
     if opts.output:
-        out = {"options": {k: v for k, v in opts.__dict__.items()}, "runs": results}
+        out = {"options": to_mapping(opts), "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
         print(f"per-round results: {workdir / 'results.json'}")
     return 0

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Protocol
-
-import zlib
 
 import numpy as np
 import torch
