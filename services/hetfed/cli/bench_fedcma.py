@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from hetfed.cli.localrun import LocalRunOptions, federate
+from hetfed.client.diagnostics import discriminator_accuracy
 
 METHODS = ("local", "fedavg_head", "fedcma")
 LABELS = {"local": "Local", "fedavg_head": "head-only FedAvg", "fedcma": "Fed-CMA"}
@@ -53,40 +54,6 @@ def _opts(method: str, alpha: float, seed: int, rounds: int, clients: int) -> Lo
         lr=LR[method], momentum=float(TRAIN["momentum"]), batch_size=int(TRAIN["batch_size"]), quiet=True, timeout=3600,
         extra_algorithm_config={method: config},
     )
-
-
-# ------------------------------------------------------------------------------------------ diagnostics
-def discriminator_accuracy(latents: list[np.ndarray], seed: int = 0, steps: int = 500) -> float:
-    """Held-out accuracy of a linear classifier predicting the organization from z (chance: 1/organizations).
-
-    ``latents[i]`` are organization i's latents of the same probe images; the images are split in half, the
-    classifier is fitted (full-batch Adam on cross-entropy) on one half and scored on the other, so it must
-    tell organizations apart by how their encoders map an image, not by which images they hold.
-    """
-    import torch
-
-    n = latents[0].shape[0]
-    order = np.random.default_rng(seed).permutation(n)
-    train_idx, test_idx = order[: n // 2], order[n // 2 :]
-
-    def stack(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        x = np.concatenate([z[idx] for z in latents]).astype(np.float32)
-        y = np.repeat(np.arange(len(latents)), idx.size)
-        return torch.as_tensor(x), torch.as_tensor(y)
-
-    xtr, ytr = stack(train_idx)
-    xte, yte = stack(test_idx)
-    mu, sd = xtr.mean(0), xtr.std(0) + 1e-6
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        clf = torch.nn.Linear(xtr.shape[1], len(latents))
-        opt = torch.optim.Adam(clf.parameters(), lr=0.05)
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(clf((xtr - mu) / sd), ytr).backward()
-            opt.step()
-        with torch.no_grad():
-            return float((clf((xte - mu) / sd).argmax(1) == yte).float().mean())
 
 
 def _latents(workdir: Path, run_id: str, clients: int) -> list[np.ndarray]:

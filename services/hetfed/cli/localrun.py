@@ -421,7 +421,7 @@ def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
             print(f"{r['algorithm']}: mean over organizations " + "  ".join(
                 f"{k.upper()} {100 * v:.2f}%" for k, v in r["final_domain_metrics"].items()))
     if opts.dataset == "gauss4":
-        from hetfed.cli.fedcma_local import plot_gauss4
+        from hetfed.client.diagnostics import plot_gauss4
 
         for r in results:
             png = plot_gauss4(workdir, r["run"], Path(opts.output or "."))
