@@ -299,11 +299,7 @@ def measure(opts: LocalRunOptions, workdir: Path, timeout: float = 600.0) -> dic
             fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, relay.port))
         deadline = time.monotonic() + timeout
         while True:
-            bad = fed.failed_client()
-            if bad:
-                raise RuntimeError(f"{bad} failed:\n{fed.log_tail(bad)}")
-            if fed.aggregator is not None and fed.aggregator.poll() is not None:
-                raise RuntimeError(f"the aggregator exited:\n{fed.log_tail('aggregator')}")
+            fed.raise_if_failed()
             status = fed.status().runs[0]  # directly on the aggregator's port: never through the relay
             if status.state == apb.RUN_STATE_FINISHED:
                 break

@@ -123,6 +123,14 @@ class LocalFederation:
                 return name
         return None
 
+    def raise_if_failed(self) -> None:
+        """Raise with the log's tail if a client failed or the aggregator exited while a run is in progress."""
+        bad = self.failed_client()
+        if bad:
+            raise RuntimeError(f"{bad} failed:\n{self.log_tail(bad)}")
+        if self.aggregator is not None and self.aggregator.poll() is not None:
+            raise RuntimeError(f"the aggregator exited:\n{self.log_tail('aggregator')}")
+
     def status(self, timeout: float = 10.0) -> apb.StatusResponse:
         """The aggregator's Status of every run."""
         with make_channel(f"127.0.0.1:{self.port}", self.tls) as ch:
@@ -352,11 +360,7 @@ def federate(opts: LocalRunOptions, workdir: Path,
         tty = sys.stdout.isatty() and not opts.quiet
         last: dict[str, str] = {}
         while True:
-            bad = fed.failed_client()
-            if bad:
-                raise RuntimeError(f"{bad} failed:\n{fed.log_tail(bad)}")
-            if fed.aggregator is not None and fed.aggregator.poll() is not None:
-                raise RuntimeError(f"the aggregator exited:\n{fed.log_tail('aggregator')}")
+            fed.raise_if_failed()
             status = fed.status()
             if on_status is not None:
                 on_status(fed, status)
