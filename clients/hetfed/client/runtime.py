@@ -203,13 +203,13 @@ class ClientRuntime:
 
         # The declaration depends only on shapes, so a model built with seed 0 describes it.
         self._train_config = self.spec.config_type()
-        shape_ctx = ClientContext(cfg.organization, build(0), data, device, self._train_config, 0)
-        shape_half = make_client_half(self.algorithm, shape_ctx)
-        joined = self._join(shape_half.declared(), self._seed_set(data))
+        ctx = ClientContext(cfg.organization, build(0), data, device, self._train_config, 0)
+        joined = self._join(make_client_half(self.algorithm, ctx).declared(), self._seed_set(data))
         train_config = from_mapping(self.spec.config_type, json.loads(joined.algorithm_config_json),
                                     f"runs[{cfg.run}].algorithm_config")
         self._train_config = train_config
-        ctx = ClientContext(cfg.organization, build(int(joined.seed)), data, device, train_config, int(joined.seed))
+        # The run's seed fixes the initial weights; the data stays where it was copied to the device, once.
+        ctx.model, ctx.config, ctx.seed = build(int(joined.seed)), train_config, int(joined.seed)
         half = make_client_half(self.algorithm, ctx)
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, self.algorithm,
                  joined.current_round, device)
