@@ -271,6 +271,12 @@ class Run:
             (self.current.up if direction == "up" else self.current.down).add(b)
 
     # ----------------------------------------------------------------- push
+    def admit_push(self, organization: str, round_: int) -> None:
+        """Refuse a push from a non-member or for another round before its chunks are read."""
+        self._check_member(organization)
+        with self._cond:
+            self._check_round_locked(round_)
+
     def push(self, organization: str, round_: int, data: bytes, digest: bytes,
              wire_bytes: int, n_chunks: int) -> apb.PushUpdateResponse:
         """Check, persist and fold in an update; idempotent by (run, round, organization)."""

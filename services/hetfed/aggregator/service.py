@@ -133,9 +133,7 @@ class AggregatorService(agrpc.AggregatorServicer):
             run_id = first.run_id
             org = self._identity(context, first.organization_id)
             run = self._run(run_id)
-            with run._cond:
-                run._check_member(org)
-                run._check_round_locked(first.round)
+            run.admit_push(org, first.round)  # refuse a stale or foreign push before reading its chunks
             assembler = chunks.Reassembler(self.config.server.max_update_bytes)
             wire_bytes, n = 0, 0
             req: apb.PushUpdateRequest | None = first
