@@ -61,6 +61,9 @@ class ClientConfig:
     # Where this client writes local artifacts for its operator (model snapshots, probe latents;
     # hetfed.client.artifacts). Nothing written here is ever sent. None: write nothing.
     output_dir: str | None = None
+    # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
+    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
+    report_timing: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.organization), "organization must not be empty")

@@ -13,7 +13,7 @@ from prometheus_client import start_http_server
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.service import AggregatorService
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
+from hetfed.wire.rpc import add_aggregator_handler
 from hetfed.wire.transport import make_server
 
 log = logging.getLogger("hetfed.aggregator")
@@ -50,7 +50,7 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
     metrics = AggregatorMetrics()
     service = AggregatorService(config, metrics)
     server, port = make_server(config.server.listen, config.server.tls)
-    agrpc.add_AggregatorServicer_to_server(service, server)
+    add_aggregator_handler(server, service)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     http = None

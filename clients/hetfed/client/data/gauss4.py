@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetfed.client.data import ArrayDataset, ClientData
+from hetfed.client.data.config import DataConfig
+from hetfed.client.data.core import ArrayDataset, ClientData
 
 GAUSS4_MEANS = np.array([[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]])
 GAUSS4_VARIANCE = 0.8
@@ -45,7 +46,12 @@ def _counts(total: int, mix: np.ndarray) -> np.ndarray:
     return counts
 
 
-def load_gauss4(num_clients: int, client_index: int, seed: int) -> ClientData:
+def load_gauss4(cfg: DataConfig) -> ClientData:
+    """Organization ``cfg.client_index``'s share of the toy (the last of ``cfg.num_clients`` is the scarce one)."""
+    return gauss4_share(cfg.num_clients, cfg.client_index, cfg.seed)
+
+
+def gauss4_share(num_clients: int, client_index: int, seed: int) -> ClientData:
     """Client ``client_index``'s share of the gauss4 toy (the last of ``num_clients`` is the scarce one)."""
     scarce = num_clients > 1 and client_index == num_clients - 1
     mix = gauss4_label_mix(client_index)

@@ -17,39 +17,39 @@ over them (the paper's g_loc_E − g_loc_0); the global step and the exchange ha
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from hetfed.client.algorithms.base import ClientContext
-from hetfed.client.losses import (
-    ConfidenceWeightedDistillation,
-    ConflictProjection,
-    assign_flat_grad,
-    flat_grad,
+from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.fedh2l.losses import ConfidenceWeightedDistillation, ConflictProjection
+from hetfed.client.losses import assign_flat_grad, flat_grad
+from hetfed.client.training import (
+    Batch,
+    Forward,
+    Objective,
+    cross_entropy,
+    eval_mode,
+    fit,
+    make_optimizer,
+    sampled_batches,
+    trainable,
 )
-from hetfed.client.training import make_optimizer
-from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, SeedPosteriors
-from hetfed.wire.specs import FedH2LConfig
-
-SP = PayloadKind.SEED_POSTERIORS
+from hetfed.wire.payloads import EvalMetrics, Payload, Received, SeedPosteriors
+from hetfed.wire.specs.fedh2l import FedH2LConfig
 
 
-class FedH2LClient:
+class FedH2LClient(ClientHalf[FedH2LConfig]):
     """One FedH2L node: a private model of any architecture, two optimisers, the shared seed set."""
 
-    def __init__(self, ctx: ClientContext) -> None:
-        if not isinstance(ctx.config, FedH2LConfig):
-            raise TypeError(f"FedH2LClient needs a FedH2LConfig, got {type(ctx.config).__name__}")
+    def __init__(self, ctx: ClientContext[FedH2LConfig]) -> None:
+        super().__init__(ctx)
         public = ctx.data.public
         if public is None:
             raise ValueError(f"fedh2l needs a seed set, and the data {ctx.data.name!r} has none; "
                              "use data.partition 'rotated'")
-        self.ctx = ctx
-        self.cfg: FedH2LConfig = ctx.config
-        self.params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self.cfg = ctx.config
+        self.params = trainable(ctx.model)
         self.opt_local = make_optimizer(self.params, self.cfg)
         self.opt_global = make_optimizer(self.params, dataclasses.replace(self.cfg, lr=self.cfg.global_lr or self.cfg.lr))
         self.seed_set_id = public.id
@@ -63,54 +63,34 @@ class FedH2LClient:
         self.g_loc: torch.Tensor | None = None  # g_loc of the last local step(s), waiting for its learn step
         self.private_batch_accuracy = 0.0
         self.last_eval: EvalMetrics | None = None
-        # Process CPU and wall time spent inside train(): what a benchmark compares with the whole run's.
-        self.train_cpu_seconds = 0.0
-        self.train_wall_seconds = 0.0
-
-    def declared(self) -> list[tuple[PayloadKind, str, np.ndarray]]:
-        """No shared tensor schema: posteriors are checked by the server half."""
-        return []
-
-    def setup(self, round_seed: int) -> list[Payload]:
-        """No setup phase."""
-        return []
 
     # ------------------------------------------------------------------ Algorithm 1's steps
     def local(self, rng: np.random.Generator) -> float:
         """E local steps on private batches (eqs. 1-2); keeps g_loc for the next learn step."""
-        data, model = self.ctx.train, self.ctx.model
-        model.train()
-        e = self.cfg.local_steps
+        model, e = self.ctx.model, self.cfg.local_steps
         start = torch.cat([p.detach().reshape(-1) for p in self.params]) if e > 1 else None
-        total = 0.0
-        for _ in range(e):
-            idx = torch.as_tensor(rng.choice(len(data), size=min(self.cfg.batch_size, len(data)), replace=False),
-                                  device=data.x.device)
-            x, y = data.x[idx], data.y[idx]
-            loss = F.cross_entropy(model(x), y)
-            self.opt_local.zero_grad(set_to_none=True)
-            loss.backward()
-            if e == 1:
-                self.g_loc = flat_grad(self.params).detach().clone()
-            self.opt_local.step()
-            total += float(loss.detach())
+
+        def keep_local_gradient() -> None:  # E = 1: g_loc is the local step's gradient (eq. 2)
+            self.g_loc = flat_grad(self.params).detach().clone()
+
+        batches = list(sampled_batches(self.ctx.train, self.cfg.batch_size, e, rng))
+        result = fit([Objective(model, self.opt_local, [cross_entropy],
+                                before_step=keep_local_gradient if e == 1 else None)], batches)
         if start is not None:
             self.g_loc = start - torch.cat([p.detach().reshape(-1) for p in self.params])
         if not self.cfg.labelled_seed:  # unlabelled seed data: confidence from the labels the node owns
-            with torch.no_grad():
-                model.eval()
-                self.private_batch_accuracy = float((model(x).argmax(1) == y).float().mean())
-                model.train()
-        return total / e
+            last = batches[-1]
+            with torch.no_grad(), eval_mode(model):
+                self.private_batch_accuracy = float((model(last.x).argmax(1) == last.y).float().mean())
+        return result.loss
 
     @torch.no_grad()
     def teach(self, rng: np.random.Generator) -> SeedPosteriors:
         """Posteriors p_i^pub(i) and Acc_i on a batch of the own domain's part of D_pub (eval mode)."""
         idx = np.sort(rng.choice(self.own_part, size=min(self.cfg.batch_size, self.own_part.size), replace=False))
         model = self.ctx.model
-        model.eval()
-        logits = model(self.pub_x[torch.as_tensor(idx, device=self.pub_x.device)])
-        model.train()
+        with eval_mode(model):
+            logits = model(self.pub_x[torch.as_tensor(idx, device=self.pub_x.device)])
         probs = torch.softmax(logits.float(), dim=1)
         if self.cfg.labelled_seed:
             confidence = float((logits.argmax(1) == self.pub_y[torch.as_tensor(idx, device=self.pub_y.device)]).float().mean())
@@ -132,50 +112,45 @@ class FedH2LClient:
                                  f"({t.indices.size} indices, probabilities {list(t.probabilities.shape)})")
         device = self.pub_x.device
         idx = [torch.from_numpy(np.array(t.indices, dtype=np.int64)).to(device) for t in teachers]
-        model = self.ctx.model
-        model.train()
-        logits = model(self.pub_x[torch.cat(idx)]).split([i.numel() for i in idx])
         probs = [torch.from_numpy(np.array(t.probabilities, dtype=np.float32)).to(device) for t in teachers]
         labels = [self.pub_y[i] for i in idx] if self.cfg.labelled_seed else None
-        loss, kl, ce = self.distill(list(logits), probs, [t.teaching_confidence for t in teachers], labels)
-        self.opt_global.zero_grad(set_to_none=True)
-        loss.backward()
-        g_pub = flat_grad(self.params)
-        g_tilde, v = self.project(g_pub, self.g_loc) if self.cfg.project else (g_pub, 0.0)
-        assign_flat_grad(self.params, g_tilde)
-        self.opt_global.step()
+        sizes = [i.numel() for i in idx]
+        stats: dict[str, float] = {"teachers": float(len(teachers))}
+
+        def distillation(batch: Batch, out: Forward) -> torch.Tensor:  # ℓ_KL + ℓ_CE on the teachers' batches
+            loss, kl, ce = self.distill(list(out.logits.split(sizes)), probs,
+                                        [t.teaching_confidence for t in teachers], labels)
+            stats.update(loss_kl=float(kl.detach()), loss_ce_pub=float(ce.detach()))
+            return loss
+
+        def project() -> None:  # g̃ from g_pub and g_loc (eq. 14), then the global step takes g̃
+            assert self.g_loc is not None
+            g_pub = flat_grad(self.params)
+            g_tilde, v = self.project(g_pub, self.g_loc) if self.cfg.project else (g_pub, 0.0)
+            assign_flat_grad(self.params, g_tilde)
+            stats.update(projected=float(v > 0), projection_v=v)
+
+        at = torch.cat(idx)
+        seed_batch = Batch(self.pub_x[at], self.pub_y[at])
+        fit([Objective(self.ctx.model, self.opt_global, [distillation], before_step=project)], [seed_batch])
         self.g_loc = None
-        return {"teachers": float(len(teachers)), "loss_kl": float(kl.detach()), "loss_ce_pub": float(ce.detach()),
-                "projected": float(v > 0), "projection_v": v}
+        return stats
 
     # ------------------------------------------------------------------ hooks
-    def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
+    def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """learn(t − 1) from the relayed posteriors, then local(t) and teach(t); upload posteriors and metrics."""
-        cpu, wall = time.process_time(), time.perf_counter()
-        stats = self.learn(_teachers(received))
+        stats = self.learn(received.all(SeedPosteriors))
         if self.last_eval is None or (round_ - 1) % self.cfg.eval_every == 0:
             self.last_eval = self.ctx.metrics(0.0, evaluated_round=round_ - 1)
         rng = self.ctx.rng(round_seed)
         loss = self.local(rng)
         posteriors = self.teach(rng)
         m = self.last_eval
-        now = time.process_time()
-        self.train_cpu_seconds += now - cpu
-        self.train_wall_seconds += time.perf_counter() - wall
         metrics = dataclasses.replace(m, train_loss=loss, extra={
-            **m.extra, **stats, "teaching_confidence": posteriors.teaching_confidence,
-            "train_cpu_seconds": self.train_cpu_seconds, "train_wall_seconds": self.train_wall_seconds,
-            "process_cpu_seconds": now,
-        })
+            **m.extra, **stats, "teaching_confidence": posteriors.teaching_confidence})
         return [posteriors, metrics]
 
-    def evaluate(self, round_: int, received: dict[PayloadKind, Payload]) -> EvalMetrics:
+    def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """learn(T) from the last relayed posteriors, then the final model on every test set."""
-        stats = self.learn(_teachers(received))
-        return self.ctx.metrics(0.0, evaluated_round=round_ - 1, **stats)
-
-
-def _teachers(received: dict[PayloadKind, Payload]) -> tuple[SeedPosteriors, ...]:
-    """The relayed posteriors of a round (the runtime gathers the repeated kind into a tuple)."""
-    got = received.get(SP, ())
-    return tuple(t for t in (got if isinstance(got, tuple) else (got,)) if isinstance(t, SeedPosteriors))
+        stats = self.learn(received.all(SeedPosteriors))
+        return self.ctx.metrics(0.0, evaluated_round=round_ - 1, extra=stats)

@@ -17,8 +17,10 @@ import math
 
 import numpy as np
 
-from hetfed.client.data import ArrayDataset, ClientData, DataConfig, _load_mnist5k
-from hetfed.client.seedset import SeedSet
+from hetfed.client.data.config import DataConfig
+from hetfed.client.data.core import ArrayDataset, ClientData
+from hetfed.client.data.images import load_mnist5k
+from hetfed.client.data.seedset import SeedSet
 
 PER_CLASS = 100
 ROTATION_STEP = 20.0
@@ -55,7 +57,7 @@ def rotate_clockwise(images: np.ndarray, degrees: float) -> np.ndarray:
 @functools.lru_cache(maxsize=4)
 def _domains(seed: int, num_domains: int, public_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images uint8 [D, n, 1, 28, 28], labels [n], roles [n]) of every domain; same base image order in each."""
-    x, y = _load_mnist5k()
+    x, y = load_mnist5k()
     rng = np.random.default_rng((seed, _STREAM_BASE))
     base = np.concatenate([np.sort(rng.choice(np.flatnonzero(y == c), PER_CLASS, replace=False))
                            for c in range(int(y.max()) + 1)])

@@ -16,34 +16,40 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from hetfed.client.algorithms.base import ClientContext
-from hetfed.client.data import class_counts
-from hetfed.client.losses import BatchMeanSquaredAlignment, ClassMeanAlignment, HeadConsensusTerm
-from hetfed.client.training import DeviceData, ExtraLoss, fit
-from hetfed.wire.payloads import (
-    ClassCounts,
-    ClassMeanEmbeddings,
-    EvalMetrics,
-    HeadWeights,
-    Payload,
-    PayloadKind,
+from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.fedcma.losses import (
+    BatchMeanSquaredAlignment,
+    ClassMeanAlignment,
+    HeadConsensusTerm,
 )
-from hetfed.wire.specs import FedCMAConfig
+from hetfed.client.data import class_counts
+from hetfed.client.training import (
+    Batch,
+    DeviceData,
+    Forward,
+    LossTerm,
+    Objective,
+    cross_entropy,
+    epoch_batches,
+    eval_mode,
+    evaluate,
+    fit,
+    make_optimizer,
+    trainable,
+)
+from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, Received
+from hetfed.wire.specs.fedcma import FedCMAConfig
 
-CME = PayloadKind.CLASS_MEAN_EMBEDDINGS
-HW = PayloadKind.HEAD_WEIGHTS
 # Stream of (run seed, organization) that draws the fixed batches B_i^k: the same after a restart.
 _BATCH_STREAM = 0xB1C
 
 
-class FedCMAClient:
+class FedCMAClient(ClientHalf[FedCMAConfig]):
     """Fed-CMA worker: private encoder and head, class-conditional alignment to the global means."""
 
-    def __init__(self, ctx: ClientContext) -> None:
-        if not isinstance(ctx.config, FedCMAConfig):
-            raise TypeError(f"Fed-CMA needs a FedCMAConfig, got {type(ctx.config).__name__}")
-        self.ctx = ctx
-        self.cfg: FedCMAConfig = ctx.config
+    def __init__(self, ctx: ClientContext[FedCMAConfig]) -> None:
+        super().__init__(ctx)
+        self.cfg = ctx.config
         self.counts = class_counts(ctx.data.train.y, ctx.data.num_classes)
         self._batch: DeviceData | None = None
         self._batch_sizes = np.zeros(ctx.data.num_classes, dtype=np.int64)
@@ -55,10 +61,6 @@ class FedCMAClient:
         self.global_head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ setup
-    def declared(self) -> list[tuple[PayloadKind, str, np.ndarray]]:
-        """Nothing is declared at Join: the aggregator checks shapes against K and d_e of the run's config."""
-        return []
-
     def _check_model(self) -> None:
         model, k = self.ctx.model, self.ctx.data.num_classes
         if model.latent_dim != self.cfg.latent_dim or k != self.cfg.num_classes:
@@ -90,15 +92,15 @@ class FedCMAClient:
         return [ClassCounts(self.counts.copy())]
 
     # ------------------------------------------------------------------ rounds
-    def _receive(self, received: dict[PayloadKind, Payload]) -> None:
+    def _receive(self, received: Received) -> None:
         dev = self.ctx.device
-        cme = received.get(CME)
-        if isinstance(cme, ClassMeanEmbeddings):
+        cme = received.maybe(ClassMeanEmbeddings)
+        if cme is not None:
             self.global_means = torch.as_tensor(np.array(cme.means, dtype=np.float32), device=dev)
             self.global_present = torch.as_tensor(np.array(cme.presence, dtype=bool), device=dev)
             self.class_totals = np.array(cme.counts, dtype=np.int64)
-        hw = received.get(HW)
-        if isinstance(hw, HeadWeights):
+        hw = received.maybe(HeadWeights)
+        if hw is not None:
             weight = torch.as_tensor(np.array(hw.weight, dtype=np.float32), device=dev)
             bias = torch.as_tensor(np.array(hw.bias, dtype=np.float32), device=dev)
             self.global_head = (weight, bias)
@@ -125,52 +127,41 @@ class FedCMAClient:
             and bool(self.global_means.abs().sum() > 0)
         )
 
-    def objective(self) -> ExtraLoss | None:
-        """The terms eq. 5 adds to the cross-entropy, as an extra loss for the shared training loop."""
+    def terms(self) -> list[LossTerm]:
+        """Eq. 5 as loss terms: cross-entropy, the head consensus to v̄, the alignment to ē (when active)."""
         dev = self.ctx.device
         p_class, p_org = self.p_weights()
         paper = self.cfg.alignment == "paper"
-        head_term = None
+        net = self.ctx.model
+        terms: list[LossTerm] = [cross_entropy]
         if self.global_head is not None:
             scale = 0.5 * self.cfg.lambda1 * p_org if paper else self.cfg.lambda1
             head_term = HeadConsensusTerm(scale, *self.global_head)
-        align: ClassMeanAlignment | BatchMeanSquaredAlignment | None = None
+            terms.append(lambda batch, out: head_term(net.head.weight, net.head.bias))
         if self.alignment_active():
             assert self.global_means is not None and self.global_present is not None
             if paper:
-                self.fixed_batch()
+                fixed = self.fixed_batch()
                 sizes = np.maximum(self._batch_sizes, 1).astype(np.float64)
                 weight = torch.as_tensor(p_class / sizes, dtype=torch.float32, device=dev)
                 align = ClassMeanAlignment(self.cfg.lambda2, self.global_means, weight, self.global_present)
+
+                def over_fixed_batches(batch: Batch, out: Forward) -> torch.Tensor:
+                    return align(net.embed(fixed.x), fixed.y)
+
+                terms.append(over_fixed_batches)
             else:
-                align = BatchMeanSquaredAlignment(self.cfg.lambda2, self.global_means, self.global_present)
-        if head_term is None and align is None:
-            return None
-        batch = self.fixed_batch() if (align is not None and paper) else None
-        net = self.ctx.model  # the model the shared loop trains (it passes the same one in)
-
-        def extra(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            total = logits.new_zeros(())
-            if head_term is not None:
-                total = total + head_term(net.head.weight, net.head.bias)
-            if align is not None:
-                if batch is not None:
-                    total = total + align(net.embed(batch.x), batch.y)
-                else:
-                    total = total + align(net.embed(x), y)
-            return total
-
-        return extra
+                current = BatchMeanSquaredAlignment(self.cfg.lambda2, self.global_means, self.global_present)
+                terms.append(lambda batch, out: current(net.embed(batch.x), batch.y))
+        return terms
 
     @torch.no_grad()
     def class_means(self) -> ClassMeanEmbeddings:
         """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows."""
         batch = self.fixed_batch()
         model = self.ctx.model
-        was_training = model.training
-        model.eval()
-        z = model.embed(batch.x).double()
-        model.train(was_training)
+        with eval_mode(model):
+            z = model.embed(batch.x).double()
         k = self.ctx.data.num_classes
         sums = torch.zeros(k, z.shape[1], dtype=torch.float64, device=z.device).index_add_(0, batch.y, z)
         sizes = torch.as_tensor(self._batch_sizes, dtype=torch.float64, device=z.device)
@@ -184,28 +175,26 @@ class FedCMAClient:
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
                            len(self.ctx.train))
 
-    def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
+    def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Eq. 6 on eq. 5 for the round's local steps, then upload e_i (over B_i^k) and v_i."""
+        ctx = self.ctx
         self._check_model()
         self._receive(received)
         active = self.alignment_active()
-        loss = fit(self.ctx.model, self.ctx.train, self.cfg, self.ctx.rng(round_seed), self.objective())
-        metrics = self.ctx.metrics(loss, evaluated_round=round_, alignment_active=float(active))
+        opt = make_optimizer(trainable(ctx.model), self.cfg)
+        result = fit([Objective(ctx.model, opt, self.terms())], epoch_batches(ctx.train, self.cfg, ctx.rng(round_seed)))
+        metrics = ctx.metrics(result.loss, evaluated_round=round_, extra={"alignment_active": float(active)})
         return [self.class_means(), self.head(), metrics]
 
-    @torch.no_grad()
     def _global_head_accuracy(self) -> float:
         if self.global_head is None or len(self.ctx.test) == 0:
             return 0.0
-        model = self.ctx.model
-        was_training = model.training
-        model.eval()
-        logits = F.linear(model.embed(self.ctx.test.x), *self.global_head)
-        model.train(was_training)
-        return float((logits.argmax(dim=1) == self.ctx.test.y).float().mean())
+        model, head = self.ctx.model, self.global_head
+        return evaluate(model, self.ctx.test,
+                        predict=lambda x: torch.log_softmax(F.linear(model.embed(x), *head), dim=1))[0]
 
-    def evaluate(self, round_: int, received: dict[PayloadKind, Payload]) -> EvalMetrics:
+    def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The organization's own model (private encoder, personal head); also its encoder with v̄."""
         self._receive(received)
         return self.ctx.metrics(0.0, evaluated_round=round_ - 1,
-                                global_head_test_accuracy=self._global_head_accuracy())
+                                extra={"global_head_test_accuracy": self._global_head_accuracy()})
