@@ -60,7 +60,7 @@ class ClientRuntime:
     def __init__(self, config: ClientConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry or CollectorRegistry()
-        self.traffic = TrafficMetrics(self.registry)
+        self.traffic = TrafficMetrics(self.registry, "client")
         self.train_loss = Gauge("hetfed_client_train_loss", "Training loss of the last round",
                                 ["run", "algorithm", "organization"], registry=self.registry)
         self.test_accuracy = Gauge("hetfed_client_test_accuracy", "Test accuracy reported in the last round",
@@ -246,6 +246,8 @@ class ClientRuntime:
                     self.test_accuracy.labels(*labels).set(p.test_accuracy)
             self.round_gauge.labels(*labels).set(round_)
         self._channel.close()
+        if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
+            time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
         return self.reports
 
     def _seed_set(self, data: object) -> apb.DatasetFingerprint | None:
