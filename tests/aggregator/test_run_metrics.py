@@ -65,7 +65,8 @@ def test_run_families_survive_a_restart_and_match_the_history(
     status = a.stub.Status(apb.StatusRequest(run_id="r"), timeout=5).runs[0]
     # The open evaluate round has had no traffic yet: the run's bytes are the closed round's.
     assert by_kind(before) == history_bytes(status)
-    assert value(agg, "hetfed_run_rounds_closed_total") == 1
+    assert value(agg, "hetfed_run_rounds_closed_total", phase="train") == 1
+    assert value(agg, "hetfed_run_rounds_closed_total", phase="evaluate") == 0
     assert value(agg, "hetfed_run_test_accuracy") == (0.5 * 1 + 1.0 * 3) / 4
     assert value(agg, "hetfed_run_fedavg_reference_bytes_total") == 2 * 2 * 12
     assert value(agg, "hetfed_run_finished") == 0
@@ -94,7 +95,8 @@ def test_run_families_survive_a_restart_and_match_the_history(
     assert value(agg, "hetfed_run_finished") == 1
     assert value(agg, "hetfed_run_final_test_accuracy") == 0.5
     assert value(agg, "hetfed_run_round_age_seconds") == 0
-    assert value(agg, "hetfed_run_rounds_closed_total") == 2
+    assert value(agg, "hetfed_run_rounds_closed_total", phase="train") == 1
+    assert value(agg, "hetfed_run_rounds_closed_total", phase="evaluate") == 1
     after = run_bytes(agg)
     assert by_kind(after) == history_bytes(status)
     assert {k[0] for k in after} == {"train", "evaluate"}

@@ -69,8 +69,8 @@ class RunMetricsCollector(Collector):
                 "hetfed_run_bytes", "Serialized bytes of the run so far (closed rounds from the persisted history, "
                 "plus the open round), by phase, direction and payload kind",
                 labels=[*rl, "phase", "direction", "payload_kind"]),
-            "rounds": CounterMetricFamily("hetfed_run_rounds_closed", "Rounds of the run closed so far (every phase)",
-                                          labels=rl),
+            "rounds": CounterMetricFamily("hetfed_run_rounds_closed", "Rounds of the run closed so far, by phase",
+                                          labels=[*rl, "phase"]),
             "fedavg": CounterMetricFamily(
                 "hetfed_run_fedavg_reference_bytes", "What FedAvg with the model the run declares "
                 "(fedavg_model_bytes) would have moved in the run's closed train rounds: 2 x clients x model bytes",
@@ -121,7 +121,8 @@ class RunMetricsCollector(Collector):
                     totals[key] = totals.get(key, 0) + c.bytes
         for (ph, direction, kind), n in sorted(totals.items()):
             f["bytes"].add_metric([*labels, ph, direction, kind], n)
-        f["rounds"].add_metric(labels, len(history))
+        for ph in ("setup", "train", "evaluate"):
+            f["rounds"].add_metric([*labels, ph], sum(1 for rec in history if rec.phase == ph))
         model_bytes = run.cfg.fedavg_model_bytes
         if model_bytes:
             ref = sum(2 * rec.clients * model_bytes for rec in history if rec.phase == "train")

@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from hetfed.cli import report
+
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
@@ -82,6 +84,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         wire_dtype=args.wire_dtype,
         timeout=args.timeout,
         tls=args.tls,
+        metrics_linger=args.metrics_linger,
+        report=not args.no_report,
     )
     return run_local(opts)
 
@@ -160,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     r.add_argument("--tls", action="store_true",
                    help="generate a CA and certificates in the run directory and federate over mTLS")
+    r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
+                   "lists every endpoint (file_sd), and processes keep serving SECONDS after the run (default 0: off)")
+    r.add_argument("--no-report", action="store_true", help="do not write report.png and report.md with --output")
     r.set_defaults(func=_cmd_run)
 
     k = sub.add_parser(
@@ -176,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     k.add_argument("--force", action="store_true", help="replace existing files")
     k.set_defaults(func=_cmd_certs)
+
+    report.add_parser(sub)
 
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
     b.add_argument("name", nargs="?", help="benchmark name (see --list)")

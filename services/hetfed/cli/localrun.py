@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfed.cli.report import write_report
+from hetfed.cli.scrape import client_metrics, declare_fedavg_reference
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire.config import to_mapping
@@ -62,6 +64,10 @@ class LocalRunOptions:
     quiet: bool = False
     # Federate over mTLS with certificates generated into <workdir>/certs.
     tls: bool = False
+    # > 0: set up for a Prometheus (client metrics, <workdir>/prometheus-targets.json; hetfed.cli.scrape).
+    metrics_linger: float = 0.0
+    # Write report.png and report.md (hetfed.cli.report) next to results.json.
+    report: bool = True
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -186,6 +192,7 @@ def aggregator_config(opts: LocalRunOptions, state_dir: str, tls: TlsConfig | No
             from hetfed.cli.fedcma_local import fedcma_run_defaults
 
             fedcma_run_defaults(runs[-1], opts)
+    declare_fedavg_reference(runs, opts)
     server: dict[str, Any] = {
         "listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir,
     }
@@ -352,11 +359,14 @@ def federate(opts: LocalRunOptions, workdir: Path,
     started = time.monotonic()
     try:
         fed.start_aggregator(aggregator_config(opts, str(workdir / "state"), certs.aggregator_tls() if certs else None))
+        scrape = client_metrics(opts, workdir, fed.metrics_port, [f"client-{a.replace('_', '-')}-org-{i}"
+                                                                  for a in opts.algorithms for i in range(opts.clients)])
         for algo in opts.algorithms:
             run_id = algo.replace("_", "-")
             for i in range(opts.clients):
                 client_tls = certs.client_tls(f"org-{i}") if certs else None
-                fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, fed.port, client_tls))
+                name = f"client-{run_id}-org-{i}"
+                fed.start_client(name, {**client_config(opts, run_id, i, fed.port, client_tls), **scrape.get(name, {})})
         tty = sys.stdout.isatty() and not opts.quiet
         last: dict[str, str] = {}
         while True:
@@ -435,4 +445,6 @@ def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
         out = {"options": to_mapping(opts), "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
         print(f"per-round results: {workdir / 'results.json'}")
+        if opts.report:
+            print(f"accuracy against bytes: {write_report([workdir / 'results.json'], workdir)}")
     return 0
