@@ -143,7 +143,7 @@ def fedavg_reference(c: RunCurve, curves: list[RunCurve]) -> RunCurve | None:
     """The FedAvg run to compare ``c`` with: from the same source when there is one, else the first."""
     fedavg = [d for d in curves if d.algorithm == "fedavg" and d.bytes_per_train_round > 0]
     same = [d for d in fedavg if d.source == c.source]
-    return (same or fedavg or [None])[0]
+    return (same or fedavg)[0] if fedavg else None
 
 
 def fmt_bytes(n: float) -> str:
