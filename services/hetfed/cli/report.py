@@ -113,7 +113,8 @@ def curves_from_prometheus(url: str, start: float, end: float, step: float) -> l
 
     def latest(query: str) -> dict[tuple[str, ...], float]:
         return {tuple(s["metric"].get(n, "") for n in key): float(s["value"][1])
-                for s in prom_query(url, f"last_over_time(({query})[{int(end - start) + 1}s:{step:g}s])", at=end)}
+                for s in prom_query(url, f"last_over_time(({query})[{int(end - start) + 1}s:{max(1, int(step))}s])",
+                                    at=end)}
 
     final = latest("hetfed_run_final_test_accuracy")
     up = latest('sum by (run, algorithm) (hetfed_run_bytes_total{direction="up"})')
@@ -239,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
         curves = load_results(args.results)
         if args.prometheus:
             end = time.time()
-            step = max(1.0, args.since / 600)
+            step = float(max(1, int(args.since / 600)))  # whole seconds: PromQL durations are integers
             curves += curves_from_prometheus(args.prometheus, end - args.since, end, step)
             if args.preview:
                 from hetfed.cli.dashboards import render_preview
