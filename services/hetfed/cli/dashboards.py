@@ -83,8 +83,10 @@ BANDWIDTH: tuple[PanelSpec, ...] = (
               (Query(f'sum by (run, algorithm) (hetfed_run_bytes_total{{{RUN}, phase="train"}}) '
                      f"/ on (run, algorithm) sum by (run, algorithm) "
                      f"(hetfed_run_fedavg_reference_bytes_total{{{RUN}}})", "{{run}} ({{algorithm}})"),),
-              "percentunit", "Train-round bytes divided by the FedAvg reference: 100% is FedAvg's cost (its own "
-              "runs sit slightly above, by the envelope).", width=12),
+              "percentunit", "Train-round bytes divided by the FedAvg reference: 100% is textbook FedAvg's cost "
+              "(the model up and down for every client and round). hetfed's own FedAvg sits near (2R-1)/2R: its "
+              "first round sends no weights down, since every organization starts from the run seed's weights.",
+              width=12),
     PanelSpec("Accuracy against cumulative bytes", "xychart",
               (Query(f"sum by (run, algorithm) (hetfed_run_bytes_total{{{RUN}}})", "{{run}}", "table"),
                Query(f"max by (run, algorithm) (hetfed_run_test_accuracy{{{RUN}}})", "{{run}}", "table")),
