@@ -17,7 +17,7 @@ The relay also parses the HTTP/2 frames and the gRPC length-prefixed messages in
 (serialized Protobuf), the 5-byte gRPC prefix of each message, HTTP/2 frame headers of DATA frames,
 HEADERS frames, control frames and the preface.
 
-The counted bytes are the aggregator's Prometheus counters ``hetfed_bytes_total{run=...}`` scraped
+The counted bytes are the aggregator's Prometheus counters ``hetfed_aggregator_bytes_total{run=...}`` scraped
 from its /metrics endpoint after every client has exited, summed per direction ("up": client to
 aggregator). The ratio printed is counted / socket; the design's claim is that it is within 5% of 1.
 """
@@ -262,15 +262,15 @@ class CountingRelay:
 
 
 def scrape_counted(metrics_port: int, run_id: str) -> dict[str, dict[str, int]]:
-    """The aggregator's ``hetfed_bytes_total`` for ``run_id``: direction -> payload kind -> bytes."""
+    """The aggregator's ``hetfed_aggregator_bytes_total`` for ``run_id``: direction -> payload kind -> bytes."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, dict[str, int]] = {"up": {}, "down": {}}
     for family in text_string_to_metric_families(text):
-        if family.name != "hetfed_bytes":
+        if family.name != "hetfed_aggregator_bytes":
             continue
         for s in family.samples:
-            if s.name == "hetfed_bytes_total" and s.labels.get("run") == run_id:
+            if s.name == "hetfed_aggregator_bytes_total" and s.labels.get("run") == run_id:
                 side = out.setdefault(s.labels["direction"], {})
                 side[s.labels["payload_kind"]] = side.get(s.labels["payload_kind"], 0) + int(s.value)
     return out

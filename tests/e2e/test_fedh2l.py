@@ -114,9 +114,9 @@ def test_short_heterogeneous_run_finishes_with_wdp_cdp_acc(federation: dict[str,
     assert down == pytest.approx((CLIENTS - 1) * up + relayed * (2 + len("org-0")), abs=relayed)
     # Prometheus: per-node and mean gauges of the three figures.
     for name in ("wdp", "cdp", "acc"):
-        assert f'hetfed_client_metric{{algorithm="fedh2l",name="{name}",organization="org-0",run="fedh2l"}}' \
+        assert f'hetfed_reported_metric{{algorithm="fedh2l",name="{name}",organization="org-0",run="fedh2l"}}' \
             in federation["metrics"]
-        assert f'hetfed_client_metric_mean{{algorithm="fedh2l",name="{name}",run="fedh2l"}}' in federation["metrics"]
+        assert f'hetfed_reported_metric_mean{{algorithm="fedh2l",name="{name}",run="fedh2l"}}' in federation["metrics"]
 
 
 def _fields(message: Any) -> set[str]:

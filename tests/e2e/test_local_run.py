@@ -59,6 +59,18 @@ def test_dirichlet_fedavg_beats_local_on_held_out_data(tmp_path: Path) -> None:
     fedavg, local = runs["fedavg"], runs["local"]
     assert fedavg["final_global_test_accuracy"] > local["final_global_test_accuracy"] + 0.2
     assert local["bytes_per_train_round"] < 2000  # Local sends metrics only
+    # hetfed run --output writes hetfed report's plot by default: accuracy against log bytes, one line each.
+    from PIL import Image
+
+    from hetfed.cli.prom import PNG_KEY
+    from hetfed.cli.report import X_LABEL, Y_LABEL
+
+    with Image.open(tmp_path / "out" / "report.png") as im:
+        assert im.size == (800, 500)
+        meta = json.loads(im.text[PNG_KEY])
+    assert (meta["xlabel"], meta["ylabel"], meta["xscale"]) == (X_LABEL, Y_LABEL, "log")
+    assert [(line["label"], line["points"]) for line in meta["lines"]] == [("fedavg", 11), ("local", 11)]
+    assert "| local |" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_head_only_fedavg_counts_only_the_head(tmp_path: Path) -> None:

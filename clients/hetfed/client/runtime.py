@@ -69,7 +69,7 @@ class ClientRuntime:
                                  registry=self.registry)
         self._rng = random.Random(config.data.seed * 7919 + len(config.organization))
         self.client = AggregatorClient(config.aggregator, config.tls, config.organization, config.run,
-                                       traffic=TrafficMetrics(self.registry), retry=self._retry)
+                                       traffic=TrafficMetrics(self.registry, "client"), retry=self._retry)
         self.algorithm = ""
         self.reports: list[tuple[int, EvalMetrics]] = []
         self._train_cpu = 0.0
@@ -184,4 +184,6 @@ class ClientRuntime:
                     self.train_loss.labels(*labels).set(p.train_loss)
                     self.test_accuracy.labels(*labels).set(p.test_accuracy)
             self.round_gauge.labels(*labels).set(round_)
+        if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
+            time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
         return self.reports

@@ -57,6 +57,9 @@ class RunConfig:
     seed: int = 0
     algorithm_config: dict[str, Any] = field(default_factory=dict)
     seed_set: SeedSetConfig | None = None
+    # Bytes of the float32 weights each organization would exchange under FedAvg with the same model; only the
+    # dashboards' FedAvg comparison (hetfed_run_fedavg_reference_bytes_total) reads it. 0: not declared.
+    fedavg_model_bytes: int = 0
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
@@ -71,6 +74,7 @@ class RunConfig:
         )
         check(self.round_deadline_seconds > 0, "round_deadline_seconds must be > 0")
         check(self.seed >= 0, "seed must be >= 0")
+        check(self.fedavg_model_bytes >= 0, "fedavg_model_bytes must be >= 0")
         self.train_config()  # validates algorithm and algorithm_config now, with a precise message
         if self.spec.needs_seed_set:
             check(self.seed_set is not None, f"algorithm {self.algorithm!r} needs the run's seed_set "

@@ -12,6 +12,7 @@ from prometheus_client import start_http_server
 
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
 from hetfed.wire.rpc import add_aggregator_handler
 from hetfed.wire.transport import make_server
@@ -49,6 +50,7 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
     """Start serving ``config`` (restoring each run's state from the state directory)."""
     metrics = AggregatorMetrics()
     service = AggregatorService(config, metrics)
+    metrics.registry.register(RunMetricsCollector(lambda: list(service.runs.values())))
     server, port = make_server(config.server.listen, config.server.tls)
     add_aggregator_handler(server, service)
     health_servicer = health.HealthServicer()

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from hetfed.cli import report
 from hetfed.wire.config import ConfigError
 
 USAGE_ERROR = 2
@@ -98,6 +99,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         output=args.output,
         timeout=args.timeout,
         tls=args.tls,
+        metrics_linger=args.metrics_linger,
+        report=not args.no_report,
     )
     return run_local(opts)
 
@@ -218,6 +221,10 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--timeout", type=_positive(float, "--timeout"), default=1800, help="give up after this many seconds")
     r.add_argument("--tls", action="store_true",
                    help="generate a CA and certificates in the run directory and federate over mTLS")
+    r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
+                   "lists every endpoint (file_sd), and processes keep serving SECONDS after the run (default 0: off)")
+    r.add_argument("--no-report", action="store_true", help="do not write report.png and report.md with --output")
     r.set_defaults(func=_cmd_run)
 
 
@@ -252,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     k.add_argument("--force", action="store_true", help="replace existing files")
     k.set_defaults(func=_cmd_certs)
+
+    report.add_parser(sub)
 
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
     b.add_argument("name", nargs="?", help="benchmark name (see --list)")

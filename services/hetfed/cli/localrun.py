@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
 from hetfed.wire.config import ConfigError, from_mapping, to_mapping
 from hetfed.wire.messages import RunStatus
@@ -73,10 +75,12 @@ class LocalRunOptions:
     quiet: bool = False
     # Federate over mTLS with certificates generated into <workdir>/certs.
     tls: bool = False
-    # Prometheus /metrics on every client (a free loopback port each).
-    client_metrics: bool = False
     # Clients report their CPU and wall time of local work (benchmarks measure the overhead with it).
     timing: bool = False
+    # > 0: set up for a Prometheus (client metrics, <workdir>/prometheus-targets.json, whole-model references).
+    metrics_linger: float = 0.0
+    # Write report.png and report.md (hetfed.cli.report) next to results.json.
+    report: bool = True
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,7 @@ def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: Tl
         if r.seed_set is not None:
             run["seed_set"] = r.seed_set
         runs.append(run)
+    declare_fedavg_reference(runs, p)
     server: dict[str, Any] = {
         "listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir,
     }
@@ -349,9 +354,6 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
     }
     if p.opts.artifacts or p.picture:
         cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
-    if p.opts.client_metrics:
-        cfg["metrics_port"] = 0
-        cfg["metrics_host"] = "127.0.0.1"
     if p.opts.timing:
         cfg["report_timing"] = True
     if tls is not None:
@@ -443,6 +445,69 @@ def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ scraping
+# ``--metrics-linger SECONDS``: every client serves /metrics on a loopback port, the run directory gets
+# ``prometheus-targets.json`` (Prometheus ``file_sd_configs`` format), runs whose organizations share one
+# architecture declare ``fedavg_model_bytes``, and every process keeps serving its final counts for SECONDS.
+TARGETS_FILE = "prometheus-targets.json"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_targets(workdir: Path, aggregator_metrics_port: int, clients: dict[str, int]) -> Path:
+    """Write the file_sd targets of a local federation atomically (``clients``: process name -> port)."""
+    groups: list[dict[str, Any]] = [
+        {"targets": [f"127.0.0.1:{aggregator_metrics_port}"], "labels": {"hetfed_component": "aggregator"}}
+    ]
+    groups += [{"targets": [f"127.0.0.1:{port}"], "labels": {"hetfed_component": "client", "hetfed_process": name}}
+               for name, port in sorted(clients.items())]
+    path = workdir / TARGETS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def client_metrics(opts: LocalRunOptions, workdir: Path, aggregator_metrics_port: int,
+                   names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per client process: the config fields that serve its metrics; also writes the targets file.
+
+    Empty unless ``opts.metrics_linger`` > 0.
+    """
+    if opts.metrics_linger <= 0:
+        return {}
+    ports = {name: free_port() for name in names}
+    write_targets(workdir, aggregator_metrics_port, ports)
+    return {name: {"metrics_port": port, "metrics_host": "127.0.0.1", "metrics_linger_seconds": opts.metrics_linger}
+            for name, port in ports.items()}
+
+
+def model_bytes(plan: LocalPlan, model: str, latent_dim: int | None) -> int:
+    """Bytes of a model's floating state in float32 on the plan's data: one whole-model message of it."""
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.models import build_model
+
+    o = plan.opts
+    data = load_client_data(DataConfig(dataset=o.dataset, partition=plan.partition,  # type: ignore[arg-type]
+                                       num_clients=o.clients, seed=o.seed, public_fraction=o.public_fraction))
+    m = build_model(model, data.input_shape, data.num_classes, latent_dim=latent_dim)
+    return sum(v.numel() * 4 for v in m.state_dict().values() if v.is_floating_point())
+
+
+def declare_fedavg_reference(runs: list[dict[str, Any]], plan: LocalPlan) -> None:
+    """With scraping on, set ``fedavg_model_bytes`` on every run whose organizations share one architecture."""
+    if plan.opts.metrics_linger <= 0:
+        return
+    for run, r in zip(runs, plan.runs, strict=True):
+        if len(set(r.models)) == 1:  # heterogeneous organizations have no single whole model to compare with
+            run["fedavg_model_bytes"] = model_bytes(plan, r.models[0], r.latent_dim)
+
+
 # ------------------------------------------------------------------------------------------------ running
 def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
              on_status: Callable[[LocalFederation, list[RunStatus]], None] | None = None) -> list[dict[str, Any]]:
@@ -459,10 +524,11 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
     started = time.monotonic()
     try:
         fed.start_aggregator(aggregator_config(p, str(workdir / "state"), certs.aggregator_tls() if certs else None))
-        for r in p.runs:
-            for i in range(o.clients):
-                client_tls = certs.client_tls(f"org-{i}") if certs else None
-                fed.start_client(f"client-{r.run_id}-org-{i}", client_config(p, r.run_id, i, fed.port, client_tls))
+        names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(o.clients)}
+        scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
+        for (run_id, i), name in names.items():
+            client_tls = certs.client_tls(f"org-{i}") if certs else None
+            fed.start_client(name, {**client_config(p, run_id, i, fed.port, client_tls), **scrape.get(name, {})})
         with Progress(quiet=o.quiet) as progress:
             while True:
                 fed.raise_if_failed()
@@ -533,4 +599,6 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
         out = {"options": to_mapping(o), "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
         say(f"per-round results: {workdir / 'results.json'}")
+        if o.report:
+            say(f"accuracy against bytes: {write_report([workdir / 'results.json'], workdir)}")
     return 0
