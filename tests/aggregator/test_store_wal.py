@@ -306,7 +306,7 @@ def test_a_failed_history_append_commits_nothing_and_its_retry_adds_one_line(tmp
     s = closed(tmp_path, 1, disk)
     disk.add(DiskFault("pwrite", "history.jsonl", times=3))
     for _ in range(3):  # the deadline ticker retries the close
-        with pytest.raises(StorageError, match="could not append round 2's record to .*history.jsonl"):
+        with pytest.raises(StorageError, match=r"could not append round 2's record to .*history.jsonl"):
             s.close_round({"round": 2}, {"phase": "train", "round": 3}, {"w": np.full(2, 2)})
     s.close_round({"round": 2}, {"phase": "train", "round": 3}, {"w": np.full(2, 2)})
     s.close()
@@ -318,7 +318,7 @@ def test_a_failed_checkpoint_keeps_the_old_one_and_the_retry_overwrites_the_line
     disk = FaultyDisk()
     s = closed(tmp_path, 1, disk)
     disk.add(DiskFault("pwrite", "checkpoint.npz"))
-    with pytest.raises(StorageError, match="could not write .*checkpoint.npz"):
+    with pytest.raises(StorageError, match=r"could not write .*checkpoint.npz"):
         s.close_round({"round": 2, "try": 1}, {"phase": "train", "round": 3}, {"w": np.full(2, 2)})
     assert not list((tmp_path / "r").glob(".checkpoint.npz.tmp*"))
     interrupted = RunStore(tmp_path, "r").recover()  # had the process died here
