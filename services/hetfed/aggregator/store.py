@@ -4,7 +4,7 @@ A run's directory holds three files:
 
 - ``checkpoint.npz``: the run's metadata (JSON) and its server half's arrays, replaced atomically (temporary
   file, fsync, rename, fsync of the directory). It is the commit point of a round's close and of a join.
-- ``history.jsonl``: one JSON line per closed round. A closing round's line is written and fsync'd at the end
+- ``history.jsonl``: one JSON line per closed round, with the CRC-32 of its content. A closing round's line is written and fsync'd at the end
   of the committed lines *before* the checkpoint that counts it (``history_len``); a line beyond that count
   (a close whose checkpoint never landed) is cut off at start-up and overwritten by the retried close. The
   checkpoint also keeps a copy of the last committed line, so a torn last line is repaired from it.
@@ -222,6 +222,18 @@ def _record_bytes(key: bytes, round_: int, org: bytes, data_len: int, sha: bytes
     return signed + _mac(key, signed, org) + org
 
 
+# Each history line carries the CRC-32 of the rest of its JSON object (lines written before it have none).
+_LINE_CRC = "crc32"
+
+
+def _line_crc(record: dict[str, Any]) -> str:
+    return f"{zlib.crc32(json.dumps(record).encode()):08x}"
+
+
+def _history_line(record: dict[str, Any]) -> bytes:
+    return json.dumps({**record, _LINE_CRC: _line_crc(record)}).encode() + b"\n"
+
+
 @contextmanager
 def _mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
     """A file's bytes, memory-mapped (the log may be large)."""
@@ -340,12 +352,16 @@ class RunStore:
             if not isinstance(rec, dict):
                 problem = f"{what} is not a JSON object"
                 break
+            crc = rec.pop(_LINE_CRC, None)
+            if crc is not None and crc != _line_crc(rec):
+                problem = f"{what} fails its CRC-32"
+                break
             records.append(rec)
             pos = nl + 1
         repaired = b""
         if problem:
             if len(records) == count - 1 and isinstance(last, dict):
-                repaired = json.dumps(last).encode() + b"\n"
+                repaired = _history_line(last)
                 records.append(last)
                 log.warning("%s: %s; rewritten from the checkpoint's copy", path, problem)
             else:
@@ -525,7 +541,7 @@ class RunStore:
         On ``StorageError`` nothing is committed: the old checkpoint stands, and a line written past the
         committed history is overwritten by the retried close (or cut off at start-up).
         """
-        line = json.dumps(record).encode() + b"\n"
+        line = _history_line(record)
         try:
             if self._hist_dirty:
                 self.disk.truncate(self._hist_fd, self._hist_size)
