@@ -53,7 +53,12 @@ def make_server(address: str, tls: TlsConfig | None) -> tuple[grpc.aio.Server, i
     Call it inside the event loop that will run the server. Handlers are coroutines: a waiting call holds no
     thread, so the server's thread count does not grow with its clients.
     """
-    server = grpc.aio.server(options=[*_COMMON_OPTIONS, ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[
+        *_COMMON_OPTIONS, ("grpc.so_reuseport", 0),
+        # Accept the clients' keepalive pings (every 30 s, with or without calls): gRPC's default of one every
+        # 5 minutes answers them with GOAWAY "too_many_pings", dropping long-lived clients' connections.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    ])
     if tls is None:
         port = server.add_insecure_port(address)
     else:
