@@ -33,7 +33,7 @@ def test_the_crash_point_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
     from hetfed.aggregator import crashpoints
 
     monkeypatch.setenv("HETFED_CRASH_AT", "no.such.point")
-    with pytest.raises(ValueError, match="HETFED_CRASH_AT names 'no.such.point', not one of wal.header_written"):
+    with pytest.raises(ValueError, match=r"HETFED_CRASH_AT names 'no\.such\.point', not one of wal\.header_written"):
         crashpoints._armed()
     monkeypatch.setenv("HETFED_CRASH_AT", "history.synced:3")
     assert crashpoints._armed() == ("history.synced", 3)
