@@ -145,6 +145,16 @@ def proc_status(pid: int) -> tuple[int, int]:
     return threads, rss
 
 
+def thread_names(pid: int) -> dict[str, int]:
+    """How many threads of a process carry each name."""
+    names: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "comm") as f:
+            name = f.read().strip()
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items()))
+
+
 def sample(address: str, pid: int, s: Samples) -> None:
     """Health-check every 50 ms; read the aggregator's thread count and RSS every 0.5 s."""
     with grpc.insecure_channel(address) as ch:
@@ -237,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError((workdir / "aggregator.log").read_text()[-2000:])
             time.sleep(0.05)
         result["threads_idle"], result["rss_kib_idle"] = proc_status(agg.pid)
+        result["thread_names_idle"] = thread_names(agg.pid)
         sampler = threading.Thread(target=sample, args=(address, agg.pid, samples), daemon=True)
         sampler.start()
         t_few = time.monotonic()
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         secs, more = run_phase(address, many_runs, args.clients, args.processes, args.timeout)
         t_end = time.monotonic()
         result["many_seconds"] = round(secs, 1)
+        result["thread_names_after"] = thread_names(agg.pid)
         errors += more
         samples.stop.set()
         sampler.join(10)

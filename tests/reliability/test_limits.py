@@ -209,3 +209,23 @@ def test_12_the_trimmed_mean_keeps_a_poisoned_update_out_of_the_global_model(agg
     # w: a=1, b=2, c=4 times [1, 2, 3] and m=[1e30, -1e30, 1e30]; per coordinate the largest and the smallest
     # go: [1, 2, 4, 1e30] -> (2 + 4) / 2 = 3; [2, 4, 8, -1e30] -> (2 + 4) / 2 = 3; [3, 6, 12, 1e30] -> 9.
     np.testing.assert_array_equal(mw.tensors["w"], [3.0, 3.0, 9.0])
+
+
+def test_11_figure_names_no_longer_reported_leave_the_metrics(aggregator: Start, raw_client: Clients) -> None:
+    """64 fresh names a round must not grow /metrics round after round."""
+    agg = aggregator(run_config(rounds=3))
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    for c in (a, b):
+        c.join(DECL)
+    reg = agg.service.metrics.registry
+
+    def names(family: str) -> set[str]:
+        return {s.labels["name"] for m in reg.collect() if m.name == family for s in m.samples}
+
+    for r in (1, 2):
+        fresh = {f"r{r}_{i}": 1.0 for i in range(64)}
+        a.push(r, upd(1.0, **fresh))
+        b.push(r, upd(1.0, **fresh))
+        a.pull(completed=r)
+        assert names("hetfed_reported_metric") == set(fresh)
+        assert names("hetfed_reported_metric_mean") == set(fresh)

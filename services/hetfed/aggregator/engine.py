@@ -216,6 +216,11 @@ class Run:
         # (round, organization or "*") -> the encoded instructions of the open round
         self._cache: dict[tuple[int, str], Encoded] = {}
         self._wait: tuple[int, Encoded] | None = None
+        self._finish: Encoded | None = None
+        # The figure names each organization reported last, and the means published last: a name nobody
+        # reports any more leaves the metrics, so label values stay bounded by the last reports.
+        self._figure_names: dict[str, set[str]] = {}
+        self._mean_names: set[str] = set()
         self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
         with self._lock:
             self._restore()
@@ -426,8 +431,10 @@ class Run:
         """
         with self._lock:
             if self.phase is Phase.FINISHED:
-                return Pulled(messages.encode_instructions(
-                    Instructions(self.cfg.id, self.round, Action.FINISH, self.cfg.rounds)), self.round)
+                if self._finish is None:
+                    self._finish = messages.encode_instructions(
+                        Instructions(self.cfg.id, self.round, Action.FINISH, self.cfg.rounds))
+                return Pulled(self._finish, self.round)
             if organization not in self.pushed and request.completed_round <= self.round:
                 self._fresh_locked()
                 return Pulled(self._instructions_locked(organization), self.round)
@@ -553,8 +560,12 @@ class Run:
             labels = (self.cfg.id, self.cfg.algorithm, organization)
             self.metrics.client_train_loss.labels(*labels).set(m.train_loss)
             self.metrics.client_test_accuracy.labels(*labels).set(m.test_accuracy)
-            for name, value in self._figures(m).items():
+            figures = self._figures(m)
+            for name, value in figures.items():
                 self.metrics.client_metric.labels(*labels, name).set(value)
+            for gone in self._figure_names.get(organization, set()) - set(figures):
+                self.metrics.client_metric.remove(*labels, gone)
+            self._figure_names[organization] = set(figures)
 
     # ----------------------------------------------------------------- closing rounds
     def tick(self) -> None:
@@ -615,9 +626,13 @@ class Run:
         self.metrics.round_duration.labels(self.cfg.id, self.cfg.algorithm).observe(rec.duration)
         self.metrics.clients_per_round.labels(self.cfg.id, self.cfg.algorithm).set(rec.clients)
         figures = [self._figures(m) for m in rec.reports.values()]
-        for name in {n for f in figures for n in f}:
+        names = {n for f in figures for n in f}
+        for name in names:
             values = [f[name] for f in figures if name in f]
             self.metrics.client_metric_mean.labels(self.cfg.id, self.cfg.algorithm, name).set(sum(values) / len(values))
+        for gone in self._mean_names - names if figures else set():
+            self.metrics.client_metric_mean.remove(self.cfg.id, self.cfg.algorithm, gone)
+        self._mean_names = names if figures else self._mean_names
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase.value, self.round,
                  rec.clients, rec.duration)
         with self._traffic_lock:
