@@ -8,6 +8,7 @@ every user error prints one line and exits with status 2, before any process sta
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -283,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hetfed {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    finally:
+        # The interpreter's shutdown collections would traverse every object torch and the run created (several
+        # seconds per process on a busy machine, so a federation's clients exited long after their run ended);
+        # frozen objects are skipped, and module teardown still releases everything.
+        gc.freeze()
 
 
 if __name__ == "__main__":
