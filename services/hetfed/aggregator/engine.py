@@ -19,9 +19,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.org_ledger import OrganizationLedger
 from hetfed.aggregator.store import RunStore
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec, contract
@@ -111,6 +113,7 @@ class Run:
         self.joined: set[str] = set()
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
         self.history: list[RoundRecord] = []
+        self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._summaries: list[apb.RoundSummary] = []  # status() summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
@@ -130,6 +133,7 @@ class Run:
             "joined": sorted(self.joined),
             # The closed rounds' records are in the store's append-only history; this many are valid.
             "history_len": len(self.history),
+            "organizations": self.ledger.to_json(),
         }
 
     def _checkpoint(self) -> None:
@@ -147,6 +151,7 @@ class Run:
             for k, t in meta["schema"].items()
         }
         self.joined = set(meta["joined"])
+        self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
         records = meta["history"] if "history" in meta else self.store.load_history(int(meta["history_len"]))
         self.history = [RoundRecord.from_json(r) for r in records]
         self.half.load_state(arrays)
@@ -267,6 +272,7 @@ class Run:
 
     def _count_locked(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
         self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
+        self.ledger.count(organization, direction, b)
         if round_ == self.current.round:
             (self.current.up if direction == "up" else self.current.down).add(b)
 
@@ -341,6 +347,7 @@ class Run:
     def _fold(self, organization: str, payloads: dict[PayloadKind, Any], digest: bytes) -> None:
         self.half.accumulate(self.phase, organization, payloads)
         self.pushed[organization] = digest
+        self.ledger.pushed(organization, self.round)
         m = payloads.get(PayloadKind.EVAL_METRICS)
         if isinstance(m, EvalMetrics):
             self.current.reports[organization] = m
@@ -382,6 +389,7 @@ class Run:
             self.metrics.client_metric_mean.labels(self.cfg.id, self.cfg.algorithm, name).set(sum(values) / len(values))
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase, self.round,
                  rec.clients, rec.duration)
+        k8s_events.emit("RoundClosed", f"run {self.cfg.id} closed {self.phase} round {self.round} with {rec.clients} clients in {rec.duration:.2f}s")
         if self.phase == "setup":
             self.phase, self.round = "train", 1
         elif self.phase == "train" and self.round < self.cfg.rounds:
@@ -413,6 +421,7 @@ class Run:
                 organizations=list(self.cfg.organizations),
                 pushed_this_round=sorted(self.pushed),
             )
+            self.ledger.fill(out, self.cfg.organizations, self.joined)
             # Closed rounds never change: each one's summary is built once (runs of thousands of rounds
             # are polled several times a second), the open round's every time.
             self._summaries.extend(self._summary(rec) for rec in self.history[len(self._summaries):])

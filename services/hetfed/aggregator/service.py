@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Run
 from hetfed.aggregator.metrics import AggregatorMetrics
@@ -87,6 +88,7 @@ class AggregatorService(agrpc.AggregatorServicer):
     def _reject(self, context: grpc.ServicerContext, run_id: str, err: WireError) -> None:
         self.metrics.rejected.labels(run_id if run_id in self.runs else "", err.reason).inc()
         log.warning("rejected (%s) from %s: %s", err.reason, context.peer(), err.message)
+        k8s_events.emit("Rejected", f"run {run_id or '-'}: {err.reason} from {context.peer()}: {err.message}", warning=True)
         context.abort(getattr(grpc.StatusCode, err.status), f"{err.reason}: {err.message}")
 
     # ------------------------------------------------------------------ RPCs
@@ -175,6 +177,9 @@ class AggregatorService(agrpc.AggregatorServicer):
                 own = [r for r in rec.reports if r.organization_id == caller]
                 del rec.reports[:]
                 rec.reports.extend(own)
+            mine = [o for o in status.organization_status if o.organization_id == caller]
+            del status.organization_status[:]
+            status.organization_status.extend(mine)
             visible.append(status)
         if request.run_id and not visible:
             self._reject(context, request.run_id, WireError(

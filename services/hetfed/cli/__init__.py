@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from hetfed.cli import checkconfig, health, k8s_status
+
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
@@ -21,6 +23,8 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.config import load_aggregator_config
     from hetfed.aggregator.server import serve
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_aggregator_config, args.config)
     serve(load_aggregator_config(args.config), ready_file=args.ready_file)
     return 0
 
@@ -29,6 +33,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     from hetfed.client.config import load_client_config
     from hetfed.client.runtime import ClientRuntime
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_client_config, args.config)
     ClientRuntime(load_client_config(args.config)).run()
     return 0
 
@@ -119,10 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("aggregator", help="run the aggregator service")
     a.add_argument("--config", required=True, help="aggregator config file (.toml or .json)")
     a.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    a.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     a.set_defaults(func=_cmd_aggregator)
 
     c = sub.add_parser("client", help="run one organization's client")
     c.add_argument("--config", required=True, help="client config file (.toml or .json)")
+    c.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     c.set_defaults(func=_cmd_client)
 
     r = sub.add_parser(
@@ -182,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
+    health.add_parser(sub)
+    k8s_status.add_parser(sub)
     return p
 
 
