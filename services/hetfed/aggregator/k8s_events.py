@@ -64,6 +64,8 @@ class EventRecorder:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.api_client = api_client
+        # Some client versions send no Content-Type on create; the API server then has to guess.
+        api_client.set_default_header("Content-Type", "application/json")
         self.pod = pod
         self.burst = burst
         self.refill_seconds = refill_seconds
