@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +71,14 @@ class Helm:
 
 
 @pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     """The real Helm binary (installed by scripts/install_tools.sh, which .ci/run calls)."""
     binary = helm_binary()
     if binary is None:
         if os.environ.get("CI"):
             pytest.fail("helm not found: .ci/run installs it with scripts/install_tools.sh")
         pytest.skip("helm not found: run scripts/install_tools.sh (puts it in .tools/helm/helm)")
-    yield Helm(binary, tmp_path_factory.mktemp("helm-home"))
+    return Helm(binary, tmp_path_factory.mktemp("helm-home"))
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
