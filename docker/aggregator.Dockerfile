@@ -6,6 +6,8 @@ ARG BASE=python:3.11-slim-bookworm
 
 # ---- builder: the project and its dependencies as wheels
 FROM ${BASE} AS builder
+# Set by docker/build.sh only behind a TLS-inspecting proxy: the CA bundle pip must trust (mounted, never copied).
+ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto

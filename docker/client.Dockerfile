@@ -6,6 +6,8 @@ ARG BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 # ---- builder: a virtual environment that sees the base's torch and adds the project
 FROM ${BASE} AS builder
+# Set by docker/build.sh only behind a TLS-inspecting proxy: the CA bundle pip must trust (mounted, never copied).
+ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
