@@ -325,3 +325,21 @@ def test_default_values_render_a_demo_federation(helm: Helm) -> None:
         parts.append(cfg["data"]["client_index"])
         assert i == cfg["data"]["client_index"]
     assert sorted(parts) == [0, 1, 2]
+
+
+def test_notes_name_the_release_objects(helm: Helm, chart_copy: Any) -> None:
+    """NOTES.txt (rendered here through tpl in a chart copy: helm template skips it) names the real objects."""
+    chart = chart_copy()
+    (chart / "notes-src.txt").write_text((chart / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n'
+        '{{ tpl (.Files.Get "notes-src.txt") . | indent 4 }}\n')
+    objects = helm.objects(values("mtls"), chart=chart, api_versions=MONITORING,
+                           sets=("serviceMonitor.enabled=true",))
+    notes = next(c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"] == "notes")["data"]["notes"]
+    assert "aggregator  fl-hetfed-aggregator.federation.svc:50051 (mTLS)" in notes
+    assert "clients     one Job per organization: hospital-a, hospital-b" in notes
+    assert "logs -f statefulset/fl-hetfed-aggregator" in notes
+    assert "hetfed status --namespace federation --release fl --tls-cert hetfed-operator.pem" in notes
+    assert "kubectl --namespace federation wait --for=condition=complete job -l app.kubernetes.io/instance=fl," in notes
+    assert "A ServiceMonitor (aggregator) and a PodMonitor (clients) are installed." in notes
