@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.org_ledger import OrganizationLedger
 from hetfed.aggregator.store import RunStore
 from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
@@ -132,6 +134,7 @@ class Run:
         self.declared: set[str] = set()  # organizations whose tensor declaration matched the run's schema
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
         self.history: list[RoundRecord] = []
+        self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
@@ -151,6 +154,7 @@ class Run:
             "declared": sorted(self.declared),
             # The closed rounds' records are in the store's append-only history; this many are valid.
             "history_len": len(self.history),
+            "organizations": self.ledger.to_json(),
         }
 
     def _checkpoint(self) -> None:
@@ -166,6 +170,7 @@ class Run:
         self.schema = contract.schema_from_json(meta["schema"])
         self.joined = set(meta["joined"])
         self.declared = set(meta.get("declared", meta["joined"]))
+        self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
         records = meta["history"] if "history" in meta else self.store.load_history(int(meta["history_len"]))
         self.history = [RoundRecord.from_json(r) for r in records]
         self.half.load_state(arrays)
@@ -280,6 +285,7 @@ class Run:
 
     def _count_locked(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
         self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
+        self.ledger.count(organization, direction, b)
         if round_ == self.current.round:
             (self.current.up if direction == "up" else self.current.down).add(b)
 
@@ -344,6 +350,7 @@ class Run:
     def _fold(self, organization: str, update: Received, digest: bytes) -> None:
         self.half.accumulate(self.phase, organization, update)
         self.pushed[organization] = digest
+        self.ledger.pushed(organization, self.round)
         m = update.maybe(EvalMetrics)
         if m is not None:
             self.current.reports[organization] = m
@@ -386,6 +393,8 @@ class Run:
             self.metrics.client_metric_mean.labels(self.cfg.id, self.cfg.algorithm, name).set(sum(values) / len(values))
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase.value, self.round,
                  rec.clients, rec.duration)
+        k8s_events.emit("RoundClosed", f"run {self.cfg.id} closed {self.phase.value} round {self.round} "
+                        f"with {rec.clients} clients in {rec.duration:.2f}s")
         if self.phase is Phase.SETUP:
             self.phase, self.round = Phase.TRAIN, 1
         elif self.phase is Phase.TRAIN and self.round < self.cfg.rounds:
@@ -423,4 +432,5 @@ class Run:
                 organizations=tuple(self.cfg.organizations),
                 pushed_this_round=tuple(sorted(self.pushed)),
                 history=tuple(history),
+                organization_status=self.ledger.statuses(self.cfg.organizations, self.joined),
             )

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Limits, Run
 from hetfed.aggregator.metrics import AggregatorMetrics
@@ -114,6 +115,8 @@ class AggregatorService:
         """Count and log a rejection."""
         self.metrics.rejected.labels(run_id if run_id in self.runs else "", err.reason).inc()
         log.warning("rejected (%s) from %s: %s", err.reason, clip(peer, 64), clip(err.message))
+        k8s_events.emit("Rejected", f"run {run_id or '-'}: {err.reason} from {clip(peer, 64)}: {clip(err.message)}",
+                        warning=True)
 
     def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """Run state and history. Under mTLS an operator (server.operators) sees every run; an organization sees
@@ -131,7 +134,8 @@ class AggregatorService:
             s = run.status()
             own = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
                         for h in s.history)
-            visible.append(dataclasses.replace(s, history=own))
+            mine = tuple(o for o in s.organization_status if o.organization == who)
+            visible.append(dataclasses.replace(s, history=own, organization_status=mine))
         if run_id and not visible:
             raise WireError("unknown_organization", f"organization {who!r} is not part of run {clip(run_id, 64)!r}")
         return visible

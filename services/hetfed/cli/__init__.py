@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from hetfed.cli import report
+from hetfed.cli import checkconfig, health, k8s_status, report
 from hetfed.wire.config import ConfigError
 
 USAGE_ERROR = 2
@@ -40,6 +40,8 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.config import load_aggregator_config
     from hetfed.aggregator.server import serve
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_aggregator_config, args.config)
     serve(load_aggregator_config(args.config), ready_file=args.ready_file)
     return 0
 
@@ -48,6 +50,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     from hetfed.client.config import load_client_config
     from hetfed.client.runtime import ClientError, ClientRuntime
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_client_config, args.config)
     try:
         ClientRuntime(load_client_config(args.config)).run()
     except ClientError as exc:
@@ -238,10 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("aggregator", help="run the aggregator service")
     a.add_argument("--config", required=True, help="aggregator config file (.toml or .json)")
     a.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    a.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     a.set_defaults(func=_cmd_aggregator)
 
     c = sub.add_parser("client", help="run one organization's client")
     c.add_argument("--config", required=True, help="client config file (.toml or .json)")
+    c.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     c.set_defaults(func=_cmd_client)
 
     _add_run(sub)
@@ -268,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
+    health.add_parser(sub)
+    k8s_status.add_parser(sub)
     return p
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -522,8 +523,11 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
     certs = _make_certs(o, workdir) if o.tls else None
     fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None)
     started = time.monotonic()
+    state = workdir / "state"
+    if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
+        shutil.rmtree(state)
     try:
-        fed.start_aggregator(aggregator_config(p, str(workdir / "state"), certs.aggregator_tls() if certs else None))
+        fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
         names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(o.clients)}
         scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
         for (run_id, i), name in names.items():
