@@ -24,13 +24,15 @@ from hetfed.client.models import (
     state_arrays,
 )
 
-LOCAL_MODELS = ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn"]
-DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn": 128}
+LOCAL_MODELS = ["mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn"]
+DEFAULT_DIMS = {"mlp": 64, "mlp1": 256, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn_small": 60, "cnn": 128}
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_models() -> None:
-    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
+    assert available_models() == [
+        "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "resnet18", "mobilenet_v2"
+    ]
 
 
 @pytest.mark.parametrize("name", LOCAL_MODELS)
@@ -116,7 +118,7 @@ def test_weights_identical_in_a_fresh_process() -> None:
 
 
 def test_unknown_model_lists_available_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, lenet, lenet_wide, fedgen_cnn, cnn"):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, cnn_small, cnn, resnet18"):
         build_model("vgg", (1, 28, 28), 10)
 
 

@@ -86,6 +86,11 @@ def mlp(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Modu
     )
 
 
+def mlp1(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """One-hidden-layer MLP encoder: flatten, Linear(in, d_e), then the latent activation (the head is the output)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), latent_dim), _latent_activation(bounded))
+
+
 def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
     c, _, _ = _image_shape("lenet", input_shape, min_side=4)
@@ -152,6 +157,23 @@ def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
     if bounded:
         layers.append(nn.Sigmoid())
     return nn.Sequential(*layers)
+
+
+def cnn_small(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """Two 3x3 convolutions (16, 32 channels) with max-pooling and a linear layer to d_e (about 100k parameters
+    with d_e = 60 on 28x28 images)."""
+    c, _, _ = _image_shape("cnn_small", input_shape, min_side=4)
+    features = nn.Sequential(
+        nn.Conv2d(c, 16, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    flat = _flat_size(features, input_shape)
+    return nn.Sequential(*features, nn.Linear(flat, latent_dim), _latent_activation(bounded))
 
 
 def cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:

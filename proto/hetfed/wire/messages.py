@@ -320,6 +320,17 @@ def breakdown_of(traffic: Iterable[TrafficCount], direction: str) -> TrafficBrea
 
 
 @dataclass(frozen=True)
+class OrganizationStatus:
+    """One organization in a run: whether it joined, the last round it pushed, the bytes it sent and got."""
+
+    organization: str
+    joined: bool
+    last_round_pushed: int
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(frozen=True)
 class RunStatus:
     """A run's state and per-round history."""
 
@@ -331,6 +342,7 @@ class RunStatus:
     organizations: tuple[str, ...]
     pushed_this_round: tuple[str, ...] = ()
     history: tuple[RoundSummary, ...] = ()
+    organization_status: tuple[OrganizationStatus, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -354,6 +366,10 @@ def run_status_to_proto(status: RunStatus, summaries: Sequence[apb.RoundSummary]
     out.history.extend(summaries)
     for s in status.history[len(summaries):]:
         encode_round_summary(s, out.history.add())
+    for o in status.organization_status:
+        out.organization_status.add(organization_id=o.organization, joined=o.joined,
+                                    last_round_pushed=o.last_round_pushed, bytes_up=o.bytes_up,
+                                    bytes_down=o.bytes_down)
     return out
 
 
@@ -385,9 +401,14 @@ def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
         )
         for h in msg.history
     )
+    organizations = tuple(
+        OrganizationStatus(o.organization_id, bool(o.joined), int(o.last_round_pushed), int(o.bytes_up),
+                           int(o.bytes_down))
+        for o in msg.organization_status
+    )
     return RunStatus(msg.run_id, msg.algorithm, _STATE_FROM_PROTO.get(msg.state, Phase.TRAIN),  # type: ignore[call-overload]
                      int(msg.round), int(msg.total_rounds), tuple(msg.organizations),
-                     tuple(msg.pushed_this_round), history)
+                     tuple(msg.pushed_this_round), history, organizations)
 
 
 def _metrics_from_proto(m: object) -> EvalMetrics:

@@ -113,6 +113,8 @@ class ServerConfig:
     # Prometheus /metrics port; 0 picks a free port, -1 disables the endpoint.
     metrics_port: int = 9090
     metrics_host: str = "0.0.0.0"
+    # A plaintext address serving only the gRPC health service (kubelet probes under mTLS); "" for none.
+    health_listen: str = ""
     state_dir: str = "hetfed-state"
     max_update_bytes: int = 4 << 30
     max_tensor_elements: int = 1 << 31

@@ -21,11 +21,13 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.crashpoints import crash_point
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.org_ledger import OrganizationLedger
 from hetfed.aggregator.store import Disk, RunStore, StateError, StorageError
 from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
@@ -207,6 +209,7 @@ class Run:
         self.examples: dict[str, int] = {}  # organization -> training examples it declared at Join
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
         self.history: list[RoundRecord] = []
+        self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
@@ -241,6 +244,7 @@ class Run:
             "joined": sorted(self.joined if joined is None else joined),
             "declared": sorted(self.declared if declared is None else declared),
             "examples": dict(sorted((self.examples if examples is None else examples).items())),
+            "organizations": self.ledger.to_json(),
         }
 
     def _restore(self) -> None:
@@ -262,6 +266,7 @@ class Run:
             self.joined = set(meta["joined"])
             self.declared = set(meta.get("declared", meta["joined"]))
             self.examples = {str(k): int(v) for k, v in meta.get("examples", {}).items()}
+            self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
         except (KeyError, ValueError, TypeError) as exc:
             raise StateError(f"run {self.cfg.id!r}: {where} holds invalid metadata ({type(exc).__name__}: {exc})") \
                 from None
@@ -453,6 +458,7 @@ class Run:
     def record_traffic(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
         """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
         self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
+        self.ledger.count(organization, direction, b)
         with self._traffic_lock:
             current = self.current
             if round_ == current.round:
@@ -554,6 +560,7 @@ class Run:
     def _fold(self, organization: str, update: Received, digest: bytes) -> None:
         self.half.accumulate(self.phase, organization, update)
         self.pushed[organization] = digest
+        self.ledger.pushed(organization, self.round)
         m = update.maybe(EvalMetrics)
         if m is not None:
             self.current.reports[organization] = m
@@ -635,6 +642,8 @@ class Run:
         self._mean_names = names if figures else self._mean_names
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase.value, self.round,
                  rec.clients, rec.duration)
+        k8s_events.emit("RoundClosed", f"run {self.cfg.id} closed {self.phase.value} round {self.round} "
+                        f"with {rec.clients} clients in {rec.duration:.2f}s")
         with self._traffic_lock:
             self.phase, self.round = phase, round_
             self.pushed = {}
@@ -666,4 +675,5 @@ class Run:
                 organizations=tuple(self.cfg.organizations),
                 pushed_this_round=tuple(sorted(self.pushed)),
                 history=tuple(history),
+                organization_status=self.ledger.statuses(self.cfg.organizations, self.joined),
             )

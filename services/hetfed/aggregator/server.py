@@ -21,7 +21,9 @@ import grpc.aio
 from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
+from hetfed.aggregator.health_listener import start_health_listener
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
@@ -47,6 +49,7 @@ class RunningAggregator:
     _health: Health
     _ticker: asyncio.Task[None]
     _http: Any | None
+    _health_server: grpc.aio.Server | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -77,6 +80,8 @@ class RunningAggregator:
         self.service.stopping()
         self._ticker.cancel()
         await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in rest:
             t.cancel()
@@ -109,7 +114,7 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
     thread = threading.Thread(target=loop.run_forever, name="hetfed-grpc", daemon=True)
     thread.start()
 
-    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None]]:
+    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], grpc.aio.Server | None]:
         server, port = make_server(config.server.listen, config.server.tls)
         add_aggregator_handler(server, service)
         health = Health()
@@ -117,10 +122,13 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
         await server.start()
         for name in ("", SERVICE_NAME):
             health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return server, port, health, asyncio.create_task(_tick(service))
+        health_server = None
+        if config.server.health_listen:
+            health_server = await start_health_listener(config.server.health_listen, health)
+        return server, port, health, asyncio.create_task(_tick(service)), health_server
 
     try:
-        server, port, health, ticker = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout=60)
+        server, port, health, ticker, health_server = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout=60)
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
@@ -135,11 +143,12 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
         metrics_port = http.server_port
     log.info("aggregator serving on port %d (metrics on %d) with runs %s", port, metrics_port,
              ", ".join(service.runs))
-    return RunningAggregator(port, metrics_port, service, loop, thread, server, health, ticker, http)
+    return RunningAggregator(port, metrics_port, service, loop, thread, server, health, ticker, http, health_server)
 
 
 def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    k8s_events.start_from_environment()
     agg = start_aggregator(config)
     if ready_file:
         tmp = Path(ready_file + ".tmp")
@@ -155,3 +164,4 @@ def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
     agg.stop()
+    k8s_events.shutdown()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Limits, Run
 from hetfed.aggregator.metrics import AggregatorMetrics
@@ -233,6 +234,8 @@ class AggregatorService:
         """Count and log a rejection (every string from the request clipped)."""
         self.metrics.rejected.labels(run_id if run_id in self.runs else "", err.reason).inc()
         log.warning("rejected (%s) from %s: %s", err.reason, clip(peer, 64), clip(err.message))
+        k8s_events.emit("Rejected", f"run {run_id or '-'}: {err.reason} from {clip(peer, 64)}: {clip(err.message)}",
+                        warning=True)
 
     async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """Run state and history. Under mTLS an operator (server.operators) sees every run; an organization sees
@@ -253,7 +256,8 @@ class AggregatorService:
                 s = run.status()
                 history = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
                                 for h in s.history)
-                visible.append(dataclasses.replace(s, history=history))
+                own_status = tuple(o for o in s.organization_status if o.organization == who)
+                visible.append(dataclasses.replace(s, history=history, organization_status=own_status))
             return visible
 
         return await self.blocking(own)

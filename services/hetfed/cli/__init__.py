@@ -8,13 +8,14 @@ every user error prints one line and exits with status 2, before any process sta
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from hetfed.cli import report
+from hetfed.cli import checkconfig, health, k8s_status, report
 from hetfed.wire.config import ConfigError
 
 USAGE_ERROR = 2
@@ -40,6 +41,8 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.server import serve
     from hetfed.aggregator.store import StateError
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_aggregator_config, args.config)
     try:
         serve(load_aggregator_config(args.config), ready_file=args.ready_file)
     except StateError as exc:  # a state directory that cannot be resumed: one clear line, no traceback
@@ -52,6 +55,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     from hetfed.client.config import load_client_config
     from hetfed.client.runtime import ClientError, ClientRuntime
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_client_config, args.config)
     try:
         ClientRuntime(load_client_config(args.config)).run()
     except ClientError as exc:
@@ -242,10 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("aggregator", help="run the aggregator service")
     a.add_argument("--config", required=True, help="aggregator config file (.toml or .json)")
     a.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    a.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     a.set_defaults(func=_cmd_aggregator)
 
     c = sub.add_parser("client", help="run one organization's client")
     c.add_argument("--config", required=True, help="client config file (.toml or .json)")
+    c.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     c.set_defaults(func=_cmd_client)
 
     _add_run(sub)
@@ -272,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
+    health.add_parser(sub)
+    k8s_status.add_parser(sub)
     return p
 
 
@@ -288,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hetfed {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    finally:
+        # The interpreter's shutdown collections would traverse every object torch and the run created (several
+        # seconds per process on a busy machine, so a federation's clients exited long after their run ended);
+        # frozen objects are skipped, and module teardown still releases everything.
+        gc.freeze()
 
 
 if __name__ == "__main__":

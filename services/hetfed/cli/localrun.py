@@ -14,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
 from hetfed.wire.config import ConfigError, from_mapping, to_mapping
@@ -220,17 +222,28 @@ def _subprocess_env() -> dict[str, str]:
 
 
 class LocalFederation:
-    """Starts, watches and stops an aggregator process and its client processes."""
+    """Starts, watches and stops an aggregator process and its client processes.
 
-    def __init__(self, workdir: Path, tls: TlsConfig | None = None) -> None:
+    Client processes are forked from a fork server (``hetfed.cli.forkserver``) that imported torch and the
+    client runtime once, when ``fork_clients`` (the default where the OS can fork); each one then runs the
+    same ``hetfed client --config FILE`` a deployment runs. ``warm`` lists data configs whose data sets the
+    fork server loads once for all its children.
+    """
+
+    def __init__(self, workdir: Path, tls: TlsConfig | None = None, fork_clients: bool = True,
+                 warm: Sequence[Mapping[str, Any]] = ()) -> None:
         self.workdir = workdir
         # The orchestrator's client certificate when the aggregator requires mTLS.
         self.tls = tls
         self.env = _subprocess_env()
         self.aggregator: subprocess.Popen[bytes] | None = None
-        self.clients: dict[str, subprocess.Popen[bytes]] = {}
+        self.clients: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.port = 0
         self.metrics_port = -1
+        self._forks: ForkServer | None = None
+        if fork_clients and hasattr(os, "fork"):
+            # Started first, so its imports overlap with the aggregator's start.
+            self._forks = ForkServer(self.env, workdir / "forkserver.log", warm)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child process
@@ -255,10 +268,14 @@ class LocalFederation:
         self.port, self.metrics_port = int(info["port"]), int(info["metrics_port"])
 
     def start_client(self, name: str, config: dict[str, Any]) -> None:
-        """Write a client config and start that organization's process."""
+        """Write a client config and start that organization's process (forked when a fork server runs)."""
         path = self.workdir / f"{name}.json"
         path.write_text(json.dumps(config, indent=2))
-        self.clients[name] = self._spawn(name, ["client", "--config", str(path)])
+        argv = ["client", "--config", str(path)]
+        if self._forks is not None:
+            self.clients[name] = self._forks.spawn(name, argv, self.workdir / f"{name}.log", self.workdir, self.env)
+        else:
+            self.clients[name] = self._spawn(name, argv)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         """The last lines of a process's log."""
@@ -291,7 +308,7 @@ class LocalFederation:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """Terminate everything still running (gracefully, then by force)."""
+        """Terminate everything still running (gracefully, then by force), then the fork server."""
         procs = [*self.clients.values(), *([self.aggregator] if self.aggregator else [])]
         for p in procs:
             if p.poll() is None:
@@ -302,6 +319,9 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -520,10 +540,14 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
     p = opts if isinstance(opts, LocalPlan) else plan(opts)
     o = p.opts
     certs = _make_certs(o, workdir) if o.tls else None
-    fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None)
+    fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None,
+                          warm=[_data_mapping(o, p.partition, 0)])
     started = time.monotonic()
+    state = workdir / "state"
+    if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
+        shutil.rmtree(state)
     try:
-        fed.start_aggregator(aggregator_config(p, str(workdir / "state"), certs.aggregator_tls() if certs else None))
+        fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
         names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(o.clients)}
         scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
         for (run_id, i), name in names.items():
