@@ -17,6 +17,7 @@ import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.aggregator.server import RunningAggregator, start_aggregator
+from hetfed.aggregator.store import Disk
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, codec
@@ -80,9 +81,10 @@ class RawClient:
         self.channel.close()
 
     def join(self, declared: list[tuple[PayloadKind, str, np.ndarray]] | None = None,
-             organization: str | None = None) -> apb.JoinResponse:
-        """Join, declaring ``declared`` tensors."""
-        req = apb.JoinRequest(run_id=self.run, organization_id=self.organization if organization is None else organization)
+             organization: str | None = None, examples: int = 0) -> apb.JoinResponse:
+        """Join, declaring ``declared`` tensors (and ``examples`` training examples)."""
+        req = apb.JoinRequest(run_id=self.run, organization_id=self.organization if organization is None else organization,
+                              num_train_examples=examples)
         for kind, name, arr in declared or []:
             req.declared_tensors.add(payload_kind=kind.proto_enum, name=name,
                                      dtype=codec._WIRE[codec.wire_dtype_of(arr)][0], shape=arr.shape)
@@ -123,15 +125,16 @@ class RawClient:
 
 @pytest.fixture
 def aggregator(tmp_path: Path) -> Iterator[Callable[..., RunningAggregator]]:
-    """Factory: start an in-process aggregator hosting the given runs; stopped after the test."""
+    """Factory: start an in-process aggregator hosting the given runs (on one state directory per test, so a
+    second start resumes the first's state; ``disk`` replaces the store's file layer); stopped after the test."""
     started: list[RunningAggregator] = []
 
-    def start(*runs: dict[str, Any], **server: Any) -> RunningAggregator:
+    def start(*runs: dict[str, Any], disk: Disk | None = None, **server: Any) -> RunningAggregator:
         cfg = aggregator_config_from_mapping({
             "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(tmp_path / "state"), **server},
             "runs": list(runs) or [run_config()],
         })
-        agg = start_aggregator(cfg)
+        agg = start_aggregator(cfg, disk)
         started.append(agg)
         return agg
 

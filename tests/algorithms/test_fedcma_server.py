@@ -154,7 +154,7 @@ def test_state_survives_a_checkpoint_round_trip(tmp_path: object) -> None:
     half.close_round(Phase.TRAIN, 1)
     store = RunStore(str(tmp_path), "r")
     store.save_checkpoint({"x": 1}, half.state())
-    _, arrays = store.load_checkpoint()  # type: ignore[misc]
+    _, arrays = store.read_checkpoint()
     other = FedCMAServer(CFG, RunInfo(99, tuple(COUNTS)))
     other.load_state(arrays)
     assert isinstance(other, FedCMAServer)

@@ -78,6 +78,21 @@ def test_rate_limit_applies_under_mtls(start: AggregatorFactory, certs: Federati
     assert rejected(agg, "rate_limited") == len(errors)
 
 
+def test_status_is_rate_limited_under_mtls_too(start: AggregatorFactory, certs: FederationCerts) -> None:
+    agg = start(certs.aggregator_tls(), max_requests_per_second=RATE)
+    with make_channel(f"127.0.0.1:{agg.port}", certs.client_tls("org-a")) as ch:
+        stub = agrpc.AggregatorStub(ch)
+        codes = []
+        for _ in range(30):
+            try:
+                stub.Status(apb.StatusRequest(), timeout=10)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes.append(err.code())
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert rejected(agg, "rate_limited", run="") == codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def test_no_identity_is_unauthenticated(start: AggregatorFactory) -> None:
     agg = start()
     with grpc.insecure_channel(f"127.0.0.1:{agg.port}") as ch, pytest.raises(grpc.RpcError) as info:

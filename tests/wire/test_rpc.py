@@ -21,7 +21,8 @@ def test_every_rejection_reason_has_one_status_and_a_retry_decision() -> None:
     for reason, r in REASONS.items():
         assert hasattr(grpc.StatusCode, r.status), reason
         assert WireError(reason, "x").retryable == r.retryable
-    assert {k for k, r in REASONS.items() if r.retryable} == {"rate_limited", "checksum_mismatch"}
+    assert {k for k, r in REASONS.items() if r.retryable} == {
+        "rate_limited", "checksum_mismatch", "too_many_streams", "buffer_full", "storage_unavailable", "internal"}
     with pytest.raises(ValueError, match="unknown rejection reason"):
         WireError("nope", "x")
 

@@ -40,6 +40,14 @@ REASONS: dict[str, Reason] = {
     "not_joined": Reason("FAILED_PRECONDITION", False),
     "replayed": Reason("ALREADY_EXISTS", False),
     "unknown_run": Reason("NOT_FOUND", False),
+    # Resource limits that clear by themselves: another push of the same organization is still in flight.
+    "too_many_streams": Reason("RESOURCE_EXHAUSTED", True),
+    "buffer_full": Reason("RESOURCE_EXHAUSTED", True),
+    # The aggregator could not make the update (or the round's close) durable: nothing was acknowledged or
+    # lost, and the same request may succeed once the state directory can be written again.
+    "storage_unavailable": Reason("UNAVAILABLE", True),
+    # An unexpected failure inside the aggregator (a bug): logged with its traceback there.
+    "internal": Reason("INTERNAL", True),
 }
 REASON_STATUS: dict[str, str] = {k: v.status for k, v in REASONS.items()}
 # The ErrorInfo domain of hetfed's rejections.

@@ -171,6 +171,15 @@ def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
         yield "embeddings", payload.embeddings
 
 
+def training_examples(payload: Payload) -> int | None:
+    """The training-example count a payload claims (an aggregation weight or a report), if it carries one."""
+    if isinstance(payload, ModelWeights | HeadWeights | FactorizedWeights):
+        return payload.num_examples
+    if isinstance(payload, EvalMetrics):
+        return payload.num_train_examples
+    return None
+
+
 P = TypeVar("P")
 
 

@@ -1,8 +1,9 @@
 """The Aggregator service at the gRPC boundary: one server adapter and one typed client.
 
-The server adapter turns each RPC into a typed call on an ``AggregatorHandler`` (the aggregator's service),
-counts the traffic of every RPC in one place, and answers a ``WireError`` with its gRPC status plus a rich
-status detail (``google.rpc.ErrorInfo``) naming the rejection reason. The client turns every RPC into a
+The server adapter (on a ``grpc.aio`` server) parses each request from its bytes, turns each RPC into a typed
+call on an ``AggregatorHandler`` (the aggregator's service), counts the traffic of every RPC in one place,
+and answers a ``WireError`` with its gRPC status plus a rich status detail (``google.rpc.ErrorInfo``) naming
+the rejection reason. The client turns every RPC into a
 typed call, counts the same traffic on its side, and raises ``RemoteError`` carrying that reason, so a
 caller decides whether to retry by reason, never by matching text.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol, TypeVar
 
 import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -51,6 +54,11 @@ def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
 
 # ================================================================================================ server
 
+# The gRPC service the adapter serves, and the longest run or organization id it reads from a request (ids
+# are at most 63 characters; a longer one is refused before it is looked up, logged or echoed).
+SERVICE_NAME = "hetfed.v1.Aggregator"
+MAX_ID_CHARS = 128
+
 
 @dataclass(frozen=True)
 class Caller:
@@ -72,8 +80,20 @@ class Pulled:
     round: int
 
 
+class PushLease(Protocol):
+    """An admitted push: released once the push has been answered (its stream and buffered bytes freed)."""
+
+    def release(self) -> None:
+        """Free the push's share of its organization's limits."""
+        ...
+
+
 class AggregatorHandler(Protocol):
-    """What the aggregator's service provides to the gRPC adapter; every argument and result is typed."""
+    """What the aggregator's service provides to the gRPC adapter; every argument and result is typed.
+
+    The adapter runs on an asyncio event loop. Plain methods are called on the loop and must never block;
+    coroutines do their blocking work elsewhere (``blocking`` runs a function in the handler's worker pool).
+    """
 
     max_update_bytes: int
     chunk_bytes: int
@@ -82,25 +102,29 @@ class AggregatorHandler(Protocol):
         """The caller's organization (its certificate's name under mTLS); raises WireError."""
         ...
 
-    def join(self, organization: str, request: JoinRequest) -> JoinReply:
+    async def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization to a run."""
         ...
 
-    def pull(self, organization: str, request: PullRequest) -> Pulled:
-        """Long-poll: the organization's next instructions."""
+    async def pull(self, organization: str, request: PullRequest) -> Pulled:
+        """Long-poll: the organization's next instructions (cancelled when the client goes away)."""
         ...
 
-    def admit_push(self, organization: str, run_id: str, round_: int) -> None:
-        """Refuse a push before its chunks are read (unknown run or organization, wrong round)."""
+    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
+        """Refuse a push before its chunks are read (unknown run or organization, wrong round, push limits)."""
         ...
 
-    def push(self, organization: str, run_id: str, round_: int, update: messages.ParsedUpdate, digest: bytes,
-             up: TrafficBreakdown) -> PushReply:
-        """Check, persist and fold in an update; records its traffic (``up`` and the reply) with the round."""
+    async def push(self, organization: str, run_id: str, round_: int, data: bytes, digest: bytes, wire_bytes: int,
+                   chunks: int) -> PushReply:
+        """Parse, check, persist and fold in a reassembled update (``digest``: its SHA-256); records its traffic."""
         ...
 
-    def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
+    async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """The runs the caller may see."""
+        ...
+
+    async def blocking(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` where it may block (the handler's worker pool) and await its result."""
         ...
 
     def count(self, run_id: str, organization: str, round_: int, direction: str, traffic: TrafficBreakdown) -> None:
@@ -112,127 +136,218 @@ class AggregatorHandler(Protocol):
         ...
 
 
-def abort(context: grpc.ServicerContext, err: WireError) -> NoReturn:
-    """End the RPC with the error's status and an ErrorInfo detail naming its reason."""
+def rich_status(err: WireError) -> grpc.Status:
+    """The gRPC status of a rejection, with an ErrorInfo detail naming its reason (the message clipped)."""
     text = clip(f"{err.reason}: {err.message}")
     status = status_pb2.Status(code=getattr(code_pb2, err.status), message=text)
     status.details.add().Pack(error_details_pb2.ErrorInfo(reason=err.reason.upper(), domain=ERROR_DOMAIN))
-    context.abort_with_status(rpc_status.to_status(status))
-    raise AssertionError("unreachable")  # abort_with_status raises
+    return rpc_status.to_status(status)
 
 
-def _caller(context: grpc.ServicerContext) -> Caller:
+M = TypeVar("M", bound=Message)
+
+
+def parse(cls: type[M], data: bytes) -> M:
+    """A request message parsed from its bytes; undecodable bytes are a ``malformed`` rejection."""
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise WireError("malformed", f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+
+
+def _check_ids(*ids: str) -> None:
+    for value in ids:
+        if len(value) > MAX_ID_CHARS:
+            raise WireError("malformed", f"an id of {len(value)} characters (at most {MAX_ID_CHARS}): "
+                                         f"{clip(value, 32)!r}")
+
+
+def _caller(context: grpc.aio.ServicerContext) -> Caller:  # type: ignore[type-arg]
     header = ""
-    for key, value in context.invocation_metadata():
+    for key, value in context.invocation_metadata() or ():
         if key == ORGANIZATION_METADATA_KEY:
             header = value if isinstance(value, str) else value.decode(errors="replace")
+    _check_ids(header)
     return Caller(peer_identity(context), header, context.peer())
 
 
 class _ChunkCache:
-    """Split instructions, by message: a broadcast round's chunks are built once for every organization."""
+    """Serialized chunk responses of instructions, by message: a broadcast round's are built once for all."""
 
     def __init__(self, size: int = 64) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[int, tuple[Encoded, list[apb.PullInstructionsResponse], int]] = OrderedDict()
+        self._items: OrderedDict[int, tuple[Encoded, list[bytes], int]] = OrderedDict()
         self._size = size
 
-    def get(self, encoded: Encoded, chunk_bytes: int) -> tuple[list[apb.PullInstructionsResponse], int]:
-        key = id(encoded)
+    def get(self, encoded: Encoded) -> tuple[list[bytes], int] | None:
+        """The cached responses (and their bytes) of ``encoded``, or None."""
         with self._lock:
-            hit = self._items.get(key)
+            hit = self._items.get(id(encoded))
             if hit is not None and hit[0] is encoded:
-                self._items.move_to_end(key)
+                self._items.move_to_end(id(encoded))
                 return hit[1], hit[2]
-        responses = [apb.PullInstructionsResponse(chunk=c) for c in chunks.split(encoded.data, chunk_bytes)]
-        size = sum(r.ByteSize() for r in responses)
+        return None
+
+    def build(self, encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
+        """Split and serialize ``encoded`` (blocking for a large message) and cache the result."""
+        responses = [apb.PullInstructionsResponse(chunk=c).SerializeToString()
+                     for c in chunks.split(encoded.data, chunk_bytes)]
+        size = sum(len(r) for r in responses)
         with self._lock:
-            self._items[key] = (encoded, responses, size)  # holding ``encoded`` keeps its id unique
+            self._items[id(encoded)] = (encoded, responses, size)  # holding ``encoded`` keeps its id unique
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
         return responses, size
 
 
-class AggregatorServicer(agrpc.AggregatorServicer):
-    """The generated servicer, converting at the boundary and delegating to a typed handler."""
+class AggregatorServicer:
+    """The Aggregator service on a ``grpc.aio`` server: requests arrive as bytes and are parsed here.
+
+    Parsing in the handler makes a malformed request an ordinary, counted ``malformed`` rejection (gRPC's own
+    deserializer would fail inside grpcio, uncounted). A ``WireError`` becomes its gRPC status with an
+    ErrorInfo reason; any other exception is logged with its traceback and answered ``internal``, never
+    UNKNOWN. Traffic of every RPC is counted here.
+    """
 
     def __init__(self, handler: AggregatorHandler) -> None:
         self.handler = handler
         self._chunks = _ChunkCache()
 
-    def _fail(self, context: grpc.ServicerContext, run_id: str, err: WireError) -> NoReturn:
+    async def _fail(self, context: grpc.aio.ServicerContext, run_id: str,  # type: ignore[type-arg]
+                    err: WireError) -> NoReturn:
         self.handler.rejected(run_id, context.peer(), err)
-        abort(context, err)
+        await context.abort_with_status(rich_status(err))
+        raise AssertionError("unreachable")  # abort_with_status raises
 
-    def Join(self, request: apb.JoinRequest, context: grpc.ServicerContext) -> apb.JoinResponse:  # noqa: N802
-        try:
-            org = self.handler.identify(_caller(context), request.organization_id)
-            reply = self.handler.join(org, messages.join_request_from_proto(request))
-        except WireError as err:
-            self._fail(context, request.run_id, err)
-        resp = messages.join_reply_to_proto(reply)
-        self.handler.count(request.run_id, org, reply.current_round, "up", with_envelope(TrafficBreakdown(), request.ByteSize()))
-        self.handler.count(request.run_id, org, reply.current_round, "down", with_envelope(TrafficBreakdown(), resp.ByteSize()))
-        return resp
+    @staticmethod
+    def _internal(what: str, exc: Exception) -> WireError:
+        log.error("%s failed unexpectedly", what, exc_info=exc)
+        return WireError("internal", f"{what} failed inside the aggregator ({type(exc).__name__}); it is logged there")
 
-    def PullInstructions(  # noqa: N802
-        self, request: apb.PullInstructionsRequest, context: grpc.ServicerContext
-    ) -> Iterator[apb.PullInstructionsResponse]:
-        try:
-            org = self.handler.identify(_caller(context), request.organization_id)
-            pulled = self.handler.pull(org, messages.pull_request_from_proto(request))
-        except WireError as err:
-            self._fail(context, request.run_id, err)
-        responses, size = self._chunks.get(pulled.encoded, self.handler.chunk_bytes)
-        # The request is traffic too: an envelope-only message up.
-        self.handler.count(request.run_id, org, pulled.round, "up", with_envelope(TrafficBreakdown(), request.ByteSize()))
-        self.handler.count(request.run_id, org, pulled.round, "down",
-                           with_envelope(pulled.encoded.payloads, size, len(responses)))
-        yield from responses
-
-    def PushUpdate(  # noqa: N802
-        self, request_iterator: Iterator[apb.PushUpdateRequest], context: grpc.ServicerContext
-    ) -> apb.PushUpdateResponse:
+    async def join(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """Join: admit an organization to a run."""
         run_id = ""
         try:
-            first = next(request_iterator, None)
-            if first is None:
+            msg = parse(apb.JoinRequest, request)
+            _check_ids(msg.run_id, msg.organization_id)
+            run_id = msg.run_id
+            org = self.handler.identify(_caller(context), msg.organization_id)
+            reply = await self.handler.join(org, messages.join_request_from_proto(msg))
+            resp = messages.join_reply_to_proto(reply).SerializeToString()
+        except WireError as err:
+            failure = err
+        except Exception as exc:
+            failure = self._internal("Join", exc)
+        else:
+            self.handler.count(run_id, org, reply.current_round, "up", with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, reply.current_round, "down", with_envelope(TrafficBreakdown(), len(resp)))
+            return resp
+        return await self._fail(context, run_id, failure)
+
+    async def pull(self, request: bytes,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # type: ignore[type-arg]
+        """PullInstructions: long-poll, then stream the instructions' chunks."""
+        run_id = ""
+        try:
+            msg = parse(apb.PullInstructionsRequest, request)
+            _check_ids(msg.run_id, msg.organization_id)
+            run_id = msg.run_id
+            org = self.handler.identify(_caller(context), msg.organization_id)
+            pulled = await self.handler.pull(org, messages.pull_request_from_proto(msg))
+            built = self._chunks.get(pulled.encoded)
+            if built is None:
+                encoded, chunk_bytes = pulled.encoded, self.handler.chunk_bytes
+                built = await self.handler.blocking(lambda: self._chunks.build(encoded, chunk_bytes))
+        except WireError as err:
+            failure = err
+        except Exception as exc:
+            failure = self._internal("PullInstructions", exc)
+        else:
+            responses, size = built
+            # The request is traffic too: an envelope-only message up.
+            self.handler.count(run_id, org, pulled.round, "up", with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, pulled.round, "down",
+                               with_envelope(pulled.encoded.payloads, size, len(responses)))
+            for r in responses:
+                yield r
+            return
+        await self._fail(context, run_id, failure)
+
+    async def push(self, request_iterator: AsyncIterator[bytes],
+                   context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """PushUpdate: reassemble a chunked update within the limits, then hand it to the handler."""
+        run_id = ""
+        lease: PushLease | None = None
+        try:
+            stream = request_iterator.__aiter__()
+            raw = await anext(stream, None)
+            if raw is None:
                 raise WireError("malformed", "an empty PushUpdate stream")
+            first = parse(apb.PushUpdateRequest, raw)
+            _check_ids(first.run_id, first.organization_id)
             run_id = first.run_id
             org = self.handler.identify(_caller(context), first.organization_id)
-            self.handler.admit_push(org, run_id, first.round)  # refuse a stale or foreign push before reading it
+            # Refuse a stale, foreign or over-limit push before reading it.
+            lease = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
             assembler = chunks.Reassembler(self.handler.max_update_bytes)
-            wire_bytes, n = 0, 0
+            address = (first.run_id, first.round, first.organization_id)
+            wire_bytes, n, done = 0, 0, False
             req: apb.PushUpdateRequest | None = first
-            done = False
+            size = len(raw)
             while req is not None:
-                if (req.run_id, req.round, req.organization_id) != (first.run_id, first.round, first.organization_id):
+                if (req.run_id, req.round, req.organization_id) != address:
                     raise WireError("envelope_mismatch", "chunks of one push name different runs, rounds or organizations")
                 if done:
                     raise WireError("malformed", "chunks after the last announced chunk")
-                wire_bytes += req.ByteSize()
+                wire_bytes += size
                 n += 1
                 done = assembler.add(req.chunk)
-                req = next(request_iterator, None)
-            update = messages.ParsedUpdate(assembler.data())
-            up = with_envelope(update.payload_traffic, wire_bytes, messages=n)
-            reply = self.handler.push(org, run_id, first.round, update, assembler.sha256, up)
+                raw = await anext(stream, None)
+                req, size = (None, 0) if raw is None else (parse(apb.PushUpdateRequest, raw), len(raw))
+            data = assembler.data()
+            reply = await self.handler.push(org, run_id, first.round, data, assembler.sha256, wire_bytes, n)
+            resp = messages.push_reply_to_proto(reply).SerializeToString()
         except WireError as err:
-            self._fail(context, run_id, err)
-        return messages.push_reply_to_proto(reply)
+            failure = err
+        except Exception as exc:
+            failure = self._internal("PushUpdate", exc)
+        else:
+            return resp
+        finally:
+            if lease is not None:
+                lease.release()
+        return await self._fail(context, run_id, failure)
 
-    def Status(self, request: apb.StatusRequest, context: grpc.ServicerContext) -> apb.StatusResponse:  # noqa: N802
+    async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """Status: the runs the caller may see."""
+        run_id = ""
         try:
-            runs = self.handler.status(_caller(context), request.run_id)
+            msg = parse(apb.StatusRequest, request)
+            _check_ids(msg.run_id)
+            run_id = msg.run_id
+            runs = await self.handler.status(_caller(context), msg.run_id)
+            return await self.handler.blocking(
+                lambda: apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs]).SerializeToString())
         except WireError as err:
-            self._fail(context, request.run_id, err)
-        return apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs])
+            failure = err
+        except Exception as exc:
+            failure = self._internal("Status", exc)
+        return await self._fail(context, run_id, failure)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The service's method handlers, with raw-bytes requests and responses (no gRPC (de)serializer)."""
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Join": grpc.unary_unary_rpc_method_handler(self.join),
+            "PullInstructions": grpc.unary_stream_rpc_method_handler(self.pull),
+            "PushUpdate": grpc.stream_unary_rpc_method_handler(self.push),
+            "Status": grpc.unary_unary_rpc_method_handler(self.status),
+        })
 
 
-def add_aggregator_handler(server: grpc.Server, handler: AggregatorHandler) -> AggregatorServicer:
-    """Serve ``handler`` as the hetfed.v1.Aggregator service on ``server``."""
+def add_aggregator_handler(server: grpc.aio.Server, handler: AggregatorHandler) -> AggregatorServicer:
+    """Serve ``handler`` as the hetfed.v1.Aggregator service on an asyncio ``server``."""
     servicer = AggregatorServicer(handler)
-    agrpc.add_AggregatorServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
     return servicer
 
 

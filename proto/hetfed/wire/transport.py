@@ -1,12 +1,16 @@
-"""One gRPC server factory and one channel factory: TLS/mTLS, keepalive, message limits, identity."""
+"""One gRPC server factory and one channel factory: TLS/mTLS, keepalive, message limits, identity, health."""
 
 from __future__ import annotations
 
-from concurrent import futures
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from hetfed.wire.config import check
 
@@ -43,12 +47,18 @@ class TlsConfig:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
 
 
-def make_server(address: str, tls: TlsConfig | None, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """A gRPC server bound to ``address`` (mTLS when ``tls`` is set); returns it and the bound port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hetfed-rpc"),
-        options=[*_COMMON_OPTIONS, ("grpc.so_reuseport", 0)],
-    )
+def make_server(address: str, tls: TlsConfig | None) -> tuple[grpc.aio.Server, int]:
+    """An asyncio gRPC server bound to ``address`` (mTLS when ``tls`` is set); returns it and the bound port.
+
+    Call it inside the event loop that will run the server. Handlers are coroutines: a waiting call holds no
+    thread, so the server's thread count does not grow with its clients.
+    """
+    server = grpc.aio.server(options=[
+        *_COMMON_OPTIONS, ("grpc.so_reuseport", 0),
+        # Accept the clients' keepalive pings (every 30 s, with or without calls): gRPC's default of one every
+        # 5 minutes answers them with GOAWAY "too_many_pings", dropping long-lived clients' connections.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    ])
     if tls is None:
         port = server.add_insecure_port(address)
     else:
@@ -58,6 +68,76 @@ def make_server(address: str, tls: TlsConfig | None, max_workers: int = 32) -> t
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     return server, port
+
+
+class Health:
+    """The standard ``grpc.health.v1.Health`` service (Check, Watch) for an asyncio server.
+
+    Requests are parsed from bytes in the handler, like the Aggregator service's. Use it from the server's
+    event loop only.
+    """
+
+    SERVICE = "grpc.health.v1.Health"
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+        self._changed: asyncio.Event | None = None
+        self._shutting_down = False
+
+    def set(self, service: str, status: int) -> None:
+        """Set a service's status (ignored once shutting down)."""
+        if not self._shutting_down:
+            self._status[service] = status
+            self._notify()
+
+    def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING from now on."""
+        for service in self._status:
+            self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._shutting_down = True
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    @staticmethod
+    async def _request(request: bytes, context: grpc.aio.ServicerContext) -> str:  # type: ignore[type-arg]
+        try:
+            return health_pb2.HealthCheckRequest.FromString(request).service
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed: not a HealthCheckRequest")
+            raise AssertionError("unreachable") from None
+
+    async def check(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """The service's status now (NOT_FOUND for a service never set)."""
+        service = await self._request(request, context)
+        status = self._status.get(service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service[:64]!r}")
+        return health_pb2.HealthCheckResponse(status=status).SerializeToString()
+
+    async def watch(self, request: bytes,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # type: ignore[type-arg]
+        """The service's status now and at every change."""
+        service = await self._request(request, context)
+        last = None
+        while True:
+            status = self._status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
+                last = status
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The service's method handlers, with raw-bytes requests and responses."""
+        return grpc.method_handlers_generic_handler(self.SERVICE, {
+            "Check": grpc.unary_unary_rpc_method_handler(self.check),
+            "Watch": grpc.unary_stream_rpc_method_handler(self.watch),
+        })
 
 
 def make_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
@@ -72,7 +152,7 @@ def make_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
     return grpc.secure_channel(address, creds, options=options)
 
 
-def peer_identity(context: grpc.ServicerContext) -> str | None:
+def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str | None:  # type: ignore[type-arg]
     """The organization named by the client certificate's common name, or None on insecure channels."""
     auth = context.auth_context()
     names = auth.get("x509_common_name") or []

@@ -125,6 +125,19 @@ class ServerConfig:
     tls: TlsConfig | None = None
     # Certificate names (under mTLS) allowed to read every run's full Status; organizations see only their own.
     operators: tuple[str, ...] = ()
+    # Threads for blocking work (disk writes, decoding, aggregation); waiting clients hold none.
+    worker_threads: int = 4
+    # Pushes one organization may have in flight, and the bytes their first chunks announce, together.
+    max_pushes_per_organization: int = 2
+    max_buffered_bytes_per_organization: int = 4 << 30
+    # Bound on the training examples an organization declares at Join (its declaration bounds its updates'
+    # counts; without one, this bounds them).
+    max_examples_per_organization: int = 1_000_000_000
+    # Named figures (EvalMetrics.extra) in one report; characters in any name a client chooses.
+    max_metrics_per_report: int = 64
+    max_name_chars: int = 128
+    # Tensors one organization may declare at Join.
+    max_declared_tensors: int = 10_000
 
     def __post_init__(self) -> None:
         check(self.metrics_port >= -1, "metrics_port must be >= -1")
@@ -133,6 +146,13 @@ class ServerConfig:
         check(1024 <= self.chunk_bytes <= 16 << 20, "chunk_bytes must be in [1 KiB, 16 MiB]")
         check(self.max_pull_wait_seconds > 0, "max_pull_wait_seconds must be > 0")
         check(self.max_requests_per_second >= 0, "max_requests_per_second must be >= 0")
+        check(1 <= self.worker_threads <= 256, "worker_threads must be in [1, 256]")
+        check(self.max_pushes_per_organization >= 1, "max_pushes_per_organization must be >= 1")
+        check(self.max_buffered_bytes_per_organization > 0, "max_buffered_bytes_per_organization must be > 0")
+        check(self.max_examples_per_organization >= 1, "max_examples_per_organization must be >= 1")
+        check(self.max_metrics_per_report >= 0, "max_metrics_per_report must be >= 0")
+        check(16 <= self.max_name_chars <= 4096, "max_name_chars must be in [16, 4096]")
+        check(self.max_declared_tensors >= 1, "max_declared_tensors must be >= 1")
 
 
 @dataclass(frozen=True)

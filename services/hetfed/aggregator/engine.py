@@ -10,20 +10,25 @@ The engine sees typed messages only: the wire package converts at the gRPC bound
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
+import unicodedata
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from hetfed.aggregator import k8s_events
 from hetfed.aggregator.algorithms import make_server_half
+from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
+from hetfed.aggregator.crashpoints import crash_point
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.org_ledger import OrganizationLedger
-from hetfed.aggregator.store import RunStore
+from hetfed.aggregator.store import Disk, RunStore, StateError, StorageError
 from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
 from hetfed.wire.errors import WireError
@@ -38,9 +43,9 @@ from hetfed.wire.messages import (
     RoundSummary,
     RunStatus,
 )
-from hetfed.wire.payloads import EvalMetrics, Received
+from hetfed.wire.payloads import EvalMetrics, Received, training_examples
 from hetfed.wire.phases import Action, Phase
-from hetfed.wire.rpc import Pulled
+from hetfed.wire.rpc import Pulled, clip
 from hetfed.wire.traffic import KindCount, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -53,6 +58,72 @@ class Limits:
     chunk_bytes: int
     max_update_bytes: int
     max_tensor_elements: int
+    # Example counts: an organization's declared training examples bound its updates' counts; this bounds
+    # the declaration itself, and every count of an organization that declared none.
+    max_examples: int = 1_000_000_000
+    # Named figures (EvalMetrics.extra) in one report, and the length of every name a client chooses
+    # (figures, declared tensors).
+    max_metrics_per_report: int = 64
+    max_name_chars: int = 128
+    max_declared_tensors: int = 10_000
+
+
+class Changes:
+    """Wakes long-polls waiting in an asyncio event loop, from any thread, when a run's state changes.
+
+    A waiter costs a future, not a thread; a cancelled wait (the client gave up) removes itself at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.version = 0
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    @property
+    def waiting(self) -> int:
+        """How many long-polls wait now."""
+        return len(self._waiters)
+
+    def notify(self) -> None:
+        """Wake every waiter (callable from any thread)."""
+        with self._lock:
+            self.version += 1
+            waiters, self._waiters = self._waiters, set()
+        for loop, fut in waiters:
+            with contextlib.suppress(RuntimeError):  # a closed loop: its waiter is gone
+                loop.call_soon_threadsafe(_wake, fut)
+
+    async def wait(self, seen: int, timeout: float) -> None:
+        """Return once the version is no longer ``seen``, or after ``timeout`` seconds; cancellable."""
+        loop = asyncio.get_running_loop()
+        entry = (loop, loop.create_future())
+        with self._lock:
+            if self.version != seen:
+                return
+            self._waiters.add(entry)
+        try:
+            await asyncio.wait_for(entry[1], timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._waiters.discard(entry)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _bad_name(name: str, limit: int) -> str:
+    """Why a client-chosen name is refused ("" when it is acceptable)."""
+    if not name:
+        return "is empty"
+    if len(name) > limit:
+        return f"has {len(name)} characters; at most {limit}"
+    if any(unicodedata.category(c)[0] == "C" for c in name):
+        return "holds control characters"
+    return ""
 
 
 def _traffic_json(b: TrafficBreakdown) -> dict[str, dict[str, int]]:
@@ -115,81 +186,160 @@ class RoundRecord:
 
 
 class Run:
-    """One federated run hosted by the aggregator; thread-safe."""
+    """One federated run hosted by the aggregator; thread-safe (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, state_dir: str, metrics: AggregatorMetrics, limits: Limits) -> None:
+    def __init__(self, cfg: RunConfig, state_dir: str, metrics: AggregatorMetrics, limits: Limits,
+                 disk: Disk | None = None) -> None:
         self.cfg = cfg
         self.spec = cfg.spec
         self.train_config = cfg.train_config()
         self.wire_dtype = None if self.train_config.wire_dtype == "float32" else self.train_config.wire_dtype
-        self.half = make_server_half(self.spec, self.train_config, cfg.run_info())
-        self.store = RunStore(state_dir, cfg.id)
+        self.half = self._new_half()
+        self.store = RunStore(state_dir, cfg.id, disk)
         self.metrics = metrics
         self.limits = limits
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._traffic_lock = threading.Lock()  # never held across I/O: the event loop counts traffic
+        self.changes = Changes()
         self.phase = self.spec.first_phase
         self.round = 0 if self.phase is Phase.SETUP else 1
         self.schema: contract.Schema = {}
         self.joined: set[str] = set()
         self.declared: set[str] = set()  # organizations whose tensor declaration matched the run's schema
+        self.examples: dict[str, int] = {}  # organization -> training examples it declared at Join
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
+        # The server half's memory is ahead of the durable state (a close failed after changing it).
+        self._stale = False
+        self._close_error = ""
         # (round, organization or "*") -> the encoded instructions of the open round
         self._cache: dict[tuple[int, str], Encoded] = {}
+        self._wait: tuple[int, Encoded] | None = None
+        self._finish: Encoded | None = None
+        # The figure names each organization reported last, and the means published last: a name nobody
+        # reports any more leaves the metrics, so label values stay bounded by the last reports.
+        self._figure_names: dict[str, set[str]] = {}
+        self._mean_names: set[str] = set()
         self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
-        self._restore()
+        with self._lock:
+            self._restore()
         self._publish_round_gauges()
 
+    def _new_half(self) -> ServerHalf:  # type: ignore[type-arg]
+        return make_server_half(self.spec, self.train_config, self.cfg.run_info())
+
     # ----------------------------------------------------------------- durability
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, phase: Phase | None = None, round_: int | None = None, schema: contract.Schema | None = None,
+              joined: set[str] | None = None, declared: set[str] | None = None,
+              examples: dict[str, int] | None = None) -> dict[str, Any]:
+        """The checkpoint's metadata: the run's state, with the given parts replaced (not yet committed)."""
         return {
-            "phase": self.phase.value,
-            "round": self.round,
-            "schema": contract.schema_to_json(self.schema),
-            "joined": sorted(self.joined),
-            "declared": sorted(self.declared),
-            # The closed rounds' records are in the store's append-only history; this many are valid.
-            "history_len": len(self.history),
+            "phase": (phase or self.phase).value,
+            "round": self.round if round_ is None else round_,
+            "schema": contract.schema_to_json(self.schema if schema is None else schema),
+            "joined": sorted(self.joined if joined is None else joined),
+            "declared": sorted(self.declared if declared is None else declared),
+            "examples": dict(sorted((self.examples if examples is None else examples).items())),
             "organizations": self.ledger.to_json(),
         }
 
-    def _checkpoint(self) -> None:
-        self.store.save_checkpoint(self._meta(), self.half.state())
-
     def _restore(self) -> None:
-        loaded = self.store.load_checkpoint()
+        try:
+            loaded = self.store.recover()
+        except StateError as exc:
+            raise StateError(f"run {self.cfg.id!r}: {exc}") from None
         if loaded is None:
-            self._checkpoint()
+            try:
+                self.store.save_checkpoint(self._meta(), self.half.state())
+            except StorageError as exc:
+                raise StateError(f"run {self.cfg.id!r}: cannot write its first checkpoint: {exc}") from None
             return
-        meta, arrays = loaded
-        self.phase, self.round = Phase(meta["phase"]), int(meta["round"])
-        self.schema = contract.schema_from_json(meta["schema"])
-        self.joined = set(meta["joined"])
-        self.declared = set(meta.get("declared", meta["joined"]))
-        self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
-        records = meta["history"] if "history" in meta else self.store.load_history(int(meta["history_len"]))
-        self.history = [RoundRecord.from_json(r) for r in records]
-        self.half.load_state(arrays)
+        meta = loaded.meta
+        where = self.store.checkpoint_path
+        try:
+            self.phase, self.round = Phase(meta["phase"]), int(meta["round"])
+            self.schema = contract.schema_from_json(meta["schema"])
+            self.joined = set(meta["joined"])
+            self.declared = set(meta.get("declared", meta["joined"]))
+            self.examples = {str(k): int(v) for k, v in meta.get("examples", {}).items()}
+            self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise StateError(f"run {self.cfg.id!r}: {where} holds invalid metadata ({type(exc).__name__}: {exc})") \
+                from None
+        try:
+            self.history = [RoundRecord.from_json(r) for r in loaded.history]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise StateError(f"run {self.cfg.id!r}: {self.store.history_path} holds an invalid record "
+                             f"({type(exc).__name__}: {exc})") from None
+        try:
+            self.half.load_state(loaded.arrays)
+        except Exception as exc:
+            raise StateError(f"run {self.cfg.id!r}: the arrays in {where} do not fit algorithm "
+                             f"{self.cfg.algorithm!r} ({type(exc).__name__}: {exc})") from None
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = bool(self.joined)
+        if self.phase is Phase.FINISHED:
+            self.store.drop_rounds_before(self.round + 1)
+            log.info("run %s resumed finished after %d rounds", self.cfg.id, len(self.history))
+            return
         replayed = 0
-        for org, data in self.store.updates(self.round):
-            update = ParsedUpdate(data).check(self.spec, self.phase, self.schema, self.limits.max_tensor_elements,
-                                              self.cfg.id, self.round, org)
-            self._fold(org, update, hashlib.sha256(data).digest())
+        for org, received, digest in self._logged_updates():
+            self._fold(org, received, digest)
             replayed += 1
         log.info("run %s resumed at %s round %d with %d stored updates", self.cfg.id, self.phase.value,
                  self.round, replayed)
-        self._maybe_close_locked()
+        self._try_close_locked()
+
+    def _logged_updates(self) -> list[tuple[str, Received, bytes]]:
+        """The open round's logged updates, checked again; one that no longer passes is skipped (and logged)."""
+        out = []
+        for org, data in self.store.updates(self.round):
+            try:
+                if org not in self.cfg.organizations:
+                    raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
+                update = ParsedUpdate(data).check(self.spec, self.phase, self.schema, self.limits.max_tensor_elements,
+                                                  self.cfg.id, self.round, org)
+            except WireError as err:
+                log.error("run %s: the logged update of %r for round %d is skipped (%s); the organization is asked "
+                          "for it again", self.cfg.id, clip(org, 64), self.round, err)
+                continue
+            out.append((org, update, hashlib.sha256(data).digest()))
+        return out
+
+    def _fresh_locked(self) -> None:
+        """Rebuild the server half from the durable state when a failed close left it ahead of the disk."""
+        if not self._stale:
+            return
+        try:
+            _, arrays = self.store.read_checkpoint()
+            half = self._new_half()
+            half.load_state(arrays)
+            for org, received, _ in self._logged_updates():
+                if org in self.pushed:
+                    half.accumulate(self.phase, org, received)
+        except (StateError, OSError) as exc:
+            raise WireError("storage_unavailable", f"run {self.cfg.id!r} cannot reload its state after a failed "
+                                                   f"write ({exc})") from None
+        self.half = half
+        self._stale = False
+        log.info("run %s: server state rebuilt from the checkpoint and %d logged updates", self.cfg.id,
+                 len(self.pushed))
+
+    def close(self) -> None:
+        """Close the run's files."""
+        with self._lock:
+            self.store.close()
 
     # ----------------------------------------------------------------- join
-    def _check_member(self, organization: str) -> None:
+    def check_member(self, organization: str) -> None:
+        """Refuse an organization that is not in the run, has not joined, or owes its declaration (lock-free)."""
         if organization not in self.cfg.organizations:
-            raise WireError("unknown_organization", f"organization {organization!r} is not part of run {self.cfg.id!r}")
+            raise WireError("unknown_organization", f"organization {clip(organization, 64)!r} is not part of run "
+                                                    f"{self.cfg.id!r}")
         if organization not in self.joined:
             raise WireError("not_joined", f"organization {organization!r} must Join run {self.cfg.id!r} first")
         if self.spec.shared_schema and organization not in self.declared:
@@ -199,7 +349,8 @@ class Run:
     def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization of this run; the first declaration fixes the run's tensor schema."""
         if organization not in self.cfg.organizations:
-            raise WireError("unknown_organization", f"organization {organization!r} is not part of run {self.cfg.id!r}")
+            raise WireError("unknown_organization", f"organization {clip(organization, 64)!r} is not part of run "
+                                                    f"{self.cfg.id!r}")
         if self.cfg.seed_set is not None:
             got = request.seed_set
             want = self.cfg.seed_set
@@ -209,24 +360,41 @@ class Run:
                     "seed_set_mismatch",
                     f"run {self.cfg.id!r} uses seed set {want.id!r} (sha256 {want.sha256[:12]}…); the client holds {held}",
                 )
+        n = request.num_train_examples
+        if not 0 <= n <= self.limits.max_examples:
+            raise WireError("invalid_value", f"num_train_examples must be in [0, {self.limits.max_examples}] "
+                                             f"(server.max_examples_per_organization), got {n}")
+        if len(request.declared) > self.limits.max_declared_tensors:
+            raise WireError("oversized", f"{len(request.declared)} declared tensors; at most "
+                                         f"{self.limits.max_declared_tensors}")
+        for d in request.declared:
+            bad = _bad_name(d.name, self.limits.max_name_chars)
+            if bad:
+                raise WireError("invalid_value", f"declared tensor name {clip(d.name, 64)!r} {bad}")
         declares = bool(request.declared) and bool(self.spec.shared_schema)
-        declared = contract.schema_from_declared(request.declared, self.spec) if declares else {}
-        with self._cond:
+        declared_schema = contract.schema_from_declared(request.declared, self.spec) if declares else {}
+        with self._lock:
+            schema = self.schema
             if declares:
-                if self.schema:
-                    contract.check_same_schema(self.schema, declared)
+                if schema:
+                    contract.check_same_schema(schema, declared_schema)
                 else:
-                    self.schema = declared
-            new = organization not in self.joined or (declares and organization not in self.declared)
-            self.joined.add(organization)
-            if declares:
-                self.declared.add(organization)
+                    schema = declared_schema
+            joined = self.joined | {organization}
+            declared = self.declared | {organization} if declares else self.declared
+            examples = {**self.examples, organization: n} if n else self.examples
+            if (joined, declared, examples, schema) != (self.joined, self.declared, self.examples, self.schema):
+                self._fresh_locked()
+                try:
+                    self.store.save_checkpoint(self._meta(schema=schema, joined=joined, declared=declared,
+                                                          examples=examples), self.half.state())
+                except StorageError as exc:
+                    self._storage_failed(exc)
+                self.schema, self.joined, self.declared, self.examples = schema, joined, declared, examples
             if not self._deadline_armed:
                 # The first round's clock starts when the first organization arrives.
                 self._deadline_armed = True
                 self.current.started = time.monotonic()
-            if new:
-                self._checkpoint()
             return JoinReply(
                 run_id=self.cfg.id,
                 algorithm=self.cfg.algorithm,
@@ -237,6 +405,10 @@ class Run:
                 organizations=tuple(self.cfg.organizations),
                 declare_required=bool(self.spec.shared_schema) and organization not in self.declared,
             )
+
+    def _storage_failed(self, exc: StorageError) -> NoReturn:
+        self.metrics.storage_errors.labels(self.cfg.id).inc()
+        raise WireError("storage_unavailable", f"{exc}; nothing changed: try again") from None
 
     # ----------------------------------------------------------------- instructions
     def round_seed(self, round_: int) -> int:
@@ -256,78 +428,116 @@ class Run:
             ), self.wire_dtype)
         return self._cache[key]
 
-    def _simple_locked(self, action: Action) -> Encoded:
-        key = (self.round, action.value)
-        if key not in self._cache:
-            self._cache[key] = messages.encode_instructions(
-                Instructions(self.cfg.id, self.round, action, self.cfg.rounds))
-        return self._cache[key]
+    def poll(self, organization: str, request: PullRequest) -> Pulled | None:
+        """The organization's next instructions if there are any now, else None (it waits on ``changes``).
 
-    def pull(self, organization: str, request: PullRequest, max_wait: float) -> Pulled:
-        """Long-poll: the next instructions for ``organization``, or WAIT after ``request.wait_seconds``."""
-        self._check_member(organization)
-        deadline = time.monotonic() + min(request.wait_seconds, max_wait)
-        with self._cond:
-            while True:
-                if self.phase is Phase.FINISHED:
-                    return Pulled(self._simple_locked(Action.FINISH), self.round)
-                if organization not in self.pushed and request.completed_round < self.round:
-                    return Pulled(self._instructions_locked(organization), self.round)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return Pulled(self._simple_locked(Action.WAIT), self.round)
-                self._cond.wait(min(remaining, 1.0))
+        An organization that has not pushed in the open round gets its instructions even when it says it
+        completed this round: the aggregator lost its update (a damaged log), so it is asked again.
+        """
+        with self._lock:
+            if self.phase is Phase.FINISHED:
+                if self._finish is None:
+                    self._finish = messages.encode_instructions(
+                        Instructions(self.cfg.id, self.round, Action.FINISH, self.cfg.rounds))
+                return Pulled(self._finish, self.round)
+            if organization not in self.pushed and request.completed_round <= self.round:
+                self._fresh_locked()
+                return Pulled(self._instructions_locked(organization), self.round)
+            return None
+
+    def wait_reply(self) -> Pulled:
+        """The WAIT instructions of the open round (lock-free: the event loop answers an expired long-poll)."""
+        cached = self._wait
+        round_ = self.round
+        if cached is None or cached[0] != round_:
+            cached = (round_, messages.encode_instructions(
+                Instructions(self.cfg.id, round_, Action.WAIT, self.cfg.rounds)))
+            self._wait = cached
+        return Pulled(cached[1], cached[0])
 
     def record_traffic(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
         """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
-        with self._cond:
-            self._count_locked(organization, round_, direction, b)
-
-    def _count_locked(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
         self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
         self.ledger.count(organization, direction, b)
-        if round_ == self.current.round:
-            (self.current.up if direction == "up" else self.current.down).add(b)
+        with self._traffic_lock:
+            current = self.current
+            if round_ == current.round:
+                (current.up if direction == "up" else current.down).add(b)
 
     # ----------------------------------------------------------------- push
     def admit_push(self, organization: str, round_: int) -> None:
-        """Refuse a push from a non-member or for another round before its chunks are read."""
-        self._check_member(organization)
-        with self._cond:
-            self._check_round_locked(round_)
+        """Refuse a push from a non-member or for another round before its chunks are read (lock-free)."""
+        self.check_member(organization)
+        self._check_round(round_)
+
+    def _check_limits(self, organization: str, update: Received) -> None:
+        """Example counts within what the organization declared (or the maximum); bounded named figures."""
+        declared = self.examples.get(organization, 0)
+        bound = declared or self.limits.max_examples
+        why = (f"{organization!r} declared {declared} training examples at Join" if declared else
+               f"the limit is server.max_examples_per_organization = {self.limits.max_examples}")
+        for p in update:
+            n = training_examples(p)
+            if n is not None and not 0 <= n <= bound:
+                raise WireError("invalid_value", f"{p.kind.value} claims {n} training examples; {why}")
+            if isinstance(p, EvalMetrics):
+                if not 0 <= p.num_test_examples <= self.limits.max_examples:
+                    raise WireError("invalid_value", f"eval_metrics claims {p.num_test_examples} test examples; the "
+                                                     f"limit is {self.limits.max_examples}")
+                if len(p.extra) > self.limits.max_metrics_per_report:
+                    raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
+                                                 f"{self.limits.max_metrics_per_report} (server.max_metrics_per_report)")
+                for name in p.extra:
+                    bad = _bad_name(name, self.limits.max_name_chars)
+                    if bad:
+                        raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")
 
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
              up: TrafficBreakdown) -> PushReply:
-        """Check, persist and fold in an update; idempotent by (run, round, organization)."""
-        self._check_member(organization)
-        with self._cond:
-            self._check_round_locked(round_)
-            phase = self.phase
+        """Check, log durably and fold in an update; idempotent by (run, round, organization).
+
+        ``digest`` is the SHA-256 of ``update.data``.
+        """
+        self.check_member(organization)
+        with self._lock:
+            self._check_round(round_)
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
+            self._fresh_locked()
+            phase, half = self.phase, self.half
         received = update.check(self.spec, phase, self.schema, self.limits.max_tensor_elements, self.cfg.id, round_,
                                 organization)
-        self.half.validate(phase, organization, received)
-        with self._cond:
-            self._check_round_locked(round_)
+        self._check_limits(organization, received)
+        half.validate(phase, organization, received)
+        with self._lock:
+            self._check_round(round_)
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
-            self.store.write_update(round_, organization, update.data)
+            if self.half is not half or self._stale:  # a failed close changed the half while this was decoded
+                self._fresh_locked()
+                self.half.validate(phase, organization, received)
+            try:
+                self.store.write_update(round_, organization, update.data, digest)
+            except StorageError as exc:
+                self._storage_failed(exc)
             self._fold(organization, received, digest)
             reply = PushReply(accepted=True, duplicate=False, round=round_)
             # Counted before the round can close, so both belong to this round's record.
-            self._count_locked(organization, round_, "up", up)
-            self._count_locked(organization, round_, "down",
-                               with_envelope(TrafficBreakdown(), messages.push_reply_size(reply)))
-            self._maybe_close_locked()
+            self.record_traffic(organization, round_, "up", up)
+            self.record_traffic(organization, round_, "down",
+                                with_envelope(TrafficBreakdown(), messages.push_reply_size(reply)))
+            # The update is durable: it is acknowledged even when the close it completes must be retried.
+            self._try_close_locked()
+            crash_point("push.acknowledged")
             return reply
 
-    def _check_round_locked(self, round_: int) -> None:
-        if self.phase is Phase.FINISHED:
+    def _check_round(self, round_: int) -> None:
+        phase, current = self.phase, self.round
+        if phase is Phase.FINISHED:
             raise WireError("late", f"run {self.cfg.id!r} has finished; round {round_} is closed")
-        if round_ != self.round:
-            state = "is closed" if round_ < self.round else "has not started"
-            raise WireError("late", f"round {round_} {state}; the current round is {self.round} ({self.phase.value})")
+        if round_ != current:
+            state = "is closed" if round_ < current else "has not started"
+            raise WireError("late", f"round {round_} {state}; the current round is {current} ({phase.value})")
 
     def _duplicate_locked(self, organization: str, digest: bytes) -> PushReply:
         if self.pushed[organization] != digest:
@@ -357,14 +567,30 @@ class Run:
             labels = (self.cfg.id, self.cfg.algorithm, organization)
             self.metrics.client_train_loss.labels(*labels).set(m.train_loss)
             self.metrics.client_test_accuracy.labels(*labels).set(m.test_accuracy)
-            for name, value in self._figures(m).items():
+            figures = self._figures(m)
+            for name, value in figures.items():
                 self.metrics.client_metric.labels(*labels, name).set(value)
+            for gone in self._figure_names.get(organization, set()) - set(figures):
+                self.metrics.client_metric.remove(*labels, gone)
+            self._figure_names[organization] = set(figures)
 
     # ----------------------------------------------------------------- closing rounds
     def tick(self) -> None:
-        """Close the open round if its deadline has passed with a quorum."""
-        with self._cond:
+        """Close the open round if its deadline has passed with a quorum (retrying a close that failed)."""
+        with self._lock:
+            self._try_close_locked()
+
+    def _try_close_locked(self) -> None:
+        """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
+        try:
             self._maybe_close_locked()
+        except WireError as err:
+            if str(err) != self._close_error:
+                log.error("run %s: round %d could not close (%s); retried by the deadline ticker", self.cfg.id,
+                          self.round, err)
+            self._close_error = str(err)
+        else:
+            self._close_error = ""
 
     def _maybe_close_locked(self) -> None:
         if self.phase is Phase.FINISHED or not self.pushed:
@@ -378,37 +604,54 @@ class Run:
         if everyone or overdue:
             self._close_locked()
 
+    def _next(self) -> tuple[Phase, int]:
+        if self.phase is Phase.SETUP:
+            return Phase.TRAIN, 1
+        if self.phase is Phase.TRAIN and self.round < self.cfg.rounds:
+            return Phase.TRAIN, self.round + 1
+        if self.phase is Phase.TRAIN:
+            return Phase.EVALUATE, self.round + 1
+        return Phase.FINISHED, self.round
+
     def _close_locked(self) -> None:
-        self.half.close_round(self.phase, self.round)
+        """Close the open round: aggregate, commit (history line, then checkpoint), then move on in memory."""
+        self._fresh_locked()
         rec = self.current
         rec.duration = time.monotonic() - rec.started
         rec.clients = len(self.pushed)
+        self._stale = True  # close_round changes the half before the close is durable
+        self.half.close_round(self.phase, self.round)
+        phase, round_ = self._next()
+        with self._traffic_lock:  # the event loop may be counting traffic into this record
+            record = rec.to_json()
+        try:
+            self.store.close_round(record, self._meta(phase=phase, round_=round_), self.half.state())
+        except StorageError as exc:
+            self._storage_failed(exc)
+        self._stale = False
         self.history.append(rec)
-        self.store.append_history(rec.to_json())
         self.metrics.round_duration.labels(self.cfg.id, self.cfg.algorithm).observe(rec.duration)
         self.metrics.clients_per_round.labels(self.cfg.id, self.cfg.algorithm).set(rec.clients)
         figures = [self._figures(m) for m in rec.reports.values()]
-        for name in {n for f in figures for n in f}:
+        names = {n for f in figures for n in f}
+        for name in names:
             values = [f[name] for f in figures if name in f]
             self.metrics.client_metric_mean.labels(self.cfg.id, self.cfg.algorithm, name).set(sum(values) / len(values))
+        for gone in self._mean_names - names if figures else set():
+            self.metrics.client_metric_mean.remove(self.cfg.id, self.cfg.algorithm, gone)
+        self._mean_names = names if figures else self._mean_names
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.cfg.id, self.phase.value, self.round,
                  rec.clients, rec.duration)
         k8s_events.emit("RoundClosed", f"run {self.cfg.id} closed {self.phase.value} round {self.round} "
                         f"with {rec.clients} clients in {rec.duration:.2f}s")
-        if self.phase is Phase.SETUP:
-            self.phase, self.round = Phase.TRAIN, 1
-        elif self.phase is Phase.TRAIN and self.round < self.cfg.rounds:
-            self.round += 1
-        elif self.phase is Phase.TRAIN:
-            self.phase, self.round = Phase.EVALUATE, self.round + 1
-        else:
-            self.phase = Phase.FINISHED
-        self.pushed = {}
-        self.current = RoundRecord(self.round, self.phase, time.monotonic())
-        self._checkpoint()
-        self.store.drop_rounds_before(self.round)
+        with self._traffic_lock:
+            self.phase, self.round = phase, round_
+            self.pushed = {}
+            self.current = RoundRecord(self.round, self.phase, time.monotonic())
+        # A finished run keeps no logged update: a restart must not replay the evaluation round.
+        self.store.drop_rounds_before(self.round + 1 if self.phase is Phase.FINISHED else self.round)
         self._publish_round_gauges()
-        self._cond.notify_all()
+        self.changes.notify()
 
     def _publish_round_gauges(self) -> None:
         self.metrics.current_round.labels(self.cfg.id, self.cfg.algorithm).set(self.round)
@@ -416,7 +659,7 @@ class Run:
     # ----------------------------------------------------------------- status
     def status(self) -> RunStatus:
         """The run's state and per-round history."""
-        with self._cond:
+        with self._lock:
             # Closed rounds never change: each one's summary is built once (runs of thousands of rounds
             # are polled several times a second), the open round's every time.
             self._summaries.extend(rec.summary() for rec in self.history[len(self._summaries):])

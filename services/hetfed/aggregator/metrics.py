@@ -21,6 +21,10 @@ class AggregatorMetrics:
             "hetfed_duplicate_pushes", "Retried pushes of an already accepted update (acknowledged, not re-applied)",
             ["run"], registry=r,
         )
+        self.storage_errors = Counter(
+            "hetfed_storage_errors", "Writes to the state directory that failed (a push answered storage_unavailable, "
+            "a join or round close retried); nothing acknowledged was lost", ["run"], registry=r,
+        )
         self.round_duration = Histogram(
             "hetfed_round_duration_seconds", "Wall time from a round's opening to its close",
             ["run", "algorithm"], registry=r,

@@ -6,6 +6,7 @@ and checkpoints it with the run's metadata; ``Status`` reports it per organizati
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,31 +25,38 @@ class OrganizationCounts:
 
 
 class OrganizationLedger:
-    """Counts per organization; not thread-safe on its own (the run's lock guards it)."""
+    """Counts per organization, thread-safe: traffic is counted outside the run's lock (by the servicer's
+    handlers) while pushes are recorded and checkpoints taken under it."""
 
     def __init__(self) -> None:
         self._counts: dict[str, OrganizationCounts] = {}
+        self._lock = threading.Lock()
 
     def get(self, organization: str) -> OrganizationCounts:
-        """The counts of ``organization`` (zero when it has done nothing yet)."""
-        return self._counts.setdefault(organization, OrganizationCounts())
+        """A copy of the counts of ``organization`` (zero when it has done nothing yet)."""
+        with self._lock:
+            c = self._counts.get(organization, OrganizationCounts())
+            return OrganizationCounts(c.last_round_pushed, c.bytes_up, c.bytes_down)
 
     def count(self, organization: str, direction: str, traffic: TrafficBreakdown) -> None:
         """Add a message's bytes in ``direction`` ("up": from the organization, "down": to it)."""
-        c = self.get(organization)
-        if direction == "up":
-            c.bytes_up += traffic.total_bytes
-        else:
-            c.bytes_down += traffic.total_bytes
+        with self._lock:
+            c = self._counts.setdefault(organization, OrganizationCounts())
+            if direction == "up":
+                c.bytes_up += traffic.total_bytes
+            else:
+                c.bytes_down += traffic.total_bytes
 
     def pushed(self, organization: str, round_: int) -> None:
         """Record that an update of ``organization`` for ``round_`` was accepted."""
-        c = self.get(organization)
-        c.last_round_pushed = max(c.last_round_pushed, round_)
+        with self._lock:
+            c = self._counts.setdefault(organization, OrganizationCounts())
+            c.last_round_pushed = max(c.last_round_pushed, round_)
 
     def to_json(self) -> dict[str, list[int]]:
         """A JSON-ready form for the run's checkpoint."""
-        return {org: [c.last_round_pushed, c.bytes_up, c.bytes_down] for org, c in sorted(self._counts.items())}
+        with self._lock:
+            return {org: [c.last_round_pushed, c.bytes_up, c.bytes_down] for org, c in sorted(self._counts.items())}
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> OrganizationLedger:
@@ -62,6 +70,6 @@ class OrganizationLedger:
         """One OrganizationStatus per organization of the run, in the run's order."""
         out = []
         for org in organizations:
-            c = self._counts.get(org, OrganizationCounts())
+            c = self.get(org)
             out.append(OrganizationStatus(org, org in joined, c.last_round_pushed, c.bytes_up, c.bytes_down))
         return tuple(out)

@@ -1,13 +1,24 @@
-"""The aggregator process: gRPC server with health service, metrics endpoint, deadline ticker, graceful stop."""
+"""The aggregator process: an asyncio gRPC server with health service, metrics endpoint, deadline ticker and a
+graceful stop that ends in bounded time.
+
+The gRPC server runs on one event loop in a thread of its own; blocking work runs in the service's bounded
+worker pool (see ``hetfed.aggregator.service``). Threads: the caller's, the event loop's, gRPC's fixed
+completion-queue pollers, ``server.worker_threads`` workers and the metrics HTTP server's; none per client.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from hetfed.aggregator import k8s_events
@@ -16,50 +27,113 @@ from hetfed.aggregator.health_listener import start_health_listener
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
-from hetfed.wire.rpc import add_aggregator_handler
-from hetfed.wire.transport import make_server
+from hetfed.aggregator.store import Disk
+from hetfed.wire.rpc import SERVICE_NAME, add_aggregator_handler
+from hetfed.wire.transport import Health, make_server
 
 log = logging.getLogger("hetfed.aggregator")
-SERVICE_NAME = "hetfed.v1.Aggregator"
+# How often overdue rounds are closed (and failed closes retried).
+TICK_SECONDS = 0.2
 
 
 @dataclass
 class RunningAggregator:
-    """A started aggregator: its bound ports and a way to stop it."""
+    """A started aggregator: its bound ports and a way to stop it (from any thread)."""
 
     port: int
     metrics_port: int
     service: AggregatorService
-    _server: object
-    _health: health.HealthServicer
-    _stop: threading.Event
-    _http: object | None
-    _health_server: object | None = None
+    _loop: asyncio.AbstractEventLoop
+    _thread: threading.Thread
+    _server: grpc.aio.Server
+    _health: Health
+    _ticker: asyncio.Task[None]
+    _http: Any | None
+    _health_server: grpc.aio.Server | None = None
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stop(self, grace: float = 2.0) -> None:
-        """Flip health to NOT_SERVING, drain in-flight calls for ``grace`` seconds, stop."""
+        """Flip health to NOT_SERVING, answer long-polls with WAIT, drain other calls for ``grace`` seconds, stop.
+
+        Bounded: calls still running after ``grace`` are cancelled; work already in the worker pool finishes.
+        """
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(grace), self._loop).result(timeout=grace + 30)
+            except Exception:
+                log.exception("the gRPC server did not stop cleanly")
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=30)
+                if not self._thread.is_alive():
+                    self._loop.close()
+                self.service.close()
+                if self._http is not None:
+                    self._http.shutdown()
+                self._stopped.set()
+
+    async def _shutdown(self, grace: float) -> None:
         self._health.enter_graceful_shutdown()
-        self._stop.set()
-        self._server.stop(grace).wait()  # type: ignore[attr-defined]
+        self.service.stopping()
+        self._ticker.cancel()
+        await self._server.stop(grace)
         if self._health_server is not None:
-            self._health_server.stop(0)  # type: ignore[attr-defined]
-        if self._http is not None:
-            self._http.shutdown()  # type: ignore[attr-defined]
+            await self._health_server.stop(0)
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def wait(self) -> None:
-        """Block until the server stops."""
-        self._server.wait_for_termination()  # type: ignore[attr-defined]
+        """Block until the aggregator has stopped."""
+        self._stopped.wait()
 
 
-def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
-    """Start serving ``config`` (restoring each run's state from the state directory)."""
+async def _tick(service: AggregatorService) -> None:
+    while True:
+        await asyncio.sleep(TICK_SECONDS)
+        try:
+            await service.blocking(service.tick)
+        except Exception:  # keep closing rounds even if one tick fails
+            log.exception("deadline tick failed")
+
+
+def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> RunningAggregator:
+    """Start serving ``config``, restoring each run's state from the state directory first.
+
+    Raises ``StateError`` (naming the file and the problem) when a run's state cannot be resumed. ``disk``
+    replaces the store's file layer (tests inject failures with it).
+    """
     metrics = AggregatorMetrics()
-    service = AggregatorService(config, metrics)
+    service = AggregatorService(config, metrics, disk)
     metrics.registry.register(RunMetricsCollector(lambda: list(service.runs.values())))
-    server, port = make_server(config.server.listen, config.server.tls)
-    add_aggregator_handler(server, service)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="hetfed-grpc", daemon=True)
+    thread.start()
+
+    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], grpc.aio.Server | None]:
+        server, port = make_server(config.server.listen, config.server.tls)
+        add_aggregator_handler(server, service)
+        health = Health()
+        server.add_generic_rpc_handlers((health.generic_handler(),))
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_server = None
+        if config.server.health_listen:
+            health_server = await start_health_listener(config.server.health_listen, health)
+        return server, port, health, asyncio.create_task(_tick(service)), health_server
+
+    try:
+        server, port, health, ticker, health_server = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout=60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        service.close()
+        raise
     http = None
     metrics_port = -1
     if config.server.metrics_port >= 0:
@@ -67,23 +141,9 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
             config.server.metrics_port, addr=config.server.metrics_host, registry=metrics.registry
         )
         metrics_port = http.server_port
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_server = start_health_listener(config.server.health_listen, health_servicer) if config.server.health_listen else None
-    stop = threading.Event()
-
-    def ticker() -> None:
-        while not stop.wait(0.2):
-            try:
-                service.tick()
-            except Exception:  # keep closing rounds even if one tick fails
-                log.exception("deadline tick failed")
-
-    threading.Thread(target=ticker, name="hetfed-deadlines", daemon=True).start()
     log.info("aggregator serving on port %d (metrics on %d) with runs %s", port, metrics_port,
              ", ".join(service.runs))
-    return RunningAggregator(port, metrics_port, service, server, health_servicer, stop, http, health_server)
+    return RunningAggregator(port, metrics_port, service, loop, thread, server, health, ticker, http, health_server)
 
 
 def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
@@ -91,9 +151,6 @@ def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     k8s_events.start_from_environment()
     agg = start_aggregator(config)
     if ready_file:
-        import json
-        from pathlib import Path
-
         tmp = Path(ready_file + ".tmp")
         tmp.write_text(json.dumps({"port": agg.port, "metrics_port": agg.metrics_port}))
         tmp.replace(ready_file)

@@ -1,26 +1,41 @@
-"""The aggregator's service: identity, rate limits and run lookup in front of the round engine.
+"""The aggregator's service: identity, rate limits, push limits and run lookup in front of the round engine.
 
-It implements ``hetfed.wire.rpc.AggregatorHandler``: the wire package's gRPC adapter converts every RPC into
-a typed call here and maps the ``WireError`` raised into a gRPC status with its reason.
+It implements ``hetfed.wire.rpc.AggregatorHandler``: the wire package's asyncio gRPC adapter converts every
+RPC into a typed call here and maps the ``WireError`` raised into a gRPC status with its reason.
+
+Concurrency model: every RPC is a coroutine on one event loop. What may block (disk writes and fsyncs,
+decoding updates, aggregating, building instructions or Status) runs in a bounded pool of
+``server.worker_threads`` threads; a long-poll waits on its run's ``Changes`` in the event loop and holds no
+thread, and a cancelled long-poll (the client gave up) ends at once. So the aggregator's thread count does
+not depend on its clients, and pushes and health checks never queue behind long-polls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Limits, Run
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.store import Disk
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
 from hetfed.wire.rpc import Caller, Pulled, clip
-from hetfed.wire.traffic import TrafficBreakdown
+from hetfed.wire.traffic import TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
+T = TypeVar("T")
+# Token buckets kept for organizations seen in the last few seconds; an idle bucket is full again, the same as
+# none, so the table is pruned past this size (identities are claimed before they are checked).
+_MAX_BUCKETS = 10_000
 
 
 class _RateLimiter:
@@ -35,8 +50,11 @@ class _RateLimiter:
         if self.rate <= 0:
             return True
         with self._lock:
-            tokens, last = self._buckets.get(key, (self.rate * 2, time.monotonic()))
             now = time.monotonic()
+            if len(self._buckets) > _MAX_BUCKETS:
+                refill = 2.0  # seconds for an empty bucket (2 x rate tokens) to be full again
+                self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < refill}
+            tokens, last = self._buckets.get(key, (self.rate * 2, now))
             tokens = min(self.rate * 2, tokens + (now - last) * self.rate)
             if tokens < 1:
                 self._buckets[key] = (tokens, now)
@@ -45,18 +63,98 @@ class _RateLimiter:
             return True
 
 
-class AggregatorService:
-    """Hosts every configured run behind one gRPC service (an ``AggregatorHandler``)."""
+class PushLease:
+    """One admitted push stream of an organization; ``release`` when the push has been answered."""
 
-    def __init__(self, config: AggregatorConfig, metrics: AggregatorMetrics) -> None:
+    def __init__(self, budget: PushBudget, organization: str, reserved: int) -> None:
+        self._budget = budget
+        self.organization = organization
+        self.reserved = reserved
+        self._released = False
+
+    def release(self) -> None:
+        """Give the stream and its reserved bytes back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._budget._release(self)
+
+
+class PushBudget:
+    """Per-organization limits on pushes in flight: concurrent streams, and the bytes their first chunks announce
+    (reserved until the push is answered, so the buffered chunks of one organization stay bounded)."""
+
+    def __init__(self, max_streams: int, max_bytes: int) -> None:
+        self.max_streams = max_streams
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._streams: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def admit(self, organization: str, announced: int, max_update_bytes: int) -> PushLease:
+        """A lease for a new push announcing ``announced`` bytes, or WireError when over a limit."""
+        reserved = min(max(announced, 0), max_update_bytes)
+        if reserved > self.max_bytes:
+            raise WireError("oversized", f"an update of {reserved} bytes exceeds the {self.max_bytes} bytes one "
+                                         "organization may have in flight (server.max_buffered_bytes_per_organization)")
+        with self._lock:
+            streams = self._streams.get(organization, 0)
+            held = self._bytes.get(organization, 0)
+            if streams >= self.max_streams:
+                raise WireError("too_many_streams", f"organization {organization!r} already has {streams} pushes in "
+                                                    f"flight (server.max_pushes_per_organization); retry later")
+            if held + reserved > self.max_bytes:
+                raise WireError("buffer_full", f"organization {organization!r} has {held} bytes of pushes in flight; "
+                                               f"{reserved} more would exceed {self.max_bytes} "
+                                               "(server.max_buffered_bytes_per_organization); retry later")
+            self._streams[organization] = streams + 1
+            self._bytes[organization] = held + reserved
+        return PushLease(self, organization, reserved)
+
+    def in_flight(self, organization: str) -> tuple[int, int]:
+        """(streams, reserved bytes) of an organization's pushes in flight."""
+        with self._lock:
+            return self._streams.get(organization, 0), self._bytes.get(organization, 0)
+
+    def _release(self, lease: PushLease) -> None:
+        with self._lock:
+            org = lease.organization
+            self._streams[org] -= 1
+            self._bytes[org] -= lease.reserved
+            if not self._streams[org]:
+                del self._streams[org], self._bytes[org]
+
+
+class AggregatorService:
+    """Hosts every configured run behind one gRPC service (an ``AggregatorHandler``).
+
+    Constructing it restores every run from the state directory (blocking; raises ``StateError`` with the
+    file and the problem when a run's state cannot be resumed).
+    """
+
+    def __init__(self, config: AggregatorConfig, metrics: AggregatorMetrics, disk: Disk | None = None) -> None:
         self.config = config
         self.metrics = metrics
         s = config.server
         self.max_update_bytes = s.max_update_bytes
         self.chunk_bytes = s.chunk_bytes
-        limits = Limits(s.chunk_bytes, s.max_update_bytes, s.max_tensor_elements)
-        self.runs = {r.id: Run(r, s.state_dir, metrics, limits) for r in config.runs}
+        limits = Limits(s.chunk_bytes, s.max_update_bytes, s.max_tensor_elements, s.max_examples_per_organization,
+                        s.max_metrics_per_report, s.max_name_chars, s.max_declared_tensors)
+        self.runs: dict[str, Run] = {}
+        try:
+            for r in config.runs:
+                self.runs[r.id] = Run(r, s.state_dir, metrics, limits, disk)
+        except BaseException:
+            for run in self.runs.values():
+                run.close()
+            raise
         self._limiter = _RateLimiter(s.max_requests_per_second)
+        self.pushes = PushBudget(s.max_pushes_per_organization, s.max_buffered_bytes_per_organization)
+        self._executor = ThreadPoolExecutor(max_workers=s.worker_threads, thread_name_prefix="hetfed-work")
+        self._stopping = False
+
+    async def blocking(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the bounded worker pool (it may block on disk or compute) and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # ------------------------------------------------------------------ helpers
     def _run(self, run_id: str) -> Run:
@@ -67,8 +165,8 @@ class AggregatorService:
 
     def _limit(self, organization: str) -> None:
         if not self._limiter.allow(organization):
-            raise WireError("rate_limited",
-                            f"organization {organization!r} exceeds {self._limiter.rate} requests per second")
+            raise WireError("rate_limited", f"organization {clip(organization, 64)!r} exceeds "
+                                            f"{self._limiter.rate} requests per second")
 
     def identify(self, caller: Caller, claimed: str) -> str:
         """The caller's organization: its certificate's name under mTLS, else the metadata header; rate-limited."""
@@ -88,22 +186,43 @@ class AggregatorService:
         return org
 
     # ------------------------------------------------------------------ AggregatorHandler
-    def join(self, organization: str, request: JoinRequest) -> JoinReply:
+    async def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization to a run."""
-        return self._run(request.run_id).join(organization, request)
+        run = self._run(request.run_id)
+        return await self.blocking(lambda: run.join(organization, request))
 
-    def pull(self, organization: str, request: PullRequest) -> Pulled:
-        """Long-poll for the organization's next instructions."""
-        return self._run(request.run_id).pull(organization, request, self.config.server.max_pull_wait_seconds)
+    async def pull(self, organization: str, request: PullRequest) -> Pulled:
+        """Long-poll for the organization's next instructions, waiting without a thread; WAIT when none came."""
+        run = self._run(request.run_id)
+        run.check_member(organization)
+        deadline = time.monotonic() + min(request.wait_seconds, self.config.server.max_pull_wait_seconds)
+        while not self._stopping:
+            seen = run.changes.version
+            pulled = await self.blocking(lambda: run.poll(organization, request))
+            if pulled is not None:
+                return pulled
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            await run.changes.wait(seen, remaining)
+        return run.wait_reply()
 
-    def admit_push(self, organization: str, run_id: str, round_: int) -> None:
-        """Refuse a push before its chunks are read."""
+    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
+        """Refuse a push before its chunks are read (a stale or foreign push, or one over the push limits)."""
         self._run(run_id).admit_push(organization, round_)
+        return self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
 
-    def push(self, organization: str, run_id: str, round_: int, update: ParsedUpdate, digest: bytes,
-             up: TrafficBreakdown) -> PushReply:
-        """Check, persist and fold in an update."""
-        return self._run(run_id).push(organization, round_, update, digest, up)
+    async def push(self, organization: str, run_id: str, round_: int, data: bytes, digest: bytes, wire_bytes: int,
+                   chunks: int) -> PushReply:
+        """Parse, check, log and fold in an update (in the worker pool)."""
+        run = self._run(run_id)
+
+        def work() -> PushReply:
+            update = ParsedUpdate(data)
+            up = with_envelope(update.payload_traffic, wire_bytes, messages=chunks)
+            return run.push(organization, round_, update, digest, up)
+
+        return await self.blocking(work)
 
     def count(self, run_id: str, organization: str, round_: int, direction: str, traffic: TrafficBreakdown) -> None:
         """Record the traffic of one RPC."""
@@ -112,13 +231,13 @@ class AggregatorService:
             run.record_traffic(organization, round_, direction, traffic)
 
     def rejected(self, run_id: str, peer: str, err: WireError) -> None:
-        """Count and log a rejection."""
+        """Count and log a rejection (every string from the request clipped)."""
         self.metrics.rejected.labels(run_id if run_id in self.runs else "", err.reason).inc()
         log.warning("rejected (%s) from %s: %s", err.reason, clip(peer, 64), clip(err.message))
         k8s_events.emit("Rejected", f"run {run_id or '-'}: {err.reason} from {clip(peer, 64)}: {clip(err.message)}",
                         warning=True)
 
-    def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
+    async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """Run state and history. Under mTLS an operator (server.operators) sees every run; an organization sees
         only the runs it belongs to, with only its own reported metrics."""
         runs = [self._run(run_id)] if run_id else list(self.runs.values())
@@ -126,21 +245,36 @@ class AggregatorService:
         if who is not None:
             self._limit(who)
         if who is None or who in self.config.server.operators:
-            return [r.status() for r in runs]
-        visible = []
-        for run in runs:
-            if who not in run.cfg.organizations:
-                continue
-            s = run.status()
-            own = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
-                        for h in s.history)
-            mine = tuple(o for o in s.organization_status if o.organization == who)
-            visible.append(dataclasses.replace(s, history=own, organization_status=mine))
-        if run_id and not visible:
+            return await self.blocking(lambda: [r.status() for r in runs])
+        mine = [run for run in runs if who in run.cfg.organizations]
+        if run_id and not mine:
             raise WireError("unknown_organization", f"organization {who!r} is not part of run {clip(run_id, 64)!r}")
-        return visible
+
+        def own() -> list[RunStatus]:
+            visible = []
+            for run in mine:
+                s = run.status()
+                history = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
+                                for h in s.history)
+                own_status = tuple(o for o in s.organization_status if o.organization == who)
+                visible.append(dataclasses.replace(s, history=history, organization_status=own_status))
+            return visible
+
+        return await self.blocking(own)
 
     def tick(self) -> None:
-        """Close overdue rounds (called periodically by the server)."""
+        """Close overdue rounds, retrying closes that failed (blocking: call it from the worker pool)."""
         for run in self.runs.values():
             run.tick()
+
+    def stopping(self) -> None:
+        """Answer every waiting and later long-poll with WAIT at once (the server is shutting down)."""
+        self._stopping = True
+        for run in self.runs.values():
+            run.changes.notify()
+
+    def close(self) -> None:
+        """Finish the work in the pool and close every run's files."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for run in self.runs.values():
+            run.close()

@@ -39,10 +39,15 @@ def _setup_logging(verbose: bool) -> None:
 def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.config import load_aggregator_config
     from hetfed.aggregator.server import serve
+    from hetfed.aggregator.store import StateError
 
     if args.check_config:
         return checkconfig.report(checkconfig.check_aggregator_config, args.config)
-    serve(load_aggregator_config(args.config), ready_file=args.ready_file)
+    try:
+        serve(load_aggregator_config(args.config), ready_file=args.ready_file)
+    except StateError as exc:  # a state directory that cannot be resumed: one clear line, no traceback
+        print(f"hetfed aggregator: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     return 0
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec
+from hetfed.wire.specs.fedavg import AveragingConfig
 
 
 @dataclass(frozen=True)
-class HeadFedAvgConfig(TrainConfig):
+class HeadFedAvgConfig(AveragingConfig):
     """Head-only FedAvg: only the classification head is averaged; encoders stay private."""
 
 

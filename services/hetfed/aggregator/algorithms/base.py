@@ -101,3 +101,63 @@ class WeightedMean:
         self._sums = {}
         self.weight = 0.0
         self.count = 0
+
+
+class TrimmedMean:
+    """A running coordinate-wise trimmed mean of named arrays: per coordinate, the ``trim`` largest and ``trim``
+    smallest values are dropped and the rest averaged, unweighted.
+
+    Streaming: it keeps the ``trim`` largest values, the ``trim`` smallest of the rest and the sum of every
+    other value, so memory is (2·trim + 1) copies of the arrays whatever the number of clients, and an
+    extreme value is never added to the sum (no cancellation of 1e30 against 1e30). With fewer than
+    2·trim + 1 contributions it trims (count − 1) // 2 values at each end.
+    """
+
+    def __init__(self, trim: int) -> None:
+        if trim < 1:
+            raise ValueError("trim must be >= 1")
+        self.trim = trim
+        self._high: dict[str, np.ndarray] = {}  # [<= trim, *shape] the largest values, ascending
+        self._low: dict[str, np.ndarray] = {}  # [<= trim, *shape] the smallest of the rest, ascending
+        self._mid: dict[str, np.ndarray] = {}  # the sum of every other value
+        self.count = 0
+
+    def add(self, arrays: Mapping[str, np.ndarray], weight: float = 1.0) -> None:
+        """Add one organization's arrays (``weight`` is ignored: the trimmed mean is unweighted)."""
+        k = self.trim
+        for name, a in arrays.items():
+            x = np.asarray(a, dtype=np.float64)[None]
+            high = self._high.get(name)
+            if high is None or len(high) < k:
+                self._high[name] = x if high is None else np.sort(np.concatenate([high, x]), axis=0)
+                continue
+            both = np.sort(np.concatenate([high, x]), axis=0)
+            evicted, self._high[name] = both[:1], both[1:]
+            low = self._low.get(name)
+            if low is None or len(low) < k:
+                self._low[name] = evicted if low is None else np.sort(np.concatenate([low, evicted]), axis=0)
+                continue
+            both = np.sort(np.concatenate([low, evicted]), axis=0)
+            self._low[name], middle = both[:-1], both[-1]
+            self._mid[name] = self._mid[name] + middle if name in self._mid else middle
+        self.count += 1
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The trimmed mean of everything added (float64)."""
+        n, k = self.count, self.trim
+        if n == 0:
+            raise ValueError("no contributions")
+        out = {}
+        for name, high in self._high.items():
+            if n > 2 * k:
+                out[name] = self._mid[name] / (n - 2 * k)
+            else:  # every value is kept in high or low: trim what the count allows, exactly
+                cut = (n - 1) // 2
+                ordered = np.concatenate([self._low[name], high]) if name in self._low else high
+                out[name] = ordered[cut : n - cut].mean(axis=0)
+        return out
+
+    def reset(self) -> None:
+        """Forget every contribution."""
+        self._high, self._low, self._mid = {}, {}, {}
+        self.count = 0

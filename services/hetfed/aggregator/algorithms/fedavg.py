@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Generic
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from hetfed.aggregator.algorithms.base import C, RunInfo, ServerHalf, WeightedMean
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf, TrimmedMean, WeightedMean
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ModelWeights, Payload, Received
 from hetfed.wire.phases import Phase
-from hetfed.wire.specs.fedavg import FedAvgConfig
+from hetfed.wire.specs.fedavg import AveragingConfig, FedAvgConfig
+
+A = TypeVar("A", bound=AveragingConfig)
 
 
-class AveragingServer(ServerHalf[C], Generic[C]):
-    """Averages the named arrays of one payload type, weighted by example counts, and sends the mean back."""
+class AveragingServer(ServerHalf[A], Generic[A]):
+    """Averages the named arrays of one payload type and sends the result back: the mean weighted by example
+    counts, or (``aggregation = "trimmed_mean"``) the coordinate-wise trimmed mean."""
 
-    def __init__(self, config: C, run: RunInfo) -> None:
+    def __init__(self, config: A, run: RunInfo) -> None:
         super().__init__(config, run)
         self.global_: dict[str, np.ndarray] | None = None
-        self._acc = WeightedMean()
+        self._acc: WeightedMean | TrimmedMean = (
+            TrimmedMean(config.trim) if config.aggregation == "trimmed_mean" else WeightedMean())
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The arrays an update contributes and their weight (None: nothing to average)."""
@@ -42,13 +46,13 @@ class AveragingServer(ServerHalf[C], Generic[C]):
             raise WireError("invalid_value", f"num_examples must be > 0, got {got[1]}")
 
     def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
-        """Add n_i · w_i to the running sum."""
+        """Add n_i · w_i to the running sum (or w_i to the trimmed mean's running state)."""
         got = self.arrays(update)
         if got is not None:
             self._acc.add(got[0], float(got[1]))
 
     def close_round(self, phase: Phase, round_: int) -> None:
-        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed."""
+        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean)."""
         if self._acc.count:
             self.global_ = {k: v.astype(np.float32) for k, v in self._acc.mean().items()}
         self._acc.reset()

@@ -1,0 +1,51 @@
+"""Named crash points on the aggregator's write path, for the fault-injection harness.
+
+``HETFED_CRASH_AT=<point>[:<n>]`` in the aggregator's environment makes the process end abruptly
+(``os._exit``: no cleanup, no flush, like SIGKILL) the ``n``-th time (default: the first) it reaches
+``<point>``. Without the variable (always, outside the harness) a crash point costs one comparison.
+``benchmarks/faults.py`` kills the aggregator at every point below and checks that every restart succeeds
+and that no acknowledged update is lost.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Where the write path can be interrupted, in the order a push and a round close reach them.
+CRASH_POINTS: tuple[str, ...] = (
+    "wal.header_written",  # an update's record header is written, its data not yet
+    "wal.data_written",  # the whole record is written, not yet fsync'd
+    "wal.synced",  # the record is durable; the push is not yet acknowledged
+    "push.acknowledged",  # the reply is built (the process dies before or while sending it)
+    "history.written",  # a closing round's history line is written, not yet fsync'd
+    "history.synced",  # the history line is durable; the checkpoint that counts it is not written
+    "checkpoint.tmp_written",  # the new checkpoint is in its temporary file, not yet fsync'd
+    "checkpoint.tmp_synced",  # the temporary file is durable, not yet renamed over checkpoint.npz
+    "checkpoint.replaced",  # checkpoint.npz is the new one; the directory is not yet fsync'd
+    "wal.truncated",  # the closed round's records are cut from the log
+)
+EXIT_CODE = 86
+
+
+def _armed() -> tuple[str, int] | None:
+    spec = os.environ.get("HETFED_CRASH_AT", "")
+    if not spec:
+        return None
+    point, _, count = spec.partition(":")
+    if point not in CRASH_POINTS:
+        raise ValueError(f"HETFED_CRASH_AT names {point!r}, not one of {', '.join(CRASH_POINTS)}")
+    return point, int(count or 1)
+
+
+_ARMED = _armed()
+_reached = 0
+
+
+def crash_point(name: str) -> None:
+    """End the process here when ``HETFED_CRASH_AT`` names this point (and this is its n-th visit)."""
+    global _reached
+    if _ARMED is None or _ARMED[0] != name:
+        return
+    _reached += 1
+    if _reached >= _ARMED[1]:
+        os._exit(EXIT_CODE)
