@@ -88,6 +88,41 @@ def write_data(root: Path, w: Workload, clients: int, seed: int) -> list[Path]:
     return out
 
 
+def plain_loop_seconds(w: Workload, epochs: int, device: str) -> float:
+    """Median seconds of the workload's local training as a plain PyTorch loop (one process, one thread, no
+    federation): the same model, data size, batch size and optimiser the clients use, timed per round's work."""
+    import torch
+
+    from hetfed.client.models import build_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    dev = torch.device(device)
+    x = torch.from_numpy(rng.random((w.examples, 1, 28, 28), dtype=np.float32)).to(dev)
+    y = torch.from_numpy(rng.integers(0, 10, w.examples)).to(dev)
+    model = build_model(w.model, (1, 28, 28), 10, latent_dim=w.latent_dim).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=w.config["lr"], momentum=w.config["momentum"])
+    batch = int(w.config["batch_size"])
+    steps = int(w.config.get("local_steps", 0)) or -(-w.examples // batch) * int(w.config.get("local_epochs", 1))
+    times = []
+    for _ in range(epochs):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        perm = torch.randperm(w.examples, device=dev)
+        for k in range(steps):
+            idx = perm[(k * batch) % w.examples:(k * batch) % w.examples + batch]
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
 def loopback_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
     """Median time to move ``n_bytes`` through a loopback TCP connection (send and receive everything)."""
     times = []
@@ -269,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light", action="store_true", help="lightweight numpy clients instead of torch clients")
     ap.add_argument("--per-process", type=int, default=16, help="light clients per process")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--plain", action="store_true",
+                    help="also time the same training as a plain PyTorch loop (one process, no federation) on the "
+                         "clients' device, and print each round median against it")
     args = ap.parse_args(argv)
     w = WORKLOADS[args.workload]
     print(f"$ python benchmarks/round_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
@@ -281,6 +319,17 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process)
         rows.append(r)
         print(report(r), flush=True)
+    if args.plain and not args.light:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        plain = plain_loop_seconds(w, args.rounds, device)
+        print(f"plain PyTorch loop of the same training on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
+              f"median of {args.rounds - 1} rounds' work after a warm-up: {plain:.4f} s")
+        for r in rows:
+            r["plain_loop_s"], r["plain_device"] = plain, device
+            print(f"  N={r['clients']}: round median {r['round_median_s']:.4f} s = {r['round_median_s'] / plain:.3f}x the "
+                  f"plain loop (clients' own training {r['training_s']:.4f} s = {r['training_s'] / plain:.3f}x)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
