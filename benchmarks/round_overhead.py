@@ -200,9 +200,9 @@ def aggregator_config(w: Workload, clients: int, rounds: int, state: Path) -> di
     }
 
 
-def client_config(w: Workload, i: int, port: int, data: Path) -> dict[str, Any]:
+def client_config(w: Workload, i: int, port: int, data: Path, device: str = "cpu") -> dict[str, Any]:
     """A torch client of the workload."""
-    return {"organization": f"org-{i}", "run": RUN, "aggregator": f"127.0.0.1:{port}", "device": "cpu",
+    return {"organization": f"org-{i}", "run": RUN, "aggregator": f"127.0.0.1:{port}", "device": device,
             "threads": 1, "report_timing": True, "data": {"dataset": "npz", "partition": "natural", "path": str(data)},
             "model": {"name": w.model, "latent_dim": w.latent_dim}, "retry": {"give_up_after_seconds": 300.0}}
 
@@ -213,7 +213,8 @@ def light_command(port: int, organizations: list[str], shapes: dict[str, tuple[i
             "--run", RUN, "--organizations", ",".join(organizations), "--shapes", json.dumps(shapes)]
 
 
-def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, per_process: int) -> dict[str, Any]:
+def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, per_process: int,
+            device: str = "cpu") -> dict[str, Any]:
     """One federation of ``clients`` organizations for ``rounds`` rounds; returns the figures."""
     shapes = model_shapes(w)
     model_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
@@ -231,7 +232,7 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
                                                     stdout=log, stderr=subprocess.STDOUT, env=fed.env))
         else:
             for i, data in enumerate(write_data(workdir, w, clients, seed=1)):
-                fed.start_client(f"client-{i}", client_config(w, i, fed.port, data))
+                fed.start_client(f"client-{i}", client_config(w, i, fed.port, data, device))
         first = light_procs[0] if light else fed.clients["client-0"]
         deadline = time.monotonic() + 3600
         while True:
@@ -270,7 +271,7 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
                if "end" in probe.marks and "start" in probe.marks else float("nan"))
     median = statistics.median(durations)
     return {
-        "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light,
+        "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light, "device": device,
         "round_median_s": median, "round_p90_s": sorted(durations)[int(0.9 * (len(durations) - 1))],
         "aggregator_cpu_s_per_round": agg_cpu,
         "aggregator_peak_rss_mb": probe.rss.get("aggregator", 0) / 2**20,
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light", action="store_true", help="lightweight numpy clients instead of torch clients")
     ap.add_argument("--per-process", type=int, default=16, help="light clients per process")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--device", default="cpu", help="the torch clients' device: cpu (default), cuda or cuda:N")
     ap.add_argument("--plain", action="store_true",
                     help="also time the same training as a plain PyTorch loop (one process, no federation) on the "
                          "clients' device, and print each round median against it")
@@ -311,20 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     w = WORKLOADS[args.workload]
     print(f"$ python benchmarks/round_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"workload {w.name}: {w.description}; {'lightweight numpy clients (*)' if args.light else 'torch clients'}; "
-          f"{os.cpu_count()} CPU cores")
+          f"{os.cpu_count()} CPU cores; clients on {args.device}")
     print(HEADER, flush=True)
     rows = []
     for n in [int(x) for x in args.clients.split(",") if x]:
         with tempfile.TemporaryDirectory(prefix=f"hetfed-overhead-{n}-") as tmp:
-            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process)
+            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process, args.device)
         rows.append(r)
         print(report(r), flush=True)
     if args.plain and not args.light:
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = args.device
         plain = plain_loop_seconds(w, args.rounds, device)
-        print(f"plain PyTorch loop of the same training on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
+        print(f"plain PyTorch loop of the same training on {device} ({torch.cuda.get_device_name(torch.device(device)) if device.startswith('cuda') else 'CPU'}), "
               f"median of {args.rounds - 1} rounds' work after a warm-up: {plain:.4f} s")
         for r in rows:
             r["plain_loop_s"], r["plain_device"] = plain, device
