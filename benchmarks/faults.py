@@ -356,10 +356,16 @@ def reference_weights(workdir: Path, rounds: int = ROUNDS) -> np.ndarray:
     return final
 
 
+def paced(seconds: float) -> Callable[[int], None] | None:
+    """A ``before_push`` hook that makes every push wait ``seconds`` (local work), so a run lasts long enough for
+    faults at random moments to land inside it; None for no pacing."""
+    return (lambda _round: time.sleep(seconds)) if seconds > 0 else None
+
+
 def killed_run(workdir: Path, reference: np.ndarray, *, point: str = "", visits: int = 2, random_kills: int = 0,
-               max_kills: int = 2, rng: random.Random) -> Outcome:
+               max_kills: int = 2, rng: random.Random, pace: float = 0.0) -> Outcome:
     """One run whose aggregator is killed ``max_kills`` times, at ``point`` (every ``visits``-th visit of
-    it in each process) or at random moments, and restarted each time."""
+    it in each process) or at random moments, and restarted each time; ``pace`` seconds of work per push."""
     workdir.mkdir(parents=True, exist_ok=True)
     agg = AggregatorProcess(workdir, [run_config()])
     out = Outcome()
@@ -384,7 +390,7 @@ def killed_run(workdir: Path, reference: np.ndarray, *, point: str = "", visits:
         return time.monotonic() + rng.uniform(0.02, 0.5) if random_kills and out.kills < max_kills else None
 
     next_kill = schedule()
-    with federation(agg.address) as logs:
+    with federation(agg.address, before_push=paced(pace)) as logs:
         while not finished(logs):
             code = agg.exited()
             if code is not None:
@@ -419,7 +425,8 @@ def campaign_kills(workdir: Path, reference: np.ndarray, quick: bool, rng: rando
         rows[point] = killed_run(workdir / point, reference, point=point, visits=visits, rng=rng)
         print(f"  {point}: {summary(rows[point])}", flush=True)
     for i in range(1 if quick else 4):
-        rows[f"random-{i}"] = killed_run(workdir / f"random-{i}", reference, random_kills=3, max_kills=3, rng=rng)
+        rows[f"random-{i}"] = killed_run(workdir / f"random-{i}", reference, random_kills=3, max_kills=3, rng=rng,
+                                          pace=0.1)
         print(f"  random-{i}: {summary(rows[f'random-{i}'])}", flush=True)
     return {name: vars_of(o) for name, o in rows.items()}
 
@@ -507,13 +514,12 @@ def tmpfs_run(workdir: Path, reference: np.ndarray, rng: random.Random, fills: i
             return out
         filler = mount / "filler"
         done_fills = 0
-        with federation(agg.address, timeout=300) as logs:
+        with federation(agg.address, timeout=300, before_push=paced(0.1)) as logs:
             while not finished(logs):
-                if done_fills < fills and rng.random() < 0.02:
-                    with open(filler, "wb") as f, suppress(OSError):
-                        while True:
+                if done_fills < fills and rng.random() < 0.05:
+                    with suppress(OSError), open(filler, "wb", buffering=0) as f:
+                        while True:  # unbuffered: the write that finds the disk full raises, nothing is pending
                             f.write(b"\0" * 4096)
-                            f.flush()
                     time.sleep(rng.uniform(0.3, 1.0))
                     filler.unlink()
                     done_fills += 1
@@ -944,9 +950,12 @@ def verdict(results: dict[str, Any]) -> bool:
     ok = True
     for row in results.get("kills", {}).values():
         ok &= not row["restart_failures"] and row["lost"] == 0 and row["identical"] and row["finished"]
-    for row in results.get("disk", {}).values():
+        ok &= row["kills"] >= 1  # a run whose fault never landed proves nothing
+    for name, row in results.get("disk", {}).items():
         if isinstance(row, dict):
             ok &= not row["restart_failures"] and row["lost"] == 0 and row["finished"] and row["identical"]
+            fills = [int(m.group(1)) for e in row.get("errors", []) if (m := re.match(r"fills: (\d+)", e))]
+            ok &= row["storage_failures"] > 0 or (name == "tmpfs" and bool(fills) and fills[0] > 0)
     for counts in results.get("corrupt", {}).get("outcomes", {}).values():
         ok &= set(counts) <= {"resumed, reference weights", "refused (one line naming the file)"}
     if "fuzz" in results:
