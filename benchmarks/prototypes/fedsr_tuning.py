@@ -150,7 +150,8 @@ class Client:
             if isinstance(self.model, ProbabilisticSplitModel):
                 logits, z, mu, sigma = self.model.forward_sample(x, self.gen)
             else:
-                z = self.model.encoder(x)
+                assert isinstance(self.model, SplitModel)
+                z = self.model.embed(x)
                 logits = self.model.head(z)
             loss = F.cross_entropy(logits, y)
             if self.l2r is not None:
@@ -208,7 +209,7 @@ def build_model(method: Method, seed: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = SplitModel(rmnist_cnn((1, 28, 28), RMNIST_LATENT_DIM, False), RMNIST_LATENT_DIM, NUM_CLASSES)
-    return model.to(memory_format=torch.channels_last)
+    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub lacks it
 
 
 def run_federation(method: Method, schedule: Schedule, target: int, seed: int) -> dict[str, Any]:
@@ -249,18 +250,18 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _done(out: Path, schedule: Schedule) -> set[tuple[str, int, int]]:
+    key = json.dumps(asdict(schedule), sort_keys=True)
+    return {(r["label"], r["target"], r["seed"]) for r in _load(out)
+            if json.dumps(r["schedule"], sort_keys=True) == key}
+
+
 def _run_all(jobs: list[tuple[str, Method]], schedule: Schedule, targets: tuple[int, ...],
              seeds: tuple[int, ...], out: Path) -> None:
-    done = set()
-    if out.exists():
-        for line in out.read_text().splitlines():
-            rec = json.loads(line)
-            done.add((rec["label"], rec["target"], rec["seed"], json.dumps(rec["schedule"], sort_keys=True)))
     for label, method in jobs:
         for target in targets:
             for seed in seeds:
-                key = (label, target, seed, json.dumps(asdict(schedule), sort_keys=True))
-                if key in done:
+                if (label, target, seed) in _done(out, schedule):  # re-read: other processes may share `out`
                     continue
                 rec = {"label": label, **run_federation(method, schedule, target, seed)}
                 _append(out, rec)
@@ -270,7 +271,15 @@ def _run_all(jobs: list[tuple[str, Method]], schedule: Schedule, targets: tuple[
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The records of a results file, the first of any repeated (label, target, seed, schedule) kept."""
+    seen, out = set(), []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        rec = json.loads(line)
+        key = (rec["label"], rec["target"], rec["seed"], json.dumps(rec["schedule"], sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append(rec)
+    return out
 
 
 def _ms(values: list[float]) -> str:
@@ -294,16 +303,18 @@ def report() -> None:
     if prev:
         paper = {"FedAvg": (85.9, 86.2), "FedL2R": (90.5, 90.7), "FedCMI": (93.5, 93.0), "FedSR": (93.6, 93.5)}
         print("\nPreview (seeds 0-2): target accuracy, mean ± std over seeds; the paper's Table 1 beside")
-        print(f"{'method':8s} {'M0':>12s} {'paper':>6s} {'M75':>12s} {'paper':>6s} {'avg':>6s} {'val acc':>14s}")
+        print(f"{'label':24s} {'M0':>12s} {'paper':>6s} {'M75':>12s} {'paper':>6s} {'avg':>6s} {'val acc':>14s}")
         avgs = {}
-        for name in paper:
-            rs = [r for r in prev if r["method"]["name"] == name]
-            if not rs:
-                continue
+        for label in dict.fromkeys(r["label"] for r in prev):
+            rs = [r for r in prev if r["label"] == label]
+            name = rs[0]["method"]["name"]
             t0 = [r["target_acc"] for r in rs if r["target"] == 0]
             t75 = [r["target_acc"] for r in rs if r["target"] == 75]
+            if not t0 or not t75:
+                print(f"{label:24s} incomplete: {len(t0)} runs on M0, {len(t75)} on M75")
+                continue
             avgs[name] = 50 * (np.mean(t0) + np.mean(t75))
-            print(f"{name:8s} {_ms(t0):>12s} {paper[name][0]:6.1f} {_ms(t75):>12s} {paper[name][1]:6.1f} "
+            print(f"{label:24s} {_ms(t0):>12s} {paper[name][0]:6.1f} {_ms(t75):>12s} {paper[name][1]:6.1f} "
                   f"{avgs[name]:6.1f} {_ms([r['val_acc'] for r in rs]):>14s}")
         if "FedSR" in avgs and "FedAvg" in avgs:
             gap = avgs["FedSR"] - avgs["FedAvg"]
@@ -320,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variant", choices=sorted(VARIANTS), default="paper-local")
     p.add_argument("--labels", nargs="*", help="only these tuning labels / pilot methods")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reverse", action="store_true", help="targets and seeds in reverse order (a second worker)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     schedule = Schedule(rounds=args.rounds, lr=args.lr)
@@ -334,8 +346,10 @@ def main(argv: list[str] | None = None) -> None:
         jobs = [j for j in jobs if not args.labels or j[0] in args.labels]
         _run_all(jobs, schedule, TARGETS, TUNING_SEEDS, RESULTS / "fedsr_tune.jsonl")
     else:
-        jobs = [(f"{m.name}[{args.variant}]", m) for m in methods_for(VARIANTS[args.variant])]
-        _run_all(jobs, schedule, TARGETS, PREVIEW_SEEDS, RESULTS / "fedsr_preview.jsonl")
+        jobs = [(m.name if m == FEDAVG else f"{m.name}[{args.variant}]", m) for m in methods_for(VARIANTS[args.variant])]
+        jobs = [j for j in jobs if not args.labels or j[0] in args.labels]
+        targets, seeds = (TARGETS[::-1], PREVIEW_SEEDS[::-1]) if args.reverse else (TARGETS, PREVIEW_SEEDS)
+        _run_all(jobs, schedule, targets, seeds, RESULTS / "fedsr_preview.jsonl")
 
 
 if __name__ == "__main__":
