@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetfed.client.data import _load_mnist5k
-from hetfed.client.rotated import rotate_clockwise
+from hetfed.client.data.images import load_mnist5k as _load_mnist5k
+from hetfed.client.data.rotated import rotate_clockwise
 
 __all__ = ["ANGLES", "PER_CLASS", "VAL_FRACTION", "Domain", "RotatedSplit", "build_fedsr_rotated"]
 

@@ -45,8 +45,9 @@ from hetfed.client.algorithms.fedsr.losses import (
     build_probabilistic_model,
     predict_proba,
 )
-from hetfed.client.algorithms.fedsr.nets import RMNIST_LATENT_DIM, rmnist_cnn
-from hetfed.client.models import SplitModel
+from hetfed.client.models import SplitModel, rmnist_cnn
+
+RMNIST_LATENT_DIM = 64
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TUNING_SEEDS = (100, 101, 102)

@@ -19,8 +19,7 @@ from hetfed.client.algorithms.fedsr.losses import (
     l2_norm_penalty,
     predict_proba,
 )
-from hetfed.client.algorithms.fedsr.nets import rmnist_cnn, rmnist_cnn_k5, rmnist_trunk
-from hetfed.client.models import _REGISTRY
+from hetfed.client.models import encoder_builder, rmnist_cnn, rmnist_cnn_k5, rmnist_trunk
 
 
 def t(x: list) -> torch.Tensor:
@@ -250,7 +249,7 @@ def test_build_probabilistic_rmnist_replaces_the_final_projection() -> None:
 
 
 def test_build_probabilistic_on_an_activated_encoder_appends_a_layer() -> None:
-    lenet = _REGISTRY["lenet"][0]
+    lenet = encoder_builder("lenet")
     model = build_probabilistic_model(lenet, (1, 28, 28), 16, 10, seed=0)
     assert isinstance(model.encoder[-1], nn.ReLU) and model.feature_dim == 16
     assert model.to_params.in_features == 16 and model.to_params.out_features == 32

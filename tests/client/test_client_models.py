@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_models() -> None:
-    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
+    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "rmnist_cnn", "rmnist_cnn_k5",
+                                  "resnet18", "mobilenet_v2"]
 
 
 @pytest.mark.parametrize("name", LOCAL_MODELS)

@@ -28,6 +28,11 @@ MODELS: dict[str, ModelEntry] = {
     "fedgen_cnn": ModelEntry("hetfed.client.models:fedgen_cnn", 32,
                              "FedGen's MNIST CNN (two stride-2 3x3 convolutions with BatchNorm)"),
     "cnn": ModelEntry("hetfed.client.models:cnn", 128, "two 3x3 convolutions (32, 64) with max-pooling"),
+    "rmnist_cnn": ModelEntry("hetfed.client.models:rmnist_cnn", 64,
+                             "Rotated MNIST network of DIVA/DIRT/FedSR: two bias-free 3x3 convolutions (32, 64) with "
+                             "BatchNorm and max-pooling, Linear(1600, d_e), no activation on z"),
+    "rmnist_cnn_k5": ModelEntry("hetfed.client.models:rmnist_cnn_k5", 64,
+                                "rmnist_cnn with DIVA/DIRT's 5x5 convolutions (Linear(1024, d_e))"),
     "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",
                            vision=True),
     "mobilenet_v2": ModelEntry("hetfed.client.models:mobilenet_v2", 128,

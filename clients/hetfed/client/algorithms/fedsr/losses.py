@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hetfed.client.models import EncoderBuilder
+from hetfed.client.models import EncoderBuilder, SplitModel
 
 __all__ = [
     "DEFAULT_NUM_SAMPLES",
@@ -56,25 +56,25 @@ def _positive_sigma(raw: torch.Tensor, eps: float) -> torch.Tensor:
     return F.softplus(raw) + eps
 
 
-class ProbabilisticSplitModel(nn.Module):
-    """Encoder feature (width d) → Linear(d, 2·z_dim) → N(μ, σ²); a linear classifier on z = μ + σ⊙ε."""
+class ProbabilisticSplitModel(SplitModel):
+    """Encoder feature (width d) → Linear(d, 2·z_dim) → N(μ, σ²); a linear classifier on z = μ + σ⊙ε.
+
+    A ``SplitModel`` whose ``latent_dim`` is z_dim, whose ``head`` is the classifier on z and whose ``embed``
+    is the mean μ(x); its ``encoder`` is the feature trunk before the Gaussian's parameters.
+    """
 
     def __init__(self, encoder: nn.Module, feature_dim: int, z_dim: int, num_classes: int, *,
                  sigma_eps: float = SIGMA_EPS) -> None:
-        super().__init__()
         if feature_dim < 1 or z_dim < 1 or num_classes < 1:
             raise ValueError(f"feature_dim, z_dim and num_classes must be >= 1, got {feature_dim}, {z_dim}, "
                              f"{num_classes}")
         if sigma_eps < 0:
             raise ValueError(f"sigma_eps must be >= 0, got {sigma_eps}")
-        self.encoder = encoder
+        super().__init__(encoder, z_dim, num_classes)  # the classifier head: Linear(z_dim, num_classes)
         self.feature_dim = int(feature_dim)
         self.z_dim = int(z_dim)
-        self.latent_dim = self.z_dim  # the width a classifier sees, as in SplitModel
-        self.num_classes = int(num_classes)
         self.sigma_eps = float(sigma_eps)
         self.to_params = nn.Linear(self.feature_dim, 2 * self.z_dim)
-        self.head = nn.Linear(self.z_dim, self.num_classes)
 
     def distribution(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(μ, σ) of p(z|x), each of shape (B, z_dim), σ = softplus(raw) + ε."""
