@@ -60,7 +60,7 @@ class Axis:
     (``config.mu``) or a data field (``data.target_domain``), over these values."""
 
     name: str
-    values: tuple[float | int | str, ...]
+    values: tuple[int | float | str, ...]  # int first: a whole number stays an int (a domain index)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,9 @@ class Grid:
     throughput: bool = False
     # Also tabulate every method's figures averaged over all cells (per seed, then mean ± std over seeds).
     mean_over_cells: bool = False
+    # Clients write their local snapshots (model state, probe latents) into each federation's directory
+    # (always when a figure is a diagnostic); pictures are drawn from them afterwards.
+    artifacts: bool = False
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -296,13 +299,17 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
     return None if value is None else float(value)
 
 
+def federation_dir(root: Path, method: Method, cell: Mapping[str, Any], seed: int) -> Path:
+    """Where one federation of a grid runs (its logs and, with artifacts, its clients' snapshots)."""
+    return root / "-".join([method.id, *(f"{k}{v}" for k, v in cell.items()), f"s{seed}"]).replace("/", "_")
+
+
 def run_federation(grid: Grid, method: Method, cell: Mapping[str, Any], seed: int, root: Path,
                    rounds: int | None = None) -> dict[str, Any]:
     """One federation of the grid; returns its row of measurements."""
-    tag = "-".join([method.id, *(f"{k}{v}" for k, v in cell.items()), f"s{seed}"]).replace("/", "_")
-    workdir = root / tag
+    workdir = federation_dir(root, method, cell, seed)
     workdir.mkdir(parents=True, exist_ok=True)
-    artifacts = any(f.source.startswith("diagnostic:") for f in grid.figures)
+    artifacts = grid.artifacts or any(f.source.startswith("diagnostic:") for f in grid.figures)
     probe = _CpuProbe()
     t0 = time.monotonic()
     (summary,) = federate(federation_options(grid, method, cell, seed, artifacts=artifacts, rounds=rounds),
