@@ -24,6 +24,10 @@ BAD = [
     (["--algorithm", "fedprox", "--set", "fedprox.muu=1"], "unknown field 'muu' (did you mean 'mu'?)"),
     (["--set", "fedcma.lambda1=1"], "--set names algorithm 'fedcma', which is not among fedavg, local"),
     (["--models", "lenet,resnet"], "unknown model 'resnet'"),
+    (["--data", "target_domian=1"], "unknown data field 'target_domian' (did you mean 'target_domain'?)"),
+    (["--data", "num_clients=3"], "--data num_clients: set it with --clients"),
+    (["--algorithm", "fedsr", "--data", "target_domain=6"], "data.target_domain must be <= data.num_clients (5)"),
+    (["--algorithm", "fedsr", "--set", "probabilistic=false"], "alpha_cmi = 0.0005 needs probabilistic = true"),
 ]
 
 

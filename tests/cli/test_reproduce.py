@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,6 +68,39 @@ def test_claims_are_paired_per_seed_against_the_better_baseline() -> None:
     assert r.mean == pytest.approx(3.0)
     assert r.upper - r.mean == pytest.approx(4.303 * 3 ** 0.5 / 3 ** 0.5, abs=1e-9)  # sd of (4, 1, 4) is √3
     assert r.clearing == 2 and r.verdict == "holds on average only (fragile)"
+
+
+def test_a_claim_averaged_over_cells_pairs_each_seeds_mean_difference() -> None:
+    grid = _grid()
+    averaged = rp.Claim("New beats base on average over alpha", "new", "acc", ("base1", "base2"), 2.0,
+                        where={"alpha": [0.1, 0.5]}, average_cells=True)
+    rows = _rows()
+    for r in rows:  # make alpha 0.5 differ: New gains 2 more points there on every seed
+        if r["method"] == "new" and r["cell"] == {"alpha": 0.5}:
+            r["figures"]["acc"] += 0.02
+    (r,) = rp.check_claims(dataclasses.replace(grid, claims=(averaged,)), rows)
+    assert r.cell == {"alpha": "mean of 0.1, 0.5"} and r.baseline == "base2"
+    # Per seed: alpha 0.1 gives (4, 1, 4), alpha 0.5 gives (6, 3, 6): the means are (5, 2, 5).
+    assert [round(d, 10) for _, d in sorted(r.differences.items())] == [5.0, 2.0, 5.0]
+    assert r.mean == pytest.approx(4.0) and r.clearing == 3
+
+
+def test_a_data_axis_sets_a_data_field_and_the_mean_over_cells_is_tabulated() -> None:
+    grid = rp.Grid(name="g", title="t", paper="p", results="r.md", seeds=(0, 1, 2), rounds=1,
+                   data={"dataset": "mnist5k", "partition": "rotated_lodo"},
+                   methods=(rp.Method("base1", "Base 1", "local"), rp.Method("base2", "Base 2", "local"),
+                            rp.Method("new", "New", "fedavg")),
+                   figures=(rp.GridFigure("acc", "acc", "final_test_accuracy"),),
+                   axes=(rp.Axis("data.target_domain", (0, 5)),), mean_over_cells=True,
+                   paper_values=(rp.PaperValue("new", "acc", 90.5, {"data.target_domain": "mean of 0, 5"}),))
+    opts = rp.federation_options(grid, grid.methods[2], {"data.target_domain": 5}, 1, artifacts=False)
+    assert opts.data == {"target_domain": 5} and opts.partition == "rotated_lodo" and opts.seed == 1
+    rows = [{**r, "cell": {"data.target_domain": 0 if r["cell"]["alpha"] == 0.1 else 5}} for r in _rows()]
+    text = rp.render(grid, {"command": "c", "date": "d", "machine": "m", "wall_seconds": 1.0, "load": [0.0, 0.0],
+                            "rows": rows, "bytes_references": {}})
+    assert "### data.target_domain = mean of 0, 5" in text
+    # New: (85, 73, 80) and (75, 63, 70) per seed, means 80, 68, 75 -> 74.33 ± 6.03, beside the paper's number.
+    assert "| New | 74.33 ± 6.03 [90.5] |" in text
 
 
 def test_the_page_is_rendered_from_the_measurements_and_keeps_hand_written_text(tmp_path: Path) -> None:

