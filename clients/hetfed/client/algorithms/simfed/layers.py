@@ -20,11 +20,12 @@ What the paper defines and how it is read here:
   head stays a dense nn.Linear: it never leaves the organization (paper §3.2, §5.1), so factorising it
   would change neither what is sent nor what is reflected.
 * Initialisation: the paper factorises "before training" and says nothing about the initial values. Here
-  μ starts at 0 (sparse from the start, as the L1 term wants) and u, v ~ U(-b, b) independently with
-  b = (3·s)^{1/2}, s the standard deviation of the original layer's initial weight entries, so that every
-  entry u_i·v_j of the factorised weight has mean 0 and the variance s² of the layer it replaces (torch's
-  default U(-1/√fan_in, 1/√fan_in) has s² = 1/(3·fan_in)). The entries are no longer uniform nor
-  independent (the matrix has rank 1 until μ grows); only the first two moments match.
+  every entry of W = u × v ⊕ μ starts with mean 0 and the variance s² of the replaced layer's initial
+  weights (torch's default U(-1/√fan_in, 1/√fan_in) has s² = 1/(3·fan_in)); only these two moments match,
+  the entries are neither uniform nor independent. u, v are uniform; the mask is sparse from the start:
+  a share ρ (``mask_density``, default 0.1) of its entries is non-zero, and u × v and μ carry s²/2 each.
+  ρ = 0 (μ = 0, u × v carries all of s²) is the most literal reading, but it starts every layer at rank 1
+  (every hidden unit a multiple of one vector), and that trained markedly slower (see _init_factors).
 * The L1 term λ₁·Σ_l ‖μ_l‖₁ (eq. 7) is computed on the mask parameters, so it adds λ₁·sign(μ) to their
   gradient (0 where μ = 0).
 * Sending: mask entries with |μ| ≤ threshold are dropped (threshold 0 keeps exactly the non-zeros); the
@@ -68,21 +69,50 @@ __all__ = [
 # Independent numpy streams derived from a seed: default_rng([seed, stream, ...]).
 CRITERIA_STREAM = 0x51F
 FACTOR_INIT_STREAM = 0x51E
+# Share of each mask's entries that start non-zero (see _init_factors); 0 starts every layer at rank 1,
+# which trained markedly slower in the tuning prototype (benchmarks/prototypes/simfed_tuning.py).
+MASK_INIT_DENSITY = 0.1
 
 
-def _factor_bound(weight: torch.Tensor) -> float:
-    """b with u, v ~ U(-b, b) giving u_i·v_j the variance of ``weight``'s entries (torch's default if all equal)."""
+def _init_variance(weight: torch.Tensor) -> float:
+    """Variance of the replaced layer's initial weight entries (torch's default 1/(3·fan_in) if they are equal)."""
     w = weight.detach().to(torch.float64)
     var = float(w.var(unbiased=False)) if w.numel() > 1 else 0.0
     if not var > 0.0:  # a constant (e.g. zero) initial weight: fall back to torch's default U(±1/√fan_in)
         fan_in = w[0].numel() if w.ndim > 1 else 1
         var = 1.0 / (3.0 * fan_in)
-    std = math.sqrt(var)
-    return math.sqrt(3.0 * std)
+    return var
 
 
 def _uniform(rng: np.random.Generator, bound: float, n: int) -> torch.Tensor:
     return torch.from_numpy(rng.uniform(-bound, bound, size=n).astype(np.float32))
+
+
+def _init_factors(
+    layer: FactorizedLinear | FactorizedConv2d,
+    weight: torch.Tensor,
+    rng: np.random.Generator,
+    mask_density: float,
+) -> None:
+    """Draw u, v (and μ) so that the entries of W = u × v ⊕ μ have mean 0 and ``weight``'s variance s².
+
+    With ``mask_density`` ρ = 0: μ = 0 and u, v ~ U(±b), b = (3·s)^{1/2}, so Var(u_i·v_j) = s². With ρ > 0
+    the variance is split in halves: u, v get b·2^{-1/4} (Var(u_i·v_j) = s²/2) and each μ entry is non-zero
+    with probability ρ, drawn from U(±(3·s²/(2ρ))^{1/2}) (Var = s²/2). One numpy stream per layer.
+    """
+    if not 0.0 <= mask_density <= 1.0:
+        raise ValueError(f"mask_density must lie in [0, 1], got {mask_density}")
+    var = _init_variance(weight)
+    uv_var = var if mask_density == 0.0 or layer.mask is None else var / 2.0
+    bound = math.sqrt(3.0 * math.sqrt(uv_var))
+    with torch.no_grad():
+        layer.u.copy_(_uniform(rng, bound, layer.u.numel()))
+        layer.v.copy_(_uniform(rng, bound, layer.v.numel()))
+        if layer.mask is not None and mask_density > 0.0:
+            shape = layer.mask_shape
+            b_mu = math.sqrt(3.0 * (var - uv_var) / mask_density)
+            mu = rng.uniform(-b_mu, b_mu, size=shape) * (rng.random(shape) < mask_density)
+            layer.mask.copy_(torch.from_numpy(mu.astype(np.float32)))
 
 
 class FactorizedLinear(nn.Module):
@@ -125,14 +155,12 @@ class FactorizedLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, layer: nn.Linear, rng: np.random.Generator, *, mask: bool = True
+        cls, layer: nn.Linear, rng: np.random.Generator, *, mask: bool = True, mask_density: float = 0.0
     ) -> FactorizedLinear:
-        """Replace ``layer``: same shape and bias, u and v drawn to match its weight's variance, μ = 0."""
+        """Replace ``layer``: same shape and bias; u, v, μ drawn to match its weight's variance (see _init_factors)."""
         out = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, mask=mask)
-        bound = _factor_bound(layer.weight)
+        _init_factors(out, layer.weight, rng, mask_density)
         with torch.no_grad():
-            out.u.copy_(_uniform(rng, bound, out.in_features))
-            out.v.copy_(_uniform(rng, bound, out.out_features))
             if layer.bias is not None and out.bias is not None:
                 out.bias.copy_(layer.bias.detach().to(torch.float32))
         return out.to(device=layer.weight.device)
@@ -210,8 +238,10 @@ class FactorizedConv2d(nn.Module):
         )
 
     @classmethod
-    def from_conv(cls, layer: nn.Conv2d, rng: np.random.Generator, *, mask: bool = True) -> FactorizedConv2d:
-        """Replace ``layer``: same geometry and bias, u′ and v′ drawn to match its kernel's variance, μ′ = 0."""
+    def from_conv(
+        cls, layer: nn.Conv2d, rng: np.random.Generator, *, mask: bool = True, mask_density: float = 0.0
+    ) -> FactorizedConv2d:
+        """Replace ``layer``: same geometry and bias; u′, v′, μ′ drawn to match its kernel's variance."""
         if layer.padding_mode != "zeros":
             raise ValueError(
                 f"only zero-padded convolutions can be factorised, got padding_mode={layer.padding_mode!r}"
@@ -228,10 +258,8 @@ class FactorizedConv2d(nn.Module):
             bias=layer.bias is not None,
             mask=mask,
         )
-        bound = _factor_bound(layer.weight)
+        _init_factors(out, layer.weight, rng, mask_density)
         with torch.no_grad():
-            out.u.copy_(_uniform(rng, bound, out._rows))
-            out.v.copy_(_uniform(rng, bound, out._cols))
             if layer.bias is not None and out.bias is not None:
                 out.bias.copy_(layer.bias.detach().to(torch.float32))
         return out.to(device=layer.weight.device)
@@ -248,37 +276,42 @@ class FactorizedConv2d(nn.Module):
 FactorizedModule = FactorizedLinear | FactorizedConv2d
 
 
-def _replace(module: nn.Module, prefix: str, seed: int, masks: bool, counter: list[int]) -> None:
+def _replace(
+    module: nn.Module, prefix: str, seed: int, masks: bool, density: float, counter: list[int]
+) -> None:
     for child_name, child in module.named_children():
         new: nn.Module | None = None
         if isinstance(child, (nn.Linear, nn.Conv2d)):
             rng = np.random.default_rng([int(seed), FACTOR_INIT_STREAM, counter[0]])
             counter[0] += 1
             if isinstance(child, nn.Linear):
-                new = FactorizedLinear.from_linear(child, rng, mask=masks)
+                new = FactorizedLinear.from_linear(child, rng, mask=masks, mask_density=density)
             else:
-                new = FactorizedConv2d.from_conv(child, rng, mask=masks)
+                new = FactorizedConv2d.from_conv(child, rng, mask=masks, mask_density=density)
             setattr(module, child_name, new)
         elif isinstance(child, nn.modules.conv._ConvNd):
             raise ValueError(
                 f"{prefix}{child_name}: only nn.Linear and nn.Conv2d can be factorised, got {type(child).__name__}"
             )
         else:
-            _replace(child, f"{prefix}{child_name}.", seed, masks, counter)
+            _replace(child, f"{prefix}{child_name}.", seed, masks, density, counter)
 
 
-def factorize_model(model: SplitModel, *, seed: int, masks: bool = True) -> SplitModel:
+def factorize_model(
+    model: SplitModel, *, seed: int, masks: bool = True, mask_density: float = MASK_INIT_DENSITY
+) -> SplitModel:
     """A copy of ``model`` whose encoder's nn.Linear and nn.Conv2d layers are factorised; the head stays dense.
 
-    Each replaced layer keeps its bias; u and v are drawn from ``seed`` (one numpy stream per layer, in
-    module order), so every process builds the same factors. ``masks=False`` builds the paper's "w/o
-    masks φ" ablation (W = u × v only). ``model`` itself is left unchanged.
+    Each replaced layer keeps its bias; u, v and μ are drawn from ``seed`` (one numpy stream per layer, in
+    module order), so every process builds the same factors; ``mask_density`` is the share of μ's entries
+    that start non-zero (0: μ = 0, the factorised weight starts at rank 1). ``masks=False`` builds the
+    paper's "w/o masks φ" ablation (W = u × v only). ``model`` itself is left unchanged.
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     out = copy.deepcopy(model)
     counter = [0]
-    _replace(out.encoder, "encoder.", seed, masks, counter)
+    _replace(out.encoder, "encoder.", seed, masks, float(mask_density), counter)
     if counter[0] == 0:
         raise ValueError("the model's encoder has no nn.Linear or nn.Conv2d layer to factorise")
     return out
@@ -293,12 +326,13 @@ def build_factorized_model(
     bounded_latent: bool = False,
     seed: int = 0,
     masks: bool = True,
+    mask_density: float = MASK_INIT_DENSITY,
 ) -> SplitModel:
     """:func:`hetfed.client.models.build_model` with the encoder factorised (same seed for weights and factors)."""
     dense = build_model(
         name, input_shape, num_classes, latent_dim=latent_dim, bounded_latent=bounded_latent, seed=seed
     )
-    return factorize_model(dense, seed=seed, masks=masks)
+    return factorize_model(dense, seed=seed, masks=masks, mask_density=mask_density)
 
 
 def factorized_layers(model: nn.Module) -> list[tuple[str, FactorizedModule]]:
