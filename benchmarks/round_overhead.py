@@ -1,0 +1,290 @@
+"""Round overhead against its physical floor: real aggregator and client processes over loopback, FedAvg.
+
+    python benchmarks/round_overhead.py --workload A --clients 4,8,16,32 --rounds 12
+    python benchmarks/round_overhead.py --workload B --clients 4,8
+    python benchmarks/round_overhead.py --workload A --clients 32,64 --light
+
+Workloads (each organization's data is random 28x28 images in its own npz directory; torch clients use one
+thread each; plaintext loopback; the aggregator fsyncs every accepted update, as always):
+
+- A: a 1.0M-parameter MLP 784-1258-10 (``mlp1``, d_e = 1258), one SGD step on a batch of 8 per round;
+- B: a 100k-parameter CNN conv16-conv32-fc60-fc10 (``cnn_small``), one epoch over 1,000 images, batch 32.
+
+``--light`` replaces the torch clients by lightweight numpy clients speaking the same protocol through the
+same typed client (several organizations per process, no training): they stand in for torch clients at large
+N, and the output says so.
+
+For each N it prints the round median (rounds 2..R), the aggregator's CPU seconds per round, the aggregator's
+and one client's peak RSS, the bytes on the wire per round against the analytic payload 2·N·model bytes, and
+the floor measured in the same run: the slowest organization's own training time per round (clients report
+it with ``report_timing``) plus one loopback TCP copy of the round's bytes. The ratio round / floor is the
+overhead, independent of how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetfed.cli.localrun import LocalFederation
+from hetfed.wire.messages import RunStatus
+
+RUN = "overhead"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, how much local work a round does, and the data each organization holds."""
+
+    name: str
+    model: str
+    latent_dim: int
+    examples: int
+    config: dict[str, Any]
+    description: str
+
+
+WORKLOADS = {
+    "A": Workload("A", "mlp1", 1258, 64, {"local_steps": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.0},
+                  "MLP 784-1258-10 (1.0M parameters), one SGD step of batch 8 per round"),
+    "B": Workload("B", "cnn_small", 60, 1000, {"local_epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.0},
+                  "CNN conv16-conv32-fc60-fc10 (100k parameters), one epoch over 1,000 images, batch 32"),
+}
+
+
+def model_shapes(w: Workload) -> dict[str, tuple[int, ...]]:
+    """The float tensors FedAvg exchanges for the workload's model, by name (needs torch)."""
+    from hetfed.client.models import build_model
+
+    m = build_model(w.model, (1, 28, 28), 10, latent_dim=w.latent_dim)
+    return {k: tuple(v.shape) for k, v in m.state_dict().items() if v.is_floating_point()}
+
+
+def write_data(root: Path, w: Workload, clients: int, seed: int) -> list[Path]:
+    """One npz directory of random images and labels per organization."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(clients):
+        d = root / f"data-{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        x = rng.random((w.examples, 1, 28, 28), dtype=np.float32)
+        y = rng.integers(0, 10, w.examples)
+        np.savez(d / "train.npz", x=x, y=y)
+        np.savez(d / "test.npz", x=x[:16], y=y[:16])
+        out.append(d)
+    return out
+
+
+def loopback_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
+    """Median time to move ``n_bytes`` through a loopback TCP connection (send and receive everything)."""
+    times = []
+    for _ in range(repeats):
+        server = socket.create_server(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        def drain(srv: socket.socket = server) -> None:
+            conn, _ = srv.accept()
+            received = 0
+            with conn:
+                while received < n_bytes:
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        break
+                    received += len(chunk)
+
+        t = threading.Thread(target=drain)
+        t.start()
+        payload = b"\0" * min(n_bytes, 64 << 20)
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            start = time.perf_counter()
+            sent = 0
+            while sent < n_bytes:
+                k = min(len(payload), n_bytes - sent)
+                c.sendall(payload[:k])
+                sent += k
+            t.join()
+            times.append(time.perf_counter() - start)
+        server.close()
+    return statistics.median(times)
+
+
+def _proc_stat(pid: int) -> tuple[float, int]:
+    """(CPU seconds, peak RSS bytes) of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    hwm = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+    return cpu, hwm
+
+
+class Probe:
+    """Samples the aggregator's CPU at round 2 and at the end of training, and the processes' peak RSS."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        self.rss: dict[str, int] = {}
+
+    def sample(self, name: str, pid: int) -> None:
+        try:
+            _, hwm = _proc_stat(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        self.rss[name] = max(self.rss.get(name, 0), hwm)
+
+    def __call__(self, agg_pid: int, client_pid: int | None, status: RunStatus) -> None:
+        self.sample("aggregator", agg_pid)
+        if client_pid is not None:
+            self.sample("client", client_pid)
+        cpu, _ = _proc_stat(agg_pid)
+        if "start" not in self.marks and status.round >= 2:
+            self.marks["start"], self.marks["start_t"] = cpu, time.monotonic()
+        if "start" in self.marks and "end" not in self.marks and status.phase.value != "train":
+            self.marks["end"], self.marks["end_t"] = cpu, time.monotonic()
+
+
+def aggregator_config(w: Workload, clients: int, rounds: int, state: Path) -> dict[str, Any]:
+    """One FedAvg run over every organization."""
+    return {
+        "server": {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": str(state)},
+        "runs": [{"id": RUN, "algorithm": "fedavg", "organizations": [f"org-{i}" for i in range(clients)],
+                  "rounds": rounds, "seed": 0, "algorithm_config": w.config}],
+    }
+
+
+def client_config(w: Workload, i: int, port: int, data: Path) -> dict[str, Any]:
+    """A torch client of the workload."""
+    return {"organization": f"org-{i}", "run": RUN, "aggregator": f"127.0.0.1:{port}", "device": "cpu",
+            "threads": 1, "report_timing": True, "data": {"dataset": "npz", "partition": "natural", "path": str(data)},
+            "model": {"name": w.model, "latent_dim": w.latent_dim}, "retry": {"give_up_after_seconds": 300.0}}
+
+
+def light_command(port: int, organizations: list[str], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """A process of lightweight numpy clients (benchmarks/light_clients.py)."""
+    return [sys.executable, str(Path(__file__).with_name("light_clients.py")), "--aggregator", f"127.0.0.1:{port}",
+            "--run", RUN, "--organizations", ",".join(organizations), "--shapes", json.dumps(shapes)]
+
+
+def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, per_process: int) -> dict[str, Any]:
+    """One federation of ``clients`` organizations for ``rounds`` rounds; returns the figures."""
+    shapes = model_shapes(w)
+    model_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    fed = LocalFederation(workdir)
+    probe = Probe()
+    light_procs: list[subprocess.Popen[bytes]] = []
+    try:
+        fed.start_aggregator(aggregator_config(w, clients, rounds, workdir / "state"))
+        assert fed.aggregator is not None
+        if light:
+            orgs = [f"org-{i}" for i in range(clients)]
+            for k in range(0, clients, per_process):
+                log = open(workdir / f"light-{k}.log", "wb")  # noqa: SIM115 - owned by the child
+                light_procs.append(subprocess.Popen(light_command(fed.port, orgs[k:k + per_process], shapes),
+                                                    stdout=log, stderr=subprocess.STDOUT, env=fed.env))
+        else:
+            for i, data in enumerate(write_data(workdir, w, clients, seed=1)):
+                fed.start_client(f"client-{i}", client_config(w, i, fed.port, data))
+        first = light_procs[0] if light else fed.clients["client-0"]
+        deadline = time.monotonic() + 3600
+        while True:
+            fed.raise_if_failed()
+            for p in light_procs:
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"a light client process exited with {p.returncode}")
+            (status,) = fed.status()
+            probe(fed.aggregator.pid, first.pid if first.poll() is None else None, status)
+            if status.finished:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the federation did not finish within an hour")
+            time.sleep(0.05)
+        probe.sample("aggregator", fed.aggregator.pid)
+    finally:
+        for p in light_procs:
+            if p.poll() is None:
+                p.terminate()
+        fed.stop()
+    train = [h for h in status.history if 2 <= h.round <= rounds]
+    durations = [h.duration_seconds for h in train]
+    round_bytes = statistics.median(sum(t.bytes for t in h.traffic) for h in train)
+    # The floor: the slowest organization's own training time in each round, plus one loopback copy.
+    train_wall = []
+    prev: dict[str, float] = {}
+    for h in status.history:
+        per_org = {o: m.extra.get("train_wall_seconds") for o, m in h.reports.items()}
+        if 2 <= h.round <= rounds and prev and all(v is not None for v in per_org.values()):
+            train_wall.append(max(v - prev.get(o, 0.0) for o, v in per_org.items()))  # type: ignore[operator]
+        prev = {o: v for o, v in per_org.items() if v is not None}
+    copy = loopback_copy_seconds(int(round_bytes))
+    training = statistics.median(train_wall) if train_wall else 0.0
+    floor = training + copy
+    agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / max(1, rounds - 1)
+               if "end" in probe.marks and "start" in probe.marks else float("nan"))
+    median = statistics.median(durations)
+    return {
+        "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light,
+        "round_median_s": median, "round_p90_s": sorted(durations)[int(0.9 * (len(durations) - 1))],
+        "aggregator_cpu_s_per_round": agg_cpu,
+        "aggregator_peak_rss_mb": probe.rss.get("aggregator", 0) / 2**20,
+        "client_peak_rss_mb": probe.rss.get("client", 0) / 2**20,
+        "bytes_per_round": round_bytes, "analytic_bytes_per_round": 2 * clients * model_bytes,
+        "training_s": training, "loopback_copy_s": copy, "floor_s": floor,
+        "overhead_ratio": median / floor if floor > 0 else float("nan"),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    """One row of the table."""
+    return (f"{r['workload']:>2} {r['clients']:>4}{'*' if r['light_clients'] else ' '} {r['round_median_s']:8.3f} "
+            f"{r['round_p90_s']:8.3f} {r['aggregator_cpu_s_per_round']:8.3f} {r['aggregator_peak_rss_mb']:8.0f} "
+            f"{r['client_peak_rss_mb']:8.0f} {r['bytes_per_round'] / 1e6:9.2f} "
+            f"{r['bytes_per_round'] / r['analytic_bytes_per_round']:7.4f} {r['training_s']:8.3f} "
+            f"{r['loopback_copy_s']:8.3f} {r['overhead_ratio']:7.2f} {r['load_average']:5.1f}")
+
+
+HEADER = (" W    N  round_s   p90_s  aggCPU_s aggRSS_MB cliRSS_MB  MB/round  /payload  train_s   copy_s  ratio  load\n"
+          "-- ----- -------- -------- -------- -------- -------- --------- ------- -------- -------- ------- -----")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure each N and print one row each."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="A")
+    ap.add_argument("--clients", default="4,8,16,32", help="comma-separated N")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds per federation (the median is over 2..R)")
+    ap.add_argument("--light", action="store_true", help="lightweight numpy clients instead of torch clients")
+    ap.add_argument("--per-process", type=int, default=16, help="light clients per process")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    print(f"$ python benchmarks/round_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"workload {w.name}: {w.description}; {'lightweight numpy clients (*)' if args.light else 'torch clients'}; "
+          f"{os.cpu_count()} CPU cores")
+    print(HEADER, flush=True)
+    rows = []
+    for n in [int(x) for x in args.clients.split(",") if x]:
+        with tempfile.TemporaryDirectory(prefix=f"hetfed-overhead-{n}-") as tmp:
+            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process)
+        rows.append(r)
+        print(report(r), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
