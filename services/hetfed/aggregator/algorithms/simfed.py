@@ -21,38 +21,43 @@ factorised layer) and its embeddings z_{N,k} = E_k(x_N) of the shared criteria i
    initial factors, so the first download is nothing; from round 2 on, organization k receives the
    reflection of the latest uploads (a per-organization download, not a broadcast).
 
-Design note: server state (for the server half of phase 2).
+Server state (``SimFedServer``).
 
-* The state is, per organization, its latest upload: a ``FactorizedWeights`` (read-only numpy arrays as
-  decoded from the wire: u and v float32, mask indices int64 and values float32) and its criteria
-  embeddings ([B, D] float32). Hold them in a dict organization → latest payload and replace an entry by
-  reference when the organization uploads again; never copy them per round, and never keep older rounds
-  (eq. 8 needs only the latest factors).
-* At a round's close the server computes σ (K×K float64, K organizations) and J_k, w_kj from the
-  embeddings, then each organization's personalised download, one organization and one layer at a time
-  through a float64 scratch buffer of the layer's size (dense scatter of the members' masks), cast to
-  float32 and re-sparsified. The downloads replace the previous round's (they are what the organizations
-  pull next) and the uploads they came from may then be dropped, so in steady state the server holds
-  K uploads or K downloads, and 2·K payloads only while a round closes.
+* Per organization, its latest upload: the ``FactorizedWeights`` as decoded from the wire (u and v float32,
+  mask indices int64 and values float32) and its criteria embeddings ([B, D] float32). Uploads of the open
+  round wait in ``pending`` and replace the organization's entry in ``latest`` by reference when the round
+  closes (an organization that missed a round keeps its older entry); nothing is copied per round and no
+  older round is kept (eq. 8 needs only the latest factors). The same close computes σ (K × K float64) and
+  every organization's similarity set and weights.
+* Downloads are not stored: organization k's reflection is computed when it pulls its instructions (the
+  engine encodes them once per round and organization), one layer at a time through float64 buffers of the
+  layer's size. Because ``latest`` changes only at a close, every organization's download of a round
+  reflects the same uploads, whenever it pulls.
 * Size, for L factorised layers with mask shapes I_l × O_l (convolutions: I_l·F × O_l·F), n_l sent mask
   entries per organization, B criteria inputs of width D:
       per organization: 4·Σ_l (I_l + O_l) + 12·Σ_l n_l + 4·B·D bytes (u, v float32; int64 index and
-      float32 value per mask entry; embeddings), so K·(that) in all, plus 8·K² bytes for σ. It grows
-      linearly in the number of organizations by design (personalised models), and with density ρ of
-      the masks it is about 12·ρ·P + 4·Σ(I_l + O_l) per organization for P weight entries, against 4·P
-      for a dense model. Downloads can be denser than uploads (union of supports) unless re-thresholded.
+      float32 value per mask entry; embeddings), so K·(that) in all, plus 8·K² bytes for σ, and as much
+      again in ``pending`` while a round is open. It grows linearly in the number of organizations by
+      design (personalised models); with mask density ρ it is about 12·ρ·P + 4·Σ(I_l + O_l) per
+      organization for P weight entries, against 4·P for a dense model. ``state_nbytes`` measures it.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hetfed.wire.payloads import FactorizedLayer, FactorizedWeights
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
+from hetfed.wire.errors import WireError
+from hetfed.wire.payloads import CriteriaEmbeddings, FactorizedLayer, FactorizedWeights, Payload, Received
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs.simfed import SimFedConfig
 
 __all__ = [
+    "SimFedServer",
     "cosine_similarity_matrix",
     "match",
     "personalised_downloads",
@@ -290,3 +295,191 @@ def personalised_downloads(
             )
         out.append(reflect_factorized(uploads[k], [uploads[j] for j in idx], w, threshold))
     return out
+
+
+# ================================================================================================ server half
+# Stream of the run seed for the random-matching ablation's draws (one generator per round).
+RANDOM_MATCHING_STREAM = 0x5AD
+
+
+class SimFedServer(ServerHalf[SimFedConfig]):
+    """Similarity matching and personalised reflection; each organization receives its own factors."""
+
+    broadcast = False
+
+    def __init__(self, config: SimFedConfig, run: RunInfo) -> None:
+        super().__init__(config, run)
+        # The latest factors and criteria embeddings of every organization (as of the last closed round).
+        self.latest: dict[str, FactorizedWeights] = {}
+        self.embeddings: dict[str, np.ndarray] = {}
+        # The open round's uploads (they replace the latest entries when it closes).
+        self.pending: dict[str, tuple[FactorizedWeights, np.ndarray]] = {}
+        # σ over ``order`` (the organizations with a latest upload, in the run's order), and each one's
+        # similarity set (organization names) with its reflection weights.
+        self.order: tuple[str, ...] = ()
+        self.sigma = np.zeros((0, 0))
+        self.sets: dict[str, tuple[tuple[str, ...], np.ndarray]] = {}
+        self.closed_round = 0
+        # The run's layer layout (name, len u, len v, mask shape) and criteria set, fixed by the first upload.
+        self.layout: tuple[tuple[str, int, int, tuple[int, ...]], ...] | None = None
+        self.criteria_set_id = ""
+        self.embedding_shape: tuple[int, ...] | None = None
+
+    # ----------------------------------------------------------------------------------------- uploads
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
+        """Factors of the run's layer layout with well-formed sparse masks; embeddings of the run's criteria set."""
+        if phase is not Phase.TRAIN:
+            return
+        fw, ce = update.get(FactorizedWeights), update.get(CriteriaEmbeddings)
+
+        def bad(reason: str, message: str) -> WireError:
+            return WireError(reason, f"simfed upload from {organization!r}: {message}")
+
+        layout = _layout(fw, bad)
+        if self.layout is not None and layout != self.layout:
+            raise bad("schema_mismatch", f"factorised layers {_describe(layout)} differ from the run's "
+                                         f"{_describe(self.layout)}")
+        for layer in fw.layers:
+            for what, arr in (("u", layer.u), ("v", layer.v), ("mask_values", layer.mask_values)):
+                if np.asarray(arr).dtype.kind != "f":
+                    raise bad("dtype_mismatch", f"{layer.name}.{what} must be floating, got {np.asarray(arr).dtype}")
+                if not np.all(np.isfinite(arr)):
+                    raise bad("non_finite", f"{layer.name}.{what} holds non-finite values")
+            idx = np.asarray(layer.mask_indices)
+            if idx.size and (idx.dtype.kind not in "iu" or idx[0] < 0 or idx[-1] >= math.prod(layer.mask_shape)
+                             or np.any(np.diff(idx) <= 0)):
+                raise bad("invalid_value", f"{layer.name}: mask indices must be strictly increasing integers in "
+                                           f"[0, {math.prod(layer.mask_shape)})")
+        z = np.asarray(ce.embeddings)
+        if not ce.criteria_set_id:
+            raise bad("invalid_value", "criteria embeddings name no criteria set")
+        if self.criteria_set_id and ce.criteria_set_id != self.criteria_set_id:
+            raise bad("invalid_value", f"criteria set {ce.criteria_set_id[:64]!r}, the run's is "
+                                       f"{self.criteria_set_id!r}")
+        if z.ndim != 2 or z.size == 0 or z.dtype.kind != "f":
+            raise bad("shape_mismatch", f"criteria embeddings must be a non-empty float [B, D], got "
+                                        f"{z.dtype}{list(z.shape)}")
+        if self.embedding_shape is not None and z.shape != self.embedding_shape:
+            raise bad("shape_mismatch", f"criteria embeddings {list(z.shape)}, the run's are "
+                                        f"{list(self.embedding_shape)}")
+        if not np.all(np.isfinite(z)):
+            raise bad("non_finite", "criteria embeddings hold non-finite values")
+
+    def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
+        """Hold the upload (by reference) until the round closes; the first one fixes the run's layout."""
+        if phase is not Phase.TRAIN:
+            return
+        fw, ce = update.get(FactorizedWeights), update.get(CriteriaEmbeddings)
+        if self.layout is None:
+            self.layout = _layout(fw, WireError)
+            self.criteria_set_id = ce.criteria_set_id
+            self.embedding_shape = tuple(np.shape(ce.embeddings))
+        self.pending[organization] = (fw, np.asarray(ce.embeddings))
+
+    # ----------------------------------------------------------------------------------------- the close
+    def close_round(self, phase: Phase, round_: int) -> None:
+        """The round's uploads become the latest; σ, the similarity sets and the weights are recomputed."""
+        if phase is not Phase.TRAIN:
+            self.pending = {}
+            return
+        for org, (fw, z) in self.pending.items():
+            self.latest[org] = fw
+            self.embeddings[org] = z
+        self.pending = {}
+        self.closed_round = round_
+        self._match(round_)
+
+    def _match(self, round_: int) -> None:
+        self.order = tuple(o for o in self.run.organizations if o in self.latest)
+        if not self.order:
+            self.sigma, self.sets = np.zeros((0, 0)), {}
+            return
+        self.sigma = cosine_similarity_matrix([self.embeddings[o] for o in self.order])
+        if self.config.matching == "random":
+            sets = random_similarity_sets(len(self.order), self.config.random_partners,
+                                          [self.run.seed, RANDOM_MATCHING_STREAM, round_])
+            weights = [np.full(m.size, 1.0 / m.size) for m in sets]
+        else:
+            sets = similarity_sets(self.sigma, self.config.tau)
+            weights = [reflection_weights(self.sigma[k], m, self.config.alpha) for k, m in enumerate(sets)]
+        self.sets = {org: (tuple(self.order[j] for j in sets[k]), weights[k]) for k, org in enumerate(self.order)}
+
+    # ----------------------------------------------------------------------------------------- downloads
+    def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
+        """Round 1 and evaluation: nothing. Later rounds: this organization's reflection (eq. 8) of the latest
+        factors of its similarity set."""
+        if phase is not Phase.TRAIN or organization not in self.sets:
+            return []
+        members, weights = self.sets[organization]
+        return [reflect_factorized(self.latest[organization], [self.latest[m] for m in members], weights)]
+
+    # ----------------------------------------------------------------------------------------- durability
+    def state(self) -> dict[str, np.ndarray]:
+        """The latest factors and embeddings of every organization, σ, and what fixes the run's layout."""
+        meta = {"closed_round": self.closed_round, "criteria_set_id": self.criteria_set_id,
+                "layout": [[n, u, v, list(s)] for n, u, v, s in self.layout or ()],
+                "organizations": {org: [fw.num_examples, [layer.name for layer in fw.layers]]
+                                  for org, fw in self.latest.items()}}
+        out: dict[str, np.ndarray] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                                      "sigma": self.sigma, "sigma_order":
+                                      np.frombuffer(json.dumps(list(self.order)).encode(), dtype=np.uint8)}
+        for org, fw in self.latest.items():
+            out[f"z/{org}"] = self.embeddings[org]
+            for i, layer in enumerate(fw.layers):
+                for field in ("u", "v", "mask_indices", "mask_values"):
+                    out[f"f/{org}/{i}/{field}"] = getattr(layer, field)
+        return out
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore from ``state()`` (σ and the sets are recomputed from the embeddings, as at the close)."""
+        if "meta" not in arrays:
+            return
+        meta = json.loads(bytes(arrays["meta"]).decode())
+        self.closed_round = int(meta["closed_round"])
+        self.criteria_set_id = str(meta["criteria_set_id"])
+        self.layout = tuple((str(n), int(u), int(v), tuple(int(d) for d in s)) for n, u, v, s in meta["layout"]) \
+            or None
+        shapes = {n: tuple(s) for n, _, _, s in self.layout or ()}
+        self.latest, self.embeddings, self.pending = {}, {}, {}
+        for org, (num_examples, names) in meta["organizations"].items():
+            layers = tuple(FactorizedLayer(name, arrays[f"f/{org}/{i}/u"], arrays[f"f/{org}/{i}/v"],
+                                           arrays[f"f/{org}/{i}/mask_indices"], arrays[f"f/{org}/{i}/mask_values"],
+                                           shapes[name])
+                           for i, name in enumerate(names))
+            self.latest[org] = FactorizedWeights(layers, int(num_examples))
+            self.embeddings[org] = arrays[f"z/{org}"]
+        self.embedding_shape = next((tuple(z.shape) for z in self.embeddings.values()), None)
+        self._match(self.closed_round)
+
+    def state_nbytes(self) -> int:
+        """Bytes of the arrays the server holds for the run (latest factors, embeddings, σ, open uploads)."""
+        held = [*self.latest.values(), *(fw for fw, _ in self.pending.values())]
+        total = sum(np.asarray(a).nbytes for fw in held for layer in fw.layers
+                    for a in (layer.u, layer.v, layer.mask_indices, layer.mask_values))
+        total += sum(z.nbytes for z in self.embeddings.values()) + sum(z.nbytes for _, z in self.pending.values())
+        return total + self.sigma.nbytes
+
+
+def _layout(fw: FactorizedWeights, fail: Callable[[str, str], WireError]) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+    """(name, len u, len v, mask shape) of every layer, checked for shape consistency."""
+    out = []
+    for layer in fw.layers:
+        u, v = np.asarray(layer.u), np.asarray(layer.v)
+        shape = tuple(int(d) for d in layer.mask_shape)
+        if u.ndim != 1 or v.ndim != 1 or shape != (u.size, v.size):
+            raise fail("shape_mismatch", f"{layer.name}: u {list(u.shape)} and v {list(v.shape)} must be vectors "
+                                         f"of the mask's shape {list(shape)}")
+        idx, val = np.asarray(layer.mask_indices), np.asarray(layer.mask_values)
+        if idx.ndim != 1 or val.ndim != 1 or idx.size != val.size:
+            raise fail("shape_mismatch", f"{layer.name}: mask indices {list(idx.shape)} and values "
+                                         f"{list(val.shape)} must be vectors of one length")
+        out.append((layer.name, u.size, v.size, shape))
+    if not out:
+        raise fail("invalid_value", "factorised weights hold no layer")
+    if len({n for n, *_ in out}) != len(out):
+        raise fail("invalid_value", "factorised weights name a layer twice")
+    return tuple(out)
+
+
+def _describe(layout: Sequence[tuple[str, int, int, tuple[int, ...]]]) -> str:
+    return ", ".join(f"{n} {list(s)}" for n, _, _, s in layout)

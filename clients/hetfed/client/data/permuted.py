@@ -1,12 +1,11 @@
-"""Permuted-label partitions for SimFed (paper 004 §3.2, §5.1): PROTOTYPE, to move into the data package later.
+"""Permuted labels (label heterogeneity, SimFed paper §3.2 and §5.1): each organization names the classes its own way.
 
-Label heterogeneity: organization k sees class c under the label ψ_k(c), a permutation of 0..C-1 drawn
-from the run seed and k alone, so every organization derives its own permutation without anything
-crossing the wire, and applies it to its train, own-test and global-test labels alike ("Permuted IID"
-with partition "iid", "Permuted Non-IID" with partition "dirichlet", α = 0.5 in the paper).
-
-The functions here are pure numpy except :func:`permuted_client_data`, which wraps the existing
-``hetfed.client.data.load_client_data`` (numpy too) without changing it.
+Organization k sees class c under the label ψ_k(c), a permutation of 0..C-1 drawn from the data seed and k
+alone, so every organization derives its own permutation and nothing about it crosses the wire. It is
+applied to the organization's train set, own test set and every further held-out set alike (they are all
+read through this organization's head). With partition "iid" this is the paper's "Permuted IID", with
+"dirichlet" (α = 0.5) its "Permuted Non-IID". A federation that averages heads then mixes classifiers
+that disagree on what each output means.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from hetfed.client.data import ArrayDataset, ClientData, DataConfig, load_client_data
+from hetfed.client.data.core import ArrayDataset, ClientData
 
-# Stream of the run seed that draws the label permutations (independent of the data package's streams 1-5).
-PERMUTATION_STREAM = 0x5EF
+# Stream of the data seed that draws the label permutations (independent of the partition's streams).
+STREAM_PERMUTATION = 0x5EF
 
 
 def label_permutation(seed: int, organization: int, num_classes: int) -> np.ndarray:
@@ -27,7 +26,7 @@ def label_permutation(seed: int, organization: int, num_classes: int) -> np.ndar
         raise ValueError(
             f"need seed >= 0, organization >= 0, num_classes >= 1; got {seed}, {organization}, {num_classes}"
         )
-    rng = np.random.default_rng([int(seed), PERMUTATION_STREAM, int(organization)])
+    rng = np.random.default_rng([int(seed), STREAM_PERMUTATION, int(organization)])
     return rng.permutation(num_classes).astype(np.int64)
 
 
@@ -46,14 +45,15 @@ def _relabel(data: ArrayDataset, perm: np.ndarray) -> ArrayDataset:
     return ArrayDataset(data.x, permute_labels(data.y, perm), data.domain)
 
 
-def permuted_client_data(cfg: DataConfig) -> ClientData:
-    """``load_client_data(cfg)`` with this organization's labels permuted consistently in every split."""
-    data = load_client_data(cfg)
-    perm = label_permutation(cfg.seed, cfg.client_index, data.num_classes)
+def permuted(data: ClientData, seed: int, organization: int) -> ClientData:
+    """``data`` with organization ``organization``'s labels permuted consistently in every split it holds."""
+    perm = label_permutation(seed, organization, data.num_classes)
     return dataclasses.replace(
         data,
         train=_relabel(data.train, perm),
         test=_relabel(data.test, perm),
         global_test=None if data.global_test is None else _relabel(data.global_test, perm),
-        name=f"{data.name} with permuted labels",
+        cross_test=None if data.cross_test is None else _relabel(data.cross_test, perm),
+        extra_eval={name: _relabel(ds, perm) for name, ds in data.extra_eval.items()},
+        name=f"{data.name}, labels permuted",
     )
