@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.algorithms.fedavg import FedAvgClient
+from hetfed.client.algorithms.fedavg_body import FedAvgBodyClient
 from hetfed.client.algorithms.fedavg_head import HeadFedAvgClient
 from hetfed.client.algorithms.fedcma import FedCMAClient
 from hetfed.client.algorithms.fedh2l import FedH2LClient
 from hetfed.client.algorithms.fedprox import FedProxClient
 from hetfed.client.algorithms.fedsr import FedSRClient
 from hetfed.client.algorithms.local import LocalClient
+from hetfed.client.algorithms.simfed import SimFedClient
 from hetfed.wire.specs import AlgorithmSpec
 
 CLIENT_HALVES: dict[str, type[ClientHalf]] = {  # type: ignore[type-arg]
@@ -23,6 +25,8 @@ CLIENT_HALVES: dict[str, type[ClientHalf]] = {  # type: ignore[type-arg]
     "fedsr": FedSRClient,
     "fedl2r": FedSRClient,
     "fedcmi": FedSRClient,
+    "fedavg_body": FedAvgBodyClient,
+    "simfed": SimFedClient,
 }
 
 

@@ -35,6 +35,9 @@ class DataConfig:
     # Partition "rotated_lodo" (leave one domain out, see hetfed.client.data.rotated_lodo): the domain held out
     # of training (rotated by 15° × target_domain, 0 .. num_clients), evaluated by every organization.
     target_domain: int = 0
+    # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
+    # organization's labels go through its own permutation drawn from (seed, client_index).
+    permute_labels: bool = False
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, tuple(DATASETS))
@@ -81,6 +84,12 @@ class DataConfig:
         elif self.target_domain != 0:
             raise ValueError(f"data.target_domain is only used with partition 'rotated_lodo', got "
                              f"{self.target_domain} with partition {self.partition!r}")
+        if not isinstance(self.permute_labels, bool):
+            raise ValueError(f"data.permute_labels must be true or false, got {self.permute_labels!r}")
+        if self.permute_labels and not PARTITIONS[self.partition].permutable:
+            allowed = sorted(p for p, info in PARTITIONS.items() if info.permutable)
+            raise ValueError(f"data.permute_labels works with partition {' or '.join(map(repr, allowed))}, "
+                             f"got partition {self.partition!r}")
         if (self.train_on_public or self.seed_set_path) and not supported[self.partition].seed_set:
             with_seeds = sorted(p for p, e in supported.items() if e.seed_set)
             raise ValueError("data.train_on_public and data.seed_set_path need a partition with a shared seed set "

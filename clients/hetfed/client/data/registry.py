@@ -28,6 +28,8 @@ class PartitionInfo:
     parameters: tuple[str, ...] = ()
     # The number of organizations the partition is made for (``hetfed run``'s default; None: the command's).
     clients: int | None = None
+    # data.permute_labels may relabel each organization's classes (hetfed.client.data.permuted).
+    permutable: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,9 @@ class DatasetEntry:
 
 
 PARTITIONS: dict[str, PartitionInfo] = {
-    "iid": PartitionInfo("shuffled and split into equal parts"),
+    "iid": PartitionInfo("shuffled and split into equal parts", permutable=True),
     "dirichlet": PartitionInfo("per-class proportions drawn from Dirichlet(alpha) (label skew)",
-                               parameters=("alpha",)),
+                               parameters=("alpha",), permutable=True),
     "natural": PartitionInfo("each organization's own data as generated or given"),
     "domain": PartitionInfo("organization i holds every example whose domain is i",
                             "whose train.npz holds a 'domain' array"),

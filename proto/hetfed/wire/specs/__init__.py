@@ -7,7 +7,7 @@ are registered under the same name in their own packages; this package imports n
 
 from __future__ import annotations
 
-from hetfed.wire.specs import fedavg, fedavg_head, fedcma, fedh2l, fedprox, fedsr, local
+from hetfed.wire.specs import fedavg, fedavg_body, fedavg_head, fedcma, fedh2l, fedprox, fedsr, local, simfed
 from hetfed.wire.specs.base import (
     ANY_DATASET,
     AlgorithmSpec,
@@ -32,6 +32,8 @@ SPECS: dict[str, AlgorithmSpec] = {
         fedsr.SPEC,
         fedsr.FEDL2R,
         fedsr.FEDCMI,
+        fedavg_body.SPEC,
+        simfed.SPEC,
     )
 }
 

@@ -8,6 +8,7 @@ from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer
 from hetfed.aggregator.algorithms.fedh2l import FedH2LServer
 from hetfed.aggregator.algorithms.local import LocalServer
+from hetfed.aggregator.algorithms.simfed import SimFedServer
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig
 
 SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
@@ -21,6 +22,8 @@ SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "fedsr": FedAvgServer,
     "fedl2r": FedAvgServer,
     "fedcmi": FedAvgServer,
+    "fedavg_body": FedAvgServer,  # FedAvg of the body: the clients send only their encoders
+    "simfed": SimFedServer,
 }
 
 
