@@ -129,42 +129,51 @@ def pad_stack(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device
 # --------------------------------------------------------------------------------------------------
 
 
-def init_model(groups: int, seeds_of_group: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """nn.Linear's default initialisation (U(±1/√fan_in)), fixed by the data seed: one w̄ per federation."""
-    ws: dict[str, list[torch.Tensor]] = {"w1": [], "b1": [], "w2": [], "b2": []}
-    for g in range(groups):
-        gen = torch.Generator().manual_seed(1_000_003 * seeds_of_group[g] + 17)
+P_SIZE = HIDDEN * FEATURES + HIDDEN + CLASSES * HIDDEN + CLASSES  # 1430 parameters per model, one flat row
+
+
+def init_model(seeds_of_group: list[int], device: torch.device) -> torch.Tensor:
+    """nn.Linear's default initialisation (U(±1/√fan_in)), fixed by the data seed: one flat w̄ row per federation."""
+    rows = []
+    for seed in seeds_of_group:
+        gen = torch.Generator().manual_seed(1_000_003 * seed + 17)
         b1, b2 = 1 / math.sqrt(FEATURES), 1 / math.sqrt(HIDDEN)
-        ws["w1"].append((torch.rand(HIDDEN, FEATURES, generator=gen) * 2 - 1) * b1)
-        ws["b1"].append((torch.rand(HIDDEN, generator=gen) * 2 - 1) * b1)
-        ws["w2"].append((torch.rand(CLASSES, HIDDEN, generator=gen) * 2 - 1) * b2)
-        ws["b2"].append((torch.rand(CLASSES, generator=gen) * 2 - 1) * b2)
-    return {k: torch.stack(v).to(device) for k, v in ws.items()}
+        rows.append(torch.cat([(torch.rand(HIDDEN * FEATURES, generator=gen) * 2 - 1) * b1,
+                               (torch.rand(HIDDEN, generator=gen) * 2 - 1) * b1,
+                               (torch.rand(CLASSES * HIDDEN, generator=gen) * 2 - 1) * b2,
+                               (torch.rand(CLASSES, generator=gen) * 2 - 1) * b2]))
+    return torch.stack(rows).to(device)
 
 
-def forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first-layer features [M,B,20], logits [M,B,10]) of the stacked Linear(60,20) → Linear(20,10)."""
-    h = torch.baddbmm(p["b1"].unsqueeze(1), x, p["w1"].transpose(1, 2))
-    return h, torch.baddbmm(p["b2"].unsqueeze(1), h, p["w2"].transpose(1, 2))
+def forward(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first-layer features [K,B,20], logits [K,B,10]) of K flat Linear(60,20) → Linear(20,10) rows [K, 1430]."""
+    k = p.shape[0]
+    o1, o2, o3 = HIDDEN * FEATURES, HIDDEN * FEATURES + HIDDEN, HIDDEN * FEATURES + HIDDEN + CLASSES * HIDDEN
+    w1 = p[:, :o1].view(k, HIDDEN, FEATURES)
+    w2 = p[:, o2:o3].view(k, CLASSES, HIDDEN)
+    h = torch.baddbmm(p[:, o1:o2].unsqueeze(1), x, w1.transpose(1, 2))
+    return h, torch.baddbmm(p[:, o3:].unsqueeze(1), h, w2.transpose(1, 2))
 
 
 def masked_ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, ds: torch.Tensor) -> torch.Tensor:
-    """Per-member mean CE over valid rows; ``ds`` members feed softmax(logits) to CE (the reference's double softmax)."""
+    """Per-row mean CE over valid examples; ``ds`` rows feed softmax(logits) to CE (the reference's double softmax)."""
     out = torch.where(ds.view(-1, 1, 1), torch.softmax(logits, dim=-1), logits)
     ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view_as(mask)
     return (ce * mask).sum(1) / mask.sum(1).clamp_min(1)
 
 
-def sgd_step(params: dict[str, torch.Tensor], grads: tuple[torch.Tensor, ...], bufs: dict[str, torch.Tensor],
-             lr: torch.Tensor, active: torch.Tensor, momentum: float, wd: float) -> None:
-    """torch.optim.SGD (momentum, weight decay, no dampening) per member; inactive members do not move."""
+def sgd_step(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: torch.Tensor, active: torch.Tensor | None,
+             momentum: float, wd: float) -> None:
+    """torch.optim.SGD (momentum, weight decay, no dampening) per row; inactive rows do not move."""
     with torch.no_grad():
-        for (k, p), g in zip(params.items(), grads, strict=True):
-            shape = (-1,) + (1,) * (p.dim() - 1)
-            a = active.view(shape)
-            buf = momentum * bufs[k] + (g + wd * p)
-            bufs[k] = torch.where(a, buf, bufs[k])
-            p.copy_(torch.where(a, p - lr.view(shape) * buf, p))
+        new_buf = torch.addcmul(g, p, torch.tensor(wd, device=p.device)).add_(buf, alpha=momentum)
+        if active is None:
+            buf.copy_(new_buf)
+            p.sub_(lr.view(-1, 1) * new_buf)
+        else:
+            a = active.view(-1, 1)
+            buf.copy_(torch.where(a, new_buf, buf))
+            p.copy_(torch.where(a, p - lr.view(-1, 1) * new_buf, p))
 
 
 def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -392,7 +401,11 @@ def batched_cos(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device, log: bool = True) -> dict[str, Any]:
-    """Simulate every (config, seed) federation; per config and seed the mean local and global test accuracy."""
+    """Simulate every (config, seed) federation; per config and seed the mean local and global test accuracy.
+
+    Rows 0..M−1 of the parameter block are the members' global models w_G, rows M..2M−1 their local models w_L;
+    one forward and one backward per batch serve both steps, since their losses share no parameter.
+    """
     t0 = time.perf_counter()
     C = s.clients
     keys = sorted({(c.alpha_beta, sd) for c in configs for sd in seeds})
@@ -411,45 +424,49 @@ def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device,
     cfg_of = [configs[c] for (c, _) in groups for _ in range(C)]
     lam = torch.tensor([c.lam for c in cfg_of], dtype=torch.float32, device=device)
     mu = torch.tensor([c.mu for c in cfg_of], dtype=F64, device=device)
-    lr = torch.tensor([c.lr for c in cfg_of], dtype=torch.float32, device=device)
-    ds = torch.tensor([c.double_softmax for c in cfg_of], device=device)
+    lr = torch.tensor([c.lr for c in cfg_of], dtype=torch.float32, device=device).repeat(2)
+    ds = torch.tensor([c.double_softmax for c in cfg_of], device=device).repeat(2)
     n_m = n_tr[member_data]
     weights = n_m.float().view(G, C)
     weights = weights / weights.sum(1, keepdim=True)
-
-    wbar = init_model(G, [sd for (_, sd) in groups], device)  # [G, ...]
-    w_local: dict[str, torch.Tensor] = {}
-    bufs_g = {k: torch.zeros(M, *v.shape[1:], device=device) for k, v in wbar.items()}
-    bufs_l = {k: torch.zeros(M, *v.shape[1:], device=device) for k, v in wbar.items()}
-    gen = torch.Generator(device=device).manual_seed(12345 + seeds[0])
-    mk = BatchedMkMmd(s, M, device) if s.measure == "mkmmd" else None
-    md = BatchedMmdD(s, M, [sd for (_, sd) in groups for _ in range(C)], device) if s.measure == "mmdd" else None
     B = s.batch
     steps_per_epoch = math.ceil(int(n_m.max()) / B)
+    full_steps = int(n_m.min()) // B  # steps in which every member has a full batch
     pad = steps_per_epoch * B - x_tr.shape[1]
     if pad > 0:  # room for the last (partial) batch of the longest client
         x_tr = F.pad(x_tr, (0, 0, 0, pad))
         y_tr = F.pad(y_tr, (0, pad))
     n_max = x_tr.shape[1]
+
+    wbar = init_model([sd for (_, sd) in groups], device)  # [G, P]
+    params = torch.zeros(2 * M, P_SIZE, device=device)  # [w_G rows; w_L rows]
+    bufs = torch.zeros_like(params)
+    gen = torch.Generator(device=device).manual_seed(12345 + seeds[0])
+    mk = BatchedMkMmd(s, M, device) if s.measure == "mkmmd" else None
+    md = BatchedMmdD(s, M, [sd for (_, sd) in groups for _ in range(C)], device) if s.measure == "mmdd" else None
     refit = L.RefitSchedule(s.refit_every, s.refit_batches) if s.measure in ("mkmmd", "mmdd") else None
     refit_time = 0.0
+    ones = torch.ones(M, B, device=device)
     for rnd in range(s.rounds):
-        frozen = {k: v[member_group].clone() for k, v in wbar.items()}
-        w_global = {k: v.clone().requires_grad_() for k, v in frozen.items()}
-        if rnd == 0:
-            w_local = {k: v.clone().requires_grad_() for k, v in frozen.items()}
+        frozen = wbar[member_group].clone()
+        with torch.no_grad():
+            params[:M] = frozen
+            if rnd == 0:
+                params[M:] = frozen
         if not s.keep_momentum:
-            for b in (*bufs_g.values(), *bufs_l.values()):
-                b.zero_()
+            bufs.zero_()
         step = 0
         for _ep in range(s.epochs):
             r = torch.rand(M, n_max, generator=gen, device=device)
             r[torch.arange(n_max, device=device).unsqueeze(0) >= n_m.unsqueeze(1)] = 2.0
             perm = r.argsort(dim=1)
             for b in range(steps_per_epoch):
-                pos = torch.arange(b * B, (b + 1) * B, device=device)
-                mask = (pos.unsqueeze(0) < n_m.unsqueeze(1)).float()
-                active = mask.sum(1) > 0
+                if b < full_steps:
+                    mask, active = ones, None
+                else:
+                    pos = torch.arange(b * B, (b + 1) * B, device=device)
+                    mask = (pos.unsqueeze(0) < n_m.unsqueeze(1)).float()
+                    active = (mask.sum(1) > 0).repeat(2)
                 idx = perm[:, b * B : (b + 1) * B]
                 xb = x_tr[member_data.unsqueeze(1), idx]
                 yb = y_tr[member_data.unsqueeze(1), idx]
@@ -461,24 +478,20 @@ def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device,
                         rr[torch.arange(n_max, device=device).unsqueeze(0) >= n_m.unsqueeze(1)] = 2.0
                         ridx = rr.argsort(dim=1)[:, :sample]
                         xs = x_tr[member_data.unsqueeze(1), ridx]
-                        f_l, _ = forward({k: v.detach() for k, v in w_local.items()}, xs)
+                        f_l, _ = forward(params[M:], xs)
                         f_g, _ = forward(frozen, xs)
                     if mk is not None:
                         mk.refit(f_l, f_g, torch.ones(M, sample, device=device))
                     if md is not None:
                         md.train(f_l, f_g, s.mmdd_steps)
                     refit_time += time.perf_counter() - tr
-                # global step: CE only
-                _, logits_g = forward(w_global, xb)
-                ce_g = masked_ce(logits_g, yb, mask, ds)
-                grads = torch.autograd.grad(ce_g.sum(), tuple(w_global.values()))
-                sgd_step(w_global, grads, bufs_g, lr, active, s.momentum, s.weight_decay)
-                # local step: CE + λ/2‖w_L − w̄‖² + μ·D(f_L, f_θ̄)
-                f_l, logits_l = forward(w_local, xb)
-                loss = masked_ce(logits_l, yb, mask, ds)
-                prox = sum(((w_local[k] - frozen[k]) ** 2).flatten(1).sum(1) for k in w_local)
-                loss = loss + 0.5 * lam * prox
+                p = params.requires_grad_()
+                feats, logits = forward(p, xb.repeat(2, 1, 1))
+                mask2 = mask.repeat(2, 1)
+                ce = masked_ce(logits, yb.repeat(2, 1), mask2, ds)  # [2M]: global CE, then local CE
+                loss = ce.sum() + (0.5 * lam * ((p[M:] - frozen) ** 2).sum(1)).sum()
                 if s.measure != "none":
+                    f_l = feats[M:]
                     with torch.no_grad():
                         f_g, _ = forward(frozen, xb)
                     if s.measure == "cos":
@@ -494,19 +507,20 @@ def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device,
                         if refit is not None and refit.per_step:
                             md.train(f_l.detach(), f_g, s.mmdd_steps)
                         drift = md.loss(f_l, f_g, mask)
-                    drift = torch.where(mask.sum(1) >= 2, drift, torch.zeros_like(drift))
-                    loss = loss + (mu * drift).float()
-                grads = torch.autograd.grad(loss.sum(), tuple(w_local.values()))
-                sgd_step(w_local, grads, bufs_l, lr, active, s.momentum, s.weight_decay)
+                    if active is not None:
+                        drift = torch.where(mask.sum(1) >= 2, drift, torch.zeros_like(drift))
+                    loss = loss + (mu * drift).sum().float()
+                (grad,) = torch.autograd.grad(loss, p)
+                params = params.detach()
+                sgd_step(params, grad, bufs, lr, active, s.momentum, s.weight_decay)
                 step += 1
         with torch.no_grad():  # FedAvg of w_G by example counts, per federation
-            wbar = {k: (v.detach().view(G, C, *v.shape[1:]) * weights.view(G, C, *([1] * (v.dim() - 1)))).sum(1)
-                    for k, v in w_global.items()}
+            wbar = (params[:M].view(G, C, P_SIZE) * weights.unsqueeze(-1)).sum(1)
         if log:
-            acc_l, acc_g = evaluate(w_local, wbar, member_group, member_data, x_te, y_te, n_te, G, C)
+            acc_l, acc_g = evaluate(params[M:], wbar, member_group, member_data, x_te, y_te, n_te, G, C)
             print(f"  round {rnd + 1:2d}/{s.rounds}: local {100 * acc_l.mean():6.2f}  global {100 * acc_g.mean():6.2f}"
                   f"  ({time.perf_counter() - t0:6.1f} s)", flush=True)
-    acc_l, acc_g = evaluate(w_local, wbar, member_group, member_data, x_te, y_te, n_te, G, C)
+    acc_l, acc_g = evaluate(params[M:], wbar, member_group, member_data, x_te, y_te, n_te, G, C)
     results = []
     for ci, c in enumerate(configs):
         rows = [gi for gi, (cj, _) in enumerate(groups) if cj == ci]
@@ -516,7 +530,8 @@ def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device,
                         "local_mean": float(np.mean(loc)), "local_std": float(np.std(loc, ddof=1)) if len(loc) > 1
                         else 0.0, "global_mean": float(np.mean(glo)),
                         "global_std": float(np.std(glo, ddof=1)) if len(glo) > 1 else 0.0})
-    extra: dict[str, Any] = {"seconds": time.perf_counter() - t0, "refit_seconds": refit_time, "members": M}
+    extra: dict[str, Any] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time(),
+                             "refit_seconds": refit_time, "members": M}
     if mk is not None:
         extra["refit_outcomes"] = dict(mk.outcomes)
     if md is not None:
@@ -527,19 +542,18 @@ def run(s: Setup, configs: list[Config], seeds: list[int], device: torch.device,
 
 
 @torch.no_grad()
-def evaluate(w_local: dict[str, torch.Tensor], wbar: dict[str, torch.Tensor], member_group: torch.Tensor,
-             member_data: torch.Tensor, x_te: torch.Tensor, y_te: torch.Tensor, n_te: torch.Tensor, G: int,
-             C: int) -> tuple[torch.Tensor, torch.Tensor]:
+def evaluate(w_local: torch.Tensor, wbar: torch.Tensor, member_group: torch.Tensor, member_data: torch.Tensor,
+             x_te: torch.Tensor, y_te: torch.Tensor, n_te: torch.Tensor, G: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per federation: mean over clients of each client's accuracy on its own test split (local w_L, global w̄)."""
     xt, yt, nt = x_te[member_data], y_te[member_data], n_te[member_data]
     valid = torch.arange(xt.shape[1], device=xt.device).unsqueeze(0) < nt.unsqueeze(1)
 
-    def acc(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        _, logits = forward({k: v.detach() for k, v in p.items()}, xt)
+    def acc(p: torch.Tensor) -> torch.Tensor:
+        _, logits = forward(p.detach(), xt)
         right = ((logits.argmax(-1) == yt) & valid).sum(1).double() / nt.double()
         return right.view(G, C).mean(1)
 
-    return acc(w_local), acc({k: v[member_group] for k, v in wbar.items()})
+    return acc(w_local), acc(wbar[member_group])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -601,8 +615,11 @@ def selfcheck() -> None:
           "AdamW steps) match the losses modules")
 
 
-def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
-    """One client's local training with the real modules and torch optimisers: seconds per round per variant."""
+def time_variants(seed: int, epochs: int, ab: float, s_list: list[int]) -> None:
+    """One client's local training with the real modules and torch optimisers: CPU seconds per round per variant.
+
+    CPU time (time.process_time, one thread) rather than wall time, since the machine may be shared.
+    """
     import copy
 
     torch.set_num_threads(1)
@@ -610,10 +627,12 @@ def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
     x, y = torch.as_tensor(xtr), torch.as_tensor(ytr)
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Linear(HIDDEN, CLASSES))
-    variants = [("fedavg", None, 0), ("ditto", "none", 0), ("ditto+cos", "cos", 0), ("ditto+mkmmd-1", "mkmmd", -1),
-                ("ditto+mkmmd20", "mkmmd", 20), ("ditto+mmdd20", "mmdd", 20)]
+    variants: list[tuple[str, str | None, int, int]] = [
+        ("fedavg", None, 0, 0), ("ditto", "none", 0, 0), ("ditto+cos", "cos", 0, 0), ("ditto+mkmmd-1", "mkmmd", -1, 1)]
+    for sb in s_list:
+        variants += [(f"ditto+mkmmd20 s={sb}", "mkmmd", 20, sb), (f"ditto+mmdd20 s={sb}", "mmdd", 20, sb)]
     rows = []
-    for name, measure, every in variants:
+    for name, measure, every, s_batches in variants:
         g = copy.deepcopy(base)
         loc = copy.deepcopy(base)
         frozen = copy.deepcopy(base).requires_grad_(False)
@@ -624,7 +643,7 @@ def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
         sched = L.RefitSchedule(every, s_batches) if every else None
         rng = np.random.default_rng(0)
         t_refit = 0.0
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         step = 0
         for _ in range(epochs):
             order = rng.permutation(len(y))
@@ -638,7 +657,7 @@ def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
                     step += 1
                     continue
                 if sched is not None and sched.due(step) and drift is not None:
-                    tr = time.perf_counter()
+                    tr = time.process_time()
                     batches = (x[torch.as_tensor(rng.permutation(len(y))[k * 10 : (k + 1) * 10])]
                                for k in range(s_batches))
                     f_l, f_g = L.gather_features(loc, frozen, "0", batches, s_batches)
@@ -646,7 +665,7 @@ def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
                         drift.refit(f_l, f_g)
                     elif isinstance(drift, L.MmdDLoss):
                         drift.train_kernel(f_l, f_g)
-                    t_refit += time.perf_counter() - tr
+                    t_refit += time.process_time() - tr
                 opt_l.zero_grad()
                 logits, f_l = L.forward_with_features(loc, "0", xb)
                 loss = F.cross_entropy(logits, yb) + 0.05 * sum(
@@ -655,21 +674,20 @@ def time_variants(seed: int, epochs: int, ab: float, s_batches: int) -> None:
                     with torch.no_grad():
                         _, f_g = L.forward_with_features(frozen, "0", xb)
                     if sched is not None and sched.per_step and isinstance(drift, L.MkMmdLoss):
-                        tr = time.perf_counter()
+                        tr = time.process_time()
                         drift.refit(f_l.detach(), f_g)
-                        t_refit += time.perf_counter() - tr
+                        t_refit += time.process_time() - tr
                     loss = loss + drift(f_l, f_g)
                 loss.backward()
                 opt_l.step()
                 step += 1
-        wall = time.perf_counter() - t0
-        rows.append((name, wall, t_refit))
-        print(f"  {name:15s} {wall:8.2f} s for {epochs} epoch(s) of one client; refits {t_refit:7.2f} s", flush=True)
-    base_wall = rows[0][1]
-    print(f"\nper round (5 epochs, one client, 1 thread; scaled from {epochs} epoch(s)):")
-    for name, wall, t_refit in rows:
-        per_round = wall * 5 / epochs
-        print(f"  {name:15s} {per_round:8.2f} s/round  (+{(wall - base_wall) * 5 / epochs:7.2f} s over FedAvg; "
+        cpu = time.process_time() - t0
+        rows.append((name, cpu, t_refit))
+        print(f"  {name:22s} {cpu:8.2f} CPU s for {epochs} epoch(s) of one client; refits {t_refit:7.2f} s", flush=True)
+    base_cpu = rows[0][1]
+    print(f"\nper round (5 epochs, one client, 1 thread, CPU seconds; scaled from {epochs} epoch(s)):")
+    for name, cpu, t_refit in rows:
+        print(f"  {name:22s} {cpu * 5 / epochs:8.2f} s/round  (+{(cpu - base_cpu) * 5 / epochs:7.2f} s over FedAvg; "
               f"refits {t_refit * 5 / epochs:7.2f} s)")
 
 
@@ -693,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-softmax", choices=["0", "1", "both"], default="0")
     ap.add_argument("--seeds", default="100,101,102")
     ap.add_argument("--alpha-beta", type=floats, default=[0.5])
-    ap.add_argument("--configs", default="", help="explicit list 'lam:mu:lr:ab;...' instead of the grid")
+    ap.add_argument("--configs", default="", help="explicit list 'lam:mu:lr:ab[:double_softmax];...' instead of the grid")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=10)
@@ -720,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         selfcheck()
         return 0
     if a.timing:
-        time_variants(100, a.timing_epochs, a.alpha_beta[0], a.refit_batches)
+        time_variants(100, a.timing_epochs, a.alpha_beta[0], sorted({5, a.refit_batches}))
         return 0
     s = Setup(a.measure, a.rounds, a.epochs, a.batch, a.clients, 0.9, 1e-3, a.refit_every,
               a.refit_batches, a.mmdd_steps, a.mmdd_form, a.mkmmd_estimator, a.mkmmd_form, not a.mkmmd_raw,
@@ -731,8 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.configs:
         configs = []
         for item in a.configs.split(";"):
-            lam, mu, lr, ab = (float(v) for v in item.split(":"))
-            configs += [Config(lam, mu, lr, d, ab) for d in ds]
+            fields = [float(v) for v in item.split(":")]
+            lam, mu, lr, ab = fields[:4]
+            configs += [Config(lam, mu, lr, bool(fields[4]), ab)] if len(fields) > 4 else [
+                Config(lam, mu, lr, d, ab) for d in ds]
     seeds = [int(v) for v in a.seeds.split(",")]
     print(f"IN-PROCESS PROTOTYPE (not a result): measure={a.measure} "
           f"seeds={seeds} configs={len(configs)} device={a.device} refit={a.refit_every}/{a.refit_batches}", flush=True)
