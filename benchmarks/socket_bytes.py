@@ -17,7 +17,7 @@ The relay also parses the HTTP/2 frames and the gRPC length-prefixed messages in
 (serialized Protobuf), the 5-byte gRPC prefix of each message, HTTP/2 frame headers of DATA frames,
 HEADERS frames, control frames and the preface.
 
-The counted bytes are the aggregator's Prometheus counters ``hetfed_bytes_total{run=...}`` scraped
+The counted bytes are the aggregator's Prometheus counters ``hetfed_aggregator_bytes_total{run=...}`` scraped
 from its /metrics endpoint after every client has exited, summed per direction ("up": client to
 aggregator). The ratio printed is counted / socket; the design's claim is that it is within 5% of 1.
 """
@@ -41,7 +41,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetfed.cli.localrun import LocalFederation, LocalRunOptions, aggregator_config, client_config
-from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire.messages import RunStatus
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_TYPES = {0: "DATA", 1: "HEADERS", 2: "PRIORITY", 3: "RST_STREAM", 4: "SETTINGS", 5: "PUSH_PROMISE",
@@ -262,21 +262,21 @@ class CountingRelay:
 
 
 def scrape_counted(metrics_port: int, run_id: str) -> dict[str, dict[str, int]]:
-    """The aggregator's ``hetfed_bytes_total`` for ``run_id``: direction -> payload kind -> bytes."""
+    """The aggregator's ``hetfed_aggregator_bytes_total`` for ``run_id``: direction -> payload kind -> bytes."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, dict[str, int]] = {"up": {}, "down": {}}
     for family in text_string_to_metric_families(text):
-        if family.name != "hetfed_bytes":
+        if family.name != "hetfed_aggregator_bytes":
             continue
         for s in family.samples:
-            if s.name == "hetfed_bytes_total" and s.labels.get("run") == run_id:
+            if s.name == "hetfed_aggregator_bytes_total" and s.labels.get("run") == run_id:
                 side = out.setdefault(s.labels["direction"], {})
                 side[s.labels["payload_kind"]] = side.get(s.labels["payload_kind"], 0) + int(s.value)
     return out
 
 
-def status_counted(status: apb.RunStatus) -> dict[str, int]:
+def status_counted(status: RunStatus) -> dict[str, int]:
     """Bytes per direction summed over a run's Status history (the same counting, per round)."""
     out = {"up": 0, "down": 0}
     for rec in status.history:
@@ -300,24 +300,24 @@ def measure(opts: LocalRunOptions, workdir: Path, timeout: float = 600.0) -> dic
         deadline = time.monotonic() + timeout
         while True:
             fed.raise_if_failed()
-            status = fed.status().runs[0]  # directly on the aggregator's port: never through the relay
-            if status.state == apb.RUN_STATE_FINISHED:
+            status = fed.status()[0]  # directly on the aggregator's port: never through the relay
+            if status.finished:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{algorithm} did not finish within {timeout}s (state {status.state})")
+                raise TimeoutError(f"{algorithm} did not finish within {timeout}s (phase {status.phase.value})")
             time.sleep(0.2)
         fed.wait_clients(timeout=60)
         if not relay.wait_closed(timeout=30):
             raise TimeoutError("relayed connections still open 30s after every client exited")
         counted = scrape_counted(fed.metrics_port, run_id)
-        from_status = status_counted(fed.status().runs[0])
+        from_status = status_counted(fed.status()[0])
         up, down = relay.totals()
         return {
             "algorithm": algorithm,
             "clients": opts.clients,
             "rounds": opts.rounds,
             "dataset": opts.dataset,
-            "model": opts.model,
+            "model": ",".join(opts.models),
             "wall_seconds": time.monotonic() - started,
             "connections": len(relay.connections),
             "counted": {d: sum(k.values()) for d, k in counted.items()},
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for algorithm in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
         opts = LocalRunOptions(algorithms=(algorithm,), clients=args.clients, rounds=args.rounds,
-                               dataset=args.dataset, model=args.model, local_epochs=args.local_epochs, quiet=True)
+                               dataset=args.dataset, models=(args.model,), train={"local_epochs": args.local_epochs},
+                               quiet=True)
         with tempfile.TemporaryDirectory(prefix=f"hetfed-socket-{algorithm}-") as tmp:
             r = measure(opts, Path(tmp))
         results.append(r)

@@ -42,18 +42,21 @@ def test_aggregator_and_client_endpoints_after_a_real_run(aggregator: Callable[.
 
     fams = scrape(agg.metrics_port)
     sent = {(s.labels["organization"], s.labels["direction"], s.labels["payload_kind"]): s.value
-            for s in fams["hetfed_bytes"].samples if s.name == "hetfed_bytes_total"}
+            for s in fams["hetfed_aggregator_bytes"].samples if s.name == "hetfed_aggregator_bytes_total"}
     head_bytes = 4 * (10 * 8 + 10)
     assert sent[("a", "up", "head_weights")] >= head_bytes
     assert sent[("a", "down", "head_weights")] >= head_bytes  # the evaluation round carries the final head
     assert not any(k[2] == "model_weights" for k in sent)
-    assert {s.labels["organization"] for s in fams["hetfed_client_test_accuracy"].samples} == {"a", "b"}
+    assert {s.labels["organization"] for s in fams["hetfed_reported_test_accuracy"].samples} == {"a", "b"}
     assert "hetfed_round_duration_seconds" in fams and "hetfed_rejected_messages" in fams
 
     mine = scrape(client_ports[0])
     client_sent = {(s.labels["direction"], s.labels["payload_kind"]): s.value
-                   for s in mine["hetfed_bytes"].samples if s.name == "hetfed_bytes_total"}
+                   for s in mine["hetfed_client_bytes"].samples if s.name == "hetfed_client_bytes_total"}
     # The client counts exactly what the aggregator counted for it, payload by payload.
     assert client_sent[("up", "head_weights")] == sent[("a", "up", "head_weights")]
     assert client_sent[("down", "head_weights")] == sent[("a", "down", "head_weights")]
     assert mine["hetfed_client_round"].samples[0].value == 2
+    # Each process exports only its own side's family: nothing a dashboard sums is counted twice.
+    assert "hetfed_client_bytes" not in fams and "hetfed_aggregator_bytes" not in mine
+    assert not any(name.startswith("hetfed_reported_") for name in mine)

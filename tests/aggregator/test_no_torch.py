@@ -19,8 +19,11 @@ def test_aggregator_process_never_imports_torch(tmp_path: object) -> None:
         from hetfed.wire import chunks, codec
         from hetfed.wire.payloads import ModelWeights, EvalMetrics, PayloadKind
         import hetfed.aggregator.algorithms as algos
+        from hetfed.wire.specs import SPECS
         build_parser()
-        runs = [{{"id": name, "algorithm": name, "organizations": ["a"], "rounds": 1}} for name in algos.SERVER_HALVES]
+        runs = [{{"id": name, "algorithm": name, "organizations": ["a"], "rounds": 1,
+                  **({{"seed_set": {{"id": "s", "sha256": "0" * 64}}}} if SPECS[name].needs_seed_set else {{}})}}
+                for name in algos.SERVER_HALVES]
         agg = start_aggregator(aggregator_config_from_mapping(
             {{"server": {{"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": {str(tmp_path)!r}}}, "runs": runs}}))
         ch = grpc.insecure_channel(f"127.0.0.1:{{agg.port}}")
@@ -46,6 +49,7 @@ def test_aggregator_process_never_imports_torch(tmp_path: object) -> None:
 
 
 def test_services_source_has_no_torch_import() -> None:
+    """A plain text check beside the import-linter contracts (tests/test_architecture.py)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "services" / "hetfed" / "aggregator"

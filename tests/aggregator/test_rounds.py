@@ -111,9 +111,9 @@ def test_full_lifecycle_with_evaluation_and_status(aggregator: Callable[..., Any
     assert up["model_weights"].messages == 2 and up["model_weights"].elements == 6
     assert {r.organization_id: r.metrics.test_accuracy for r in status.history[0].reports} == {"a": 0.25, "b": 0.5}
     reg = agg.service.metrics.registry
-    assert reg.get_sample_value("hetfed_parameters_total", {
+    assert reg.get_sample_value("hetfed_aggregator_parameters_total", {
         "run": "r", "algorithm": "fedavg", "organization": "a", "direction": "up", "payload_kind": "model_weights"}) == 6
-    assert reg.get_sample_value("hetfed_client_test_accuracy", {
+    assert reg.get_sample_value("hetfed_reported_test_accuracy", {
         "run": "r", "algorithm": "fedavg", "organization": "b"}) == 0.75
     assert reg.get_sample_value("hetfed_round_duration_seconds_count", {"run": "r", "algorithm": "fedavg"}) == 3
 

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 
 from hetfed.aggregator.algorithms import SERVER_HALVES, make_server_half
-from hetfed.aggregator.algorithms.base import WeightedMean
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf, WeightedMean
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import HeadWeights, ModelWeights, PayloadKind
-from hetfed.wire.specs import SPECS, FedAvgConfig, HeadFedAvgConfig, LocalConfig
+from hetfed.wire.payloads import HeadWeights, ModelWeights, Received
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs import SPECS, get_spec
+from hetfed.wire.specs.fedavg import FedAvgConfig
+from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
+from hetfed.wire.specs.fedprox import FedProxConfig
+from hetfed.wire.specs.local import LocalConfig
 
-MW = PayloadKind.MODEL_WEIGHTS
-HW = PayloadKind.HEAD_WEIGHTS
+RUN = RunInfo(seed=0, organizations=("a", "b"))
+TRAIN, EVALUATE, SETUP = Phase.TRAIN, Phase.EVALUATE, Phase.SETUP
+
+
+def half_of(name: str, config: object) -> ServerHalf:  # type: ignore[type-arg]
+    """The registered server half of ``name``."""
+    return make_server_half(get_spec(name), config, RUN)  # type: ignore[arg-type]
 
 
 def test_weighted_mean_is_exact_and_streaming() -> None:
@@ -31,47 +43,60 @@ def test_weighted_mean_is_exact_and_streaming() -> None:
 
 
 def test_fedavg_server_round() -> None:
-    half = make_server_half("fedavg", FedAvgConfig(), seed=0)
-    assert half.payloads_for("train", 1, "a") == []  # round 1: every client starts from the run seed
-    half.accumulate("train", "a", {MW: ModelWeights({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1)})
-    half.accumulate("train", "b", {MW: ModelWeights({"w": np.array([3.0, 6.0, 9.0], np.float32)}, 3)})
-    half.close_round("train", 1)
-    (sent,) = half.payloads_for("train", 2, "a")
+    half = half_of("fedavg", FedAvgConfig())
+    assert half.payloads_for(TRAIN, 1, "a") == []  # round 1: every client starts from the run seed
+    half.accumulate(TRAIN, "a", Received([ModelWeights({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1)]))
+    half.accumulate(TRAIN, "b", Received([ModelWeights({"w": np.array([3.0, 6.0, 9.0], np.float32)}, 3)]))
+    half.close_round(TRAIN, 1)
+    (sent,) = half.payloads_for(TRAIN, 2, "a")
     assert isinstance(sent, ModelWeights)
     np.testing.assert_array_equal(sent.tensors["w"], np.array([2.5, 5.0, 7.5], np.float32))
     assert sent.tensors["w"].dtype == np.float32
     # A round in which nobody sent weights (the evaluate phase) keeps the model.
-    half.close_round("evaluate", 3)
-    np.testing.assert_array_equal(half.payloads_for("evaluate", 3, "a")[0].tensors["w"], [2.5, 5.0, 7.5])
+    half.close_round(EVALUATE, 3)
+    np.testing.assert_array_equal(half.payloads_for(EVALUATE, 3, "a")[0].tensors["w"], [2.5, 5.0, 7.5])  # type: ignore[attr-defined]
     # Checkpoint round trip.
-    other = make_server_half("fedavg", FedAvgConfig(), seed=0)
+    other = half_of("fedavg", FedAvgConfig())
     other.load_state(half.state())
-    np.testing.assert_array_equal(other.payloads_for("train", 3, "b")[0].tensors["w"], [2.5, 5.0, 7.5])
+    np.testing.assert_array_equal(other.payloads_for(TRAIN, 3, "b")[0].tensors["w"], [2.5, 5.0, 7.5])  # type: ignore[attr-defined]
 
 
 def test_fedavg_rejects_zero_weight() -> None:
-    half = make_server_half("fedprox", FedAvgConfig(), seed=0)
+    half = half_of("fedprox", FedProxConfig())
     with pytest.raises(WireError) as err:
-        half.validate("train", "a", {MW: ModelWeights({"w": np.ones(3, np.float32)}, 0)})
+        half.validate(TRAIN, "a", Received([ModelWeights({"w": np.ones(3, np.float32)}, 0)]))
     assert err.value.reason == "invalid_value"
 
 
 def test_head_fedavg_averages_only_the_head() -> None:
-    half = make_server_half("fedavg_head", HeadFedAvgConfig(), seed=0)
-    half.accumulate("train", "a", {HW: HeadWeights(np.array([[1.0, 0.0, 2.0]], np.float32), np.array([1.0], np.float32), 2)})
-    half.accumulate("train", "b", {HW: HeadWeights(np.array([[4.0, 3.0, -1.0]], np.float32), np.array([-2.0], np.float32), 1)})
-    half.close_round("train", 1)
-    (head,) = half.payloads_for("train", 2, "a")
+    half = half_of("fedavg_head", HeadFedAvgConfig())
+    half.accumulate(TRAIN, "a", Received([HeadWeights(np.array([[1.0, 0.0, 2.0]], np.float32), np.array([1.0], np.float32), 2)]))
+    half.accumulate(TRAIN, "b", Received([HeadWeights(np.array([[4.0, 3.0, -1.0]], np.float32), np.array([-2.0], np.float32), 1)]))
+    half.close_round(TRAIN, 1)
+    (head,) = half.payloads_for(TRAIN, 2, "a")
     assert isinstance(head, HeadWeights)
     np.testing.assert_array_equal(head.weight, [[2.0, 1.0, 1.0]])
     np.testing.assert_array_equal(head.bias, [0.0])
 
 
 def test_local_sends_nothing() -> None:
-    half = make_server_half("local", LocalConfig(), seed=0)
-    half.close_round("train", 1)
-    assert half.payloads_for("train", 2, "a") == [] and half.state() == {}
+    half = half_of("local", LocalConfig())
+    half.close_round(TRAIN, 1)
+    assert half.payloads_for(TRAIN, 2, "a") == [] and half.state() == {}
 
 
-def test_every_spec_has_a_server_half() -> None:
+def config_type_of(half: type) -> type:
+    """The config type a half is generic in (from its first parameterised base in the MRO)."""
+    for cls in half.__mro__:
+        for base in getattr(cls, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if args and isinstance(args[0], type):
+                return args[0]
+    raise AssertionError(f"{half.__name__} names no config type")
+
+
+def test_every_spec_has_a_server_half_generic_in_its_config() -> None:
     assert set(SPECS) == set(SERVER_HALVES)
+    for name, spec in SPECS.items():
+        # The registry pairs each half with its spec: the half's config type is the spec's (or a base of it).
+        assert issubclass(spec.config_type, config_type_of(SERVER_HALVES[name])), name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hetfed.cli.localrun import LocalRunOptions, aggregator_config, client_config
 from hetfed.wire.config import from_mapping
-from hetfed.wire.specs import FedCMAConfig
+from hetfed.wire.specs.fedcma import FedCMAConfig
 
 
 def test_fedcma_mixes_cnn_and_mlp_encoders_by_default_with_one_latent_width() -> None:

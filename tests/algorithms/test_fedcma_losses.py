@@ -8,13 +8,16 @@ import torch
 
 from hetfed.client.algorithms.base import ClientContext
 from hetfed.client.algorithms.fedcma import FedCMAClient
+from hetfed.client.algorithms.fedcma.losses import (
+    BatchMeanSquaredAlignment,
+    ClassMeanAlignment,
+    HeadConsensusTerm,
+)
 from hetfed.client.data import ArrayDataset, ClientData
-from hetfed.client.losses import BatchMeanSquaredAlignment, ClassMeanAlignment, HeadConsensusTerm
 from hetfed.client.models import build_model
-from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, PayloadKind
-from hetfed.wire.specs import FedCMAConfig
-
-CME, HW = PayloadKind.CLASS_MEAN_EMBEDDINGS, PayloadKind.HEAD_WEIGHTS
+from hetfed.client.training import Batch, Forward, cross_entropy
+from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Received
+from hetfed.wire.specs.fedcma import FedCMAConfig
 
 
 def t(x: list) -> torch.Tensor:
@@ -90,11 +93,21 @@ def make_client(model_name: str = "mlp", **cfg: object) -> FedCMAClient:
     return FedCMAClient(ClientContext("org", model, data, torch.device("cpu"), config, seed=0))
 
 
-def received(means: list[list[float]], present: list[bool], totals: list[int], w: np.ndarray, b: np.ndarray) -> dict:
-    return {
-        CME: ClassMeanEmbeddings(np.arange(3), np.array(means, np.float32), np.array(totals), np.array(present)),
-        HW: HeadWeights(w.astype(np.float32), b.astype(np.float32)),
-    }
+def received(means: list[list[float]], present: list[bool], totals: list[int], w: np.ndarray,
+             b: np.ndarray) -> Received:
+    return Received([
+        ClassMeanEmbeddings(np.arange(3), np.array(means, np.float32), np.array(totals), np.array(present)),
+        HeadWeights(w.astype(np.float32), b.astype(np.float32)),
+    ])
+
+
+def extra_terms(client: FedCMAClient, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What eq. 5 adds to the cross-entropy on a batch: the sum of the client's terms after the first."""
+    terms = client.terms()
+    assert terms[0] is cross_entropy
+    model = client.ctx.model
+    batch, out = Batch(x, y), Forward(model(x))
+    return sum((term(batch, out) for term in terms[1:]), torch.zeros(()))
 
 
 def test_client_objective_is_eq5_with_p_weights_from_the_counts() -> None:
@@ -112,10 +125,8 @@ def test_client_objective_is_eq5_with_p_weights_from_the_counts() -> None:
     np.testing.assert_allclose(model.head.weight.detach().numpy(), v_w, atol=1e-7)
     with torch.no_grad():
         model.head.weight.add_(0.3)
-    extra = client.objective()
-    assert extra is not None
     x, y = client.ctx.train.x[:4], client.ctx.train.y[:4]
-    got = extra(model, x, y, model(x)).item()
+    got = extra_terms(client, x, y).item()
     # Hand computation: p_i = 8 / 28, p_i^0 = 5/10, p_i^1 = 3/12 (class 2 absent, its ē not set).
     lam1, lam2 = 0.5, 0.5
     head_term = 0.5 * lam1 * (8 / 28) * float(((model.head.weight.detach().numpy() - v_w) ** 2).sum())
@@ -134,11 +145,10 @@ def test_alignment_is_skipped_while_the_global_means_are_zero() -> None:
     assert not client.alignment_active()
     with torch.no_grad():
         client.ctx.model.head.weight.fill_(1.0)
-    extra = client.objective()
-    assert extra is not None
+    assert len(client.terms()) == 2  # cross-entropy and the head term
     x, y = client.ctx.train.x, client.ctx.train.y
     # Only the head term: (λ1/2)·p_i·||W - 0||² with W all ones (6 entries), bias unchanged at 0.
-    assert extra(client.ctx.model, x, y, client.ctx.model(x)).item() == pytest.approx(0.25 * (8 / 28) * 6)
+    assert extra_terms(client, x, y).item() == pytest.approx(0.25 * (8 / 28) * 6)
 
 
 def test_no_gradient_reaches_the_global_means_or_head() -> None:
@@ -146,10 +156,8 @@ def test_no_gradient_reaches_the_global_means_or_head() -> None:
     client.setup(round_seed=1)
     client._receive(received([[0.2, 0.8], [0.6, 0.4], [0, 0]], [True, True, False], [10, 12, 6],
                              np.zeros((3, 2)), np.zeros(3)))
-    extra = client.objective()
-    assert extra is not None
     x, y = client.ctx.train.x, client.ctx.train.y
-    extra(client.ctx.model, x, y, client.ctx.model(x)).backward()
+    extra_terms(client, x, y).backward()
     assert client.global_means is not None and client.global_head is not None
     assert not client.global_means.requires_grad and client.global_means.grad is None
     assert all(not v.requires_grad for v in client.global_head)

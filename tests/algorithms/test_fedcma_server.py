@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms import make_server_half
+from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer, initial_head, p_weights
 from hetfed.aggregator.store import RunStore
 from hetfed.v1 import aggregator_pb2 as apb
@@ -22,8 +22,11 @@ from hetfed.wire.payloads import (
     HeadWeights,
     ModelWeights,
     PayloadKind,
+    Received,
 )
-from hetfed.wire.specs import SPECS, FedCMAConfig
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs import SPECS
+from hetfed.wire.specs.fedcma import FedCMAConfig
 from tests.conftest import RawClient
 
 CC, CME, HW = PayloadKind.CLASS_COUNTS, PayloadKind.CLASS_MEAN_EMBEDDINGS, PayloadKind.HEAD_WEIGHTS
@@ -46,14 +49,13 @@ def head(weight: list[float], bias: list[float], n: int = 1) -> HeadWeights:
 
 def after_setup(seed: int = 0) -> FedCMAServer:
     """A server half whose setup round saw the three organizations' counts, with v̄ set to zero."""
-    half = make_server_half("fedcma", CFG, seed)
-    assert isinstance(half, FedCMAServer)
-    assert half.payloads_for("setup", 0, "a") == []
+    half = FedCMAServer(CFG, RunInfo(seed, tuple(COUNTS)))
+    assert half.payloads_for(Phase.SETUP, 0, "a") == []
     for org, counts in COUNTS.items():
-        payloads = {CC: ClassCounts(np.array(counts, np.int64))}
-        half.validate("setup", org, payloads)
-        half.accumulate("setup", org, payloads)
-    half.close_round("setup", 0)
+        payloads = Received([ClassCounts(np.array(counts, np.int64))])
+        half.validate(Phase.SETUP, org, payloads)
+        half.accumulate(Phase.SETUP, org, payloads)
+    half.close_round(Phase.SETUP, 0)
     half.head_weight = np.zeros((3, 1))
     half.head_bias = np.zeros(3)
     return half
@@ -61,9 +63,9 @@ def after_setup(seed: int = 0) -> FedCMAServer:
 
 def push(half: FedCMAServer, org: str, means: list[float | None], weight: list[float], bias: list[float]) -> None:
     counts = [min(2, c) if m is not None else 0 for m, c in zip(means, COUNTS[org], strict=True)]
-    payloads = {CME: cme(means, counts), HW: head(weight, bias)}
-    half.validate("train", org, payloads)
-    half.accumulate("train", org, payloads)
+    payloads = Received([cme(means, counts), head(weight, bias)])
+    half.validate(Phase.TRAIN, org, payloads)
+    half.accumulate(Phase.TRAIN, org, payloads)
 
 
 def test_setup_p_weights_are_exact() -> None:
@@ -78,11 +80,11 @@ def test_setup_p_weights_are_exact() -> None:
 
 
 def test_first_round_carries_zero_means_marked_absent_and_the_seeded_head() -> None:
-    half = make_server_half("fedcma", CFG, 7)
+    half = FedCMAServer(CFG, RunInfo(7, tuple(COUNTS)))
     for org, counts in COUNTS.items():
-        half.accumulate("setup", org, {CC: ClassCounts(np.array(counts, np.int64))})
-    half.close_round("setup", 0)
-    means, v = half.payloads_for("train", 1, "b")
+        half.accumulate(Phase.SETUP, org, Received([ClassCounts(np.array(counts, np.int64))]))
+    half.close_round(Phase.SETUP, 0)
+    means, v = half.payloads_for(Phase.TRAIN, 1, "b")
     assert isinstance(means, ClassMeanEmbeddings) and isinstance(v, HeadWeights)
     np.testing.assert_array_equal(means.means, np.zeros((3, 1), np.float32))
     np.testing.assert_array_equal(means.presence, [False, False, False])
@@ -103,8 +105,8 @@ def test_eq7_with_every_organization_reporting() -> None:
     push(half, "a", [0.25, None, 0.5], [1.0, 0.0, -1.0], [1.0, 0.0, 0.0])
     push(half, "b", [0.75, 0.5, None], [0.0, 2.0, 0.0], [0.0, 1.0, 0.0])
     push(half, "c", [None, 0.25, 1.0], [2.0, 0.0, 2.0], [0.0, 0.0, 1.0])
-    half.close_round("train", 1)
-    means, v = half.payloads_for("train", 2, "a")
+    half.close_round(Phase.TRAIN, 1)
+    means, v = half.payloads_for(Phase.TRAIN, 2, "a")
     # ē^k = 0.5·0 + 0.5·Σ_i p_i^k e_i^k:  k=0: 0.5·0.25 + 0.5·0.75 = 0.5;  k=1: 0.5·0.5 + 0.5·0.25 = 0.375;
     # k=2: 0.25·0.5 + 0.75·1.0 = 0.875.
     np.testing.assert_array_equal(half.means, [[0.25], [0.1875], [0.4375]])
@@ -124,7 +126,7 @@ def test_eq7_renormalises_over_the_organizations_that_report_a_class() -> None:
     # c is a straggler this round; a holds class 0 but does not report it (e.g. its batch was empty).
     push(half, "a", [None, None, 0.5], [1.0, 1.0, 1.0], [2.0, 0.0, 0.0])
     push(half, "b", [0.75, 0.25, None], [3.0, 1.0, 1.0], [0.0, 2.0, 0.0])
-    half.close_round("train", 2)
+    half.close_round(Phase.TRAIN, 2)
     # k=0: only b reports -> its p^0 = 0.5 renormalises to 1:  0.5·0.25 + 0.5·0.75 = 0.5.
     # k=1: only b (p^1 = 0.5 -> 1):  0.5·0.5 + 0.5·0.25 = 0.375.   k=2: only a (0.25 -> 1): 0.5·0.75 + 0.5·0.5.
     # Without renormalisation k=0 would be pulled toward 0 (0.5·0.25 + 0.5·0.375 = 0.3125).
@@ -138,34 +140,34 @@ def test_a_class_nobody_reports_keeps_its_mean_and_stays_absent() -> None:
     half = after_setup()
     push(half, "a", [0.5, None, None], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     push(half, "b", [0.5, None, None], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
-    half.close_round("train", 1)
+    half.close_round(Phase.TRAIN, 1)
     np.testing.assert_array_equal(half.means, [[0.25], [0.0], [0.0]])
     np.testing.assert_array_equal(half.present, [True, False, False])
     # A round without pushes of means (the evaluate phase) changes nothing.
-    half.close_round("evaluate", 2)
+    half.close_round(Phase.EVALUATE, 2)
     np.testing.assert_array_equal(half.means, [[0.25], [0.0], [0.0]])
 
 
 def test_state_survives_a_checkpoint_round_trip(tmp_path: object) -> None:
     half = after_setup(seed=3)
     push(half, "a", [0.25, None, 0.5], [1.0, 0.0, -1.0], [1.0, 0.0, 0.0])
-    half.close_round("train", 1)
+    half.close_round(Phase.TRAIN, 1)
     store = RunStore(str(tmp_path), "r")
     store.save_checkpoint({"x": 1}, half.state())
     _, arrays = store.load_checkpoint()  # type: ignore[misc]
-    other = make_server_half("fedcma", CFG, 99)
+    other = FedCMAServer(CFG, RunInfo(99, tuple(COUNTS)))
     other.load_state(arrays)
     assert isinstance(other, FedCMAServer)
     assert other.organizations == ["a", "b", "c"]
     np.testing.assert_array_equal(other.p_class, half.p_class)
-    for mine, theirs in zip(half.payloads_for("train", 2, "a"), other.payloads_for("train", 2, "a"), strict=True):
+    for mine, theirs in zip(half.payloads_for(Phase.TRAIN, 2, "a"), other.payloads_for(Phase.TRAIN, 2, "a"), strict=True):
         for x, y in zip(vars(mine).values(), vars(theirs).values(), strict=True):
             np.testing.assert_array_equal(x, y)
 
 
 def reason(half: FedCMAServer, phase: str, org: str, payloads: dict) -> str:
     with pytest.raises(WireError) as err:
-        half.validate(phase, org, payloads)
+        half.validate(Phase(phase), org, Received(payloads.values()))
     return err.value.reason
 
 
@@ -191,7 +193,7 @@ def test_validate_rejects_shapes_counts_and_unbounded_means() -> None:
     assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1, 2], np.int64))}) == "shape_mismatch"
     assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1.0, 2.0, 3.0]))}) == "shape_mismatch"
     assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1, -2, 3], np.int64))}) == "invalid_value"
-    half.validate("train", "a", {CME: cme([0.5, None, 0.5], [1, 0, 1]), HW: good_head})
+    half.validate(Phase.TRAIN, "a", Received([cme([0.5, None, 0.5], [1, 0, 1]), good_head]))
 
 
 def test_config_requires_0_lt_lambda_eta_le_1() -> None:
@@ -234,7 +236,7 @@ def test_a_restarted_aggregator_resumes_with_the_same_p_weights_and_stored_updat
     second = aggregator(run)
     a2, b2 = raw_client(second.port, "a"), raw_client(second.port, "b")
     assert b2.push(1, [cme([0.75, 0.5, None], [2, 2, 0]), v_b, metrics]).accepted
-    ins = a2.pull(completed=1)
+    ins = a2.pull(completed=1)  # the engine's instructions, read as raw protos
     assert ins.action == apb.ACTION_TRAIN and ins.envelope.round == 2
     means, v = (codec.payload_from_proto(p) for p in ins.payloads)
     assert isinstance(means, ClassMeanEmbeddings) and isinstance(v, HeadWeights)

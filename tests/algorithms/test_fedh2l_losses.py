@@ -10,15 +10,11 @@ import torch
 
 from hetfed.client.algorithms.base import ClientContext
 from hetfed.client.algorithms.fedh2l import FedH2LClient
+from hetfed.client.algorithms.fedh2l.losses import ConfidenceWeightedDistillation, ConflictProjection
 from hetfed.client.data import DataConfig, load_client_data
-from hetfed.client.losses import (
-    ConfidenceWeightedDistillation,
-    ConflictProjection,
-    assign_flat_grad,
-    flat_grad,
-)
+from hetfed.client.losses import assign_flat_grad, flat_grad
 from hetfed.client.models import build_model
-from hetfed.wire.specs import FedH2LConfig
+from hetfed.wire.specs.fedh2l import FedH2LConfig
 
 
 def _kl(p: list[float], z: list[float]) -> float:

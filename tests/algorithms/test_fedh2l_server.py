@@ -9,13 +9,14 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms import make_server_half
+from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.aggregator.algorithms.fedh2l import FedH2LServer
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import EvalMetrics, PayloadKind, SeedPosteriors
-from hetfed.wire.specs import FedH2LConfig
+from hetfed.wire.payloads import EvalMetrics, PayloadKind, Received, SeedPosteriors
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs.fedh2l import FedH2LConfig
 from tests.conftest import RawClient
 
 SP = PayloadKind.SEED_POSTERIORS
@@ -30,25 +31,31 @@ def posteriors(lo: int, seed: int, b: int = 3, k: int = 4, dtype: type = np.floa
     return SeedPosteriors(SEED_SET, np.arange(lo, lo + b, dtype=np.int64), p, 0.75)
 
 
+TRAIN, EVALUATE = Phase.TRAIN, Phase.EVALUATE
+
+
 def server(**kw: object) -> FedH2LServer:
-    cfg = FedH2LConfig(seed_set_id=SEED_SET, seed_set_size=30, teach_ranges=RANGES, **kw)  # type: ignore[arg-type]
-    half = make_server_half("fedh2l", cfg, seed=7)
-    assert isinstance(half, FedH2LServer)
-    return half
+    cfg = FedH2LConfig(**kw)  # type: ignore[arg-type]
+    return FedH2LServer(cfg, RunInfo(7, tuple(RANGES), SeedSetInfo(SEED_SET, 30, RANGES)))
+
+
+def relay_only(seed: int, **kw: object) -> FedH2LServer:
+    """A server half without a seed-set description (indices unchecked)."""
+    return FedH2LServer(FedH2LConfig(**kw), RunInfo(seed, ()))  # type: ignore[arg-type]
 
 
 def test_relay_is_exact_and_lags_one_round() -> None:
     half = server()
     assert half.broadcast is False
-    assert half.payloads_for("train", 1, "a") == []  # round 1: nothing has been taught yet
+    assert half.payloads_for(TRAIN, 1, "a") == []  # round 1: nothing has been taught yet
     pushed = {org: posteriors(lo, i) for i, (org, (lo, _)) in enumerate(RANGES.items())}
     for org, sp in pushed.items():
-        half.validate("train", org, {SP: sp})
-        half.accumulate("train", org, {SP: sp})
-    assert half.payloads_for("train", 1, "a") == []  # still round 1's (empty) relay until the round closes
-    half.close_round("train", 1)
+        half.validate(TRAIN, org, Received([sp]))
+        half.accumulate(TRAIN, org, Received([sp]))
+    assert half.payloads_for(TRAIN, 1, "a") == []  # still round 1's (empty) relay until the round closes
+    half.close_round(TRAIN, 1)
     for org in RANGES:
-        got = half.payloads_for("train", 2, org)
+        got = half.payloads_for(TRAIN, 2, org)
         assert [p.source_organization for p in got] == sorted(set(RANGES) - {org})
         for p in got:
             src = pushed[p.source_organization]
@@ -59,30 +66,30 @@ def test_relay_is_exact_and_lags_one_round() -> None:
             sent, received = codec.payload_to_proto(p).seed_posteriors, codec.payload_to_proto(src).seed_posteriors
             assert sent.probabilities == received.probabilities and sent.indices == received.indices
     # The final evaluate round relays the last training round's posteriors (for the last learn step).
-    assert [p.source_organization for p in half.payloads_for("evaluate", 3, "c")] == ["a", "b"]
-    half.close_round("train", 2)  # a round nobody pushed in relays nothing afterwards
-    assert half.payloads_for("train", 3, "a") == []
+    assert [p.source_organization for p in half.payloads_for(EVALUATE, 3, "c")] == ["a", "b"]
+    half.close_round(TRAIN, 2)  # a round nobody pushed in relays nothing afterwards
+    assert half.payloads_for(TRAIN, 3, "a") == []
 
 
 def test_relay_survives_a_checkpoint_round_trip() -> None:
     half = server()
     for i, (org, (lo, _)) in enumerate(RANGES.items()):
-        half.accumulate("train", org, {SP: posteriors(lo, i)})
-    half.close_round("train", 1)
+        half.accumulate(TRAIN, org, Received([posteriors(lo, i)]))
+    half.close_round(TRAIN, 1)
     other = server()
     other.load_state(half.state())
     for org in RANGES:
-        assert other.payloads_for("train", 2, org) == half.payloads_for("train", 2, org)
+        assert other.payloads_for(TRAIN, 2, org) == half.payloads_for(TRAIN, 2, org)
 
 
 def test_peer_subsets_are_seeded_and_bounded() -> None:
     orgs = [f"o{i}" for i in range(6)]
 
     def filled(seed: int) -> FedH2LServer:
-        half = FedH2LServer(FedH2LConfig(peers_per_round=2), seed)
+        half = relay_only(seed, peers_per_round=2)
         for i, o in enumerate(orgs):
-            half.accumulate("train", o, {SP: posteriors(0, i)})
-        half.close_round("train", 1)
+            half.accumulate(TRAIN, o, Received([posteriors(0, i)]))
+        half.close_round(TRAIN, 1)
         return half
 
     half, again, other = filled(3), filled(3), filled(4)
@@ -93,29 +100,29 @@ def test_peer_subsets_are_seeded_and_bounded() -> None:
             teachers = half.teachers(r, o)
             assert len(teachers) == 2 and o not in teachers and len(set(teachers)) == 2
             assert teachers == again.teachers(r, o)  # seeded: every aggregator replica agrees
-            assert [p.source_organization for p in half.payloads_for("train", r, o)] == teachers
+            assert [p.source_organization for p in half.payloads_for(TRAIN, r, o)] == teachers
             differs |= teachers != other.teachers(r, o)
             seen[o].update(teachers)
     assert differs
     assert all(seen[o] == set(orgs) - {o} for o in orgs)  # every peer teaches every node now and then
     # peers_per_round at least the number of peers means every peer
-    wide = FedH2LServer(FedH2LConfig(peers_per_round=9), 0)
+    wide = relay_only(0, peers_per_round=9)
     for i, o in enumerate(orgs):
-        wide.accumulate("train", o, {SP: posteriors(0, i)})
-    wide.close_round("train", 1)
+        wide.accumulate(TRAIN, o, Received([posteriors(0, i)]))
+    wide.close_round(TRAIN, 1)
     assert wide.teachers(2, "o0") == orgs[1:]
 
 
 def _bad(sp: SeedPosteriors, org: str = "a") -> WireError:
     with pytest.raises(WireError) as err:
-        server().validate("train", org, {SP: sp})
+        server().validate(TRAIN, org, Received([sp]))
     return err.value
 
 
 def test_validation_rejects_what_is_not_a_teaching_signal() -> None:
     good = posteriors(0, 0)
-    server().validate("train", "a", {SP: good})
-    server().validate("train", "a", {PayloadKind.EVAL_METRICS: EvalMetrics()})  # nothing to check
+    server().validate(TRAIN, "a", Received([good]))
+    server().validate(TRAIN, "a", Received([EvalMetrics()]))  # nothing to check
     assert _bad(dataclasses.replace(good, seed_set_id="other")).reason == "seed_set_mismatch"
     assert _bad(good, org="b").reason == "invalid_value"  # indices outside b's own domain part
     assert "own domain part" in _bad(good, org="b").message
@@ -135,14 +142,14 @@ def test_validation_rejects_what_is_not_a_teaching_signal() -> None:
     assert "claims" in _bad(dataclasses.replace(good, source_organization="c")).message
     # The number of classes is fixed by the first posteriors of the run.
     half = server()
-    half.accumulate("train", "a", {SP: good})
+    half.accumulate(TRAIN, "a", Received([good]))
     with pytest.raises(WireError, match="classes"):
-        half.validate("train", "b", {SP: posteriors(10, 1, k=5)})
+        half.validate(TRAIN, "b", Received([posteriors(10, 1, k=5)]))
 
 
 def test_narrow_transport_rows_get_a_matching_tolerance() -> None:
     p16 = posteriors(0, 0, dtype=np.float16)
-    FedH2LServer(FedH2LConfig(wire_dtype="float16"), 0).validate("train", "a", {SP: p16})
+    relay_only(0, wire_dtype="float16").validate(TRAIN, "a", Received([p16]))
 
 
 def _join(stub: RawClient, seed_set: tuple[str, str]) -> None:
@@ -156,9 +163,9 @@ def test_relayed_bytes_equal_pushed_bytes_through_the_service(
         aggregator: Callable[..., object], raw_client: Callable[..., RawClient], wire_dtype: str) -> None:
     seed_set = (SEED_SET, "ab" * 32)
     run = {"id": "h", "algorithm": "fedh2l", "organizations": list(RANGES), "rounds": 2,
-           "seed_set": {"id": seed_set[0], "sha256": seed_set[1]},
-           "algorithm_config": {"seed_set_id": SEED_SET, "seed_set_size": 30, "wire_dtype": wire_dtype,
-                                "teach_ranges": {k: list(v) for k, v in RANGES.items()}}}
+           "seed_set": {"id": seed_set[0], "sha256": seed_set[1], "size": 30,
+                        "parts": {k: list(v) for k, v in RANGES.items()}},
+           "algorithm_config": {"wire_dtype": wire_dtype}}
     agg = aggregator(run)
     clients = {org: raw_client(agg.port, org, run="h") for org in RANGES}  # type: ignore[attr-defined]
     with pytest.raises(grpc.RpcError) as err:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hetfed.client.data import DataConfig, load_client_data
-from hetfed.client.rotated import build_seed_set, load_seed_set, rotate_clockwise
-from hetfed.client.seedset import SeedSet, fingerprint
+from hetfed.client.data.rotated import build_seed_set, load_seed_set, rotate_clockwise
+from hetfed.client.data.seedset import SeedSet, fingerprint
 
 
 def cfg(**kw: object) -> DataConfig:

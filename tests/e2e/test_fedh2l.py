@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from google.protobuf import unknown_fields
 
-from hetfed.cli.fedh2l_local import seed_set_settings
 from hetfed.cli.localrun import (
     LocalFederation,
     LocalRunOptions,
@@ -74,9 +73,9 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
             fed.start_client(f"org-{i}", client_config(OPTS, "fedh2l", i, fed.port))
         rt = _runtime(client_config(OPTS, "fedh2l", 0, fed.port))
         recorder = Recorder()
-        rt._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt._channel, recorder))
+        rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
         reports = rt.run()
-        status = wait_until(lambda: next((s for s in fed.status().runs if s.state == apb.RUN_STATE_FINISHED), None),
+        status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
                             timeout=60, what="the run to finish")
         fed.wait_clients(timeout=30)
         with urllib.request.urlopen(f"http://127.0.0.1:{fed.metrics_port}/metrics", timeout=10) as resp:
@@ -94,11 +93,15 @@ def test_short_heterogeneous_run_finishes_with_wdp_cdp_acc(federation: dict[str,
     final = rounds[ROUNDS + 1]["per_organization"]
     assert sorted(final) == [f"org-{i}" for i in range(CLIENTS)]
     for org, m in final.items():
-        assert 0.0 <= m["cdp"] <= 1.0 and 0.0 <= m["wdp"] <= 1.0
-        assert m["wdp"] == m["test_accuracy"]
+        wdp, cdp, acc = m["test_accuracy"], m["cross_test_accuracy"], m["global_test_accuracy"]
+        assert 0.0 <= cdp <= 1.0 and 0.0 <= wdp <= 1.0
         # ACC is over every domain's equal-sized test set: the mean of WDP and the CDP domains.
-        assert m["acc"] == pytest.approx((m["wdp"] + (CLIENTS - 1) * m["cdp"]) / CLIENTS, abs=1e-9), org
+        assert acc == pytest.approx((wdp + (CLIENTS - 1) * cdp) / CLIENTS, abs=1e-9), org
         assert m["teachers"] == CLIENTS - 1  # the evaluate round ran learn(T) with every peer
+    # The spec's figures WDP, CDP and ACC are the means over the nodes.
+    assert summary["figure_labels"] == {"wdp": "WDP", "cdp": "CDP", "acc": "ACC"}
+    for key, source in (("wdp", "test_accuracy"), ("cdp", "cross_test_accuracy"), ("acc", "global_test_accuracy")):
+        assert summary["final_figures"][key] == pytest.approx(np.mean([m[source] for m in final.values()]))
     for r in range(1, ROUNDS + 1):
         assert set(rounds[r]["bytes_up"]) == {"seed_posteriors", "eval_metrics", "envelope"}
         assert set(rounds[r]["bytes_down"]) == ({"envelope"} if r == 1 else {"seed_posteriors", "envelope"})
@@ -111,9 +114,9 @@ def test_short_heterogeneous_run_finishes_with_wdp_cdp_acc(federation: dict[str,
     assert down == pytest.approx((CLIENTS - 1) * up + relayed * (2 + len("org-0")), abs=relayed)
     # Prometheus: per-node and mean gauges of the three figures.
     for name in ("wdp", "cdp", "acc"):
-        assert f'hetfed_client_metric{{algorithm="fedh2l",name="{name}",organization="org-0",run="fedh2l"}}' \
+        assert f'hetfed_reported_metric{{algorithm="fedh2l",name="{name}",organization="org-0",run="fedh2l"}}' \
             in federation["metrics"]
-        assert f'hetfed_client_metric_mean{{algorithm="fedh2l",name="{name}",run="fedh2l"}}' in federation["metrics"]
+        assert f'hetfed_reported_metric_mean{{algorithm="fedh2l",name="{name}",run="fedh2l"}}' in federation["metrics"]
 
 
 def _fields(message: Any) -> set[str]:
@@ -147,7 +150,8 @@ def test_uploads_are_exactly_posteriors_indices_confidences_metrics_and_envelope
             idx = np.frombuffer(sp.indices.data, "<i8")
             assert idx.min() >= 0 and idx.max() < 100  # org-0 teaches on its own domain's part only
     (join,) = [req for method, req in federation["sent"] if method.endswith("/Join")]
-    assert _fields(join) == {"run_id", "organization_id", "seed_set"} and not join.declared_tensors
+    assert _fields(join) == {"run_id", "organization_id", "seed_set", "num_train_examples"}
+    assert not join.declared_tensors
     for method, req in federation["sent"]:
         if method.endswith("/PullInstructions"):
             assert _fields(req) <= {"run_id", "organization_id", "completed_round", "wait_seconds"}
@@ -157,18 +161,16 @@ def test_uploads_are_exactly_posteriors_indices_confidences_metrics_and_envelope
             assert method.endswith(("/Join", "/PushUpdate")), method
 
 
-def _fedh2l_run(seed: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
-    seed_set, fields = seed_set_settings("mnist5k", CLIENTS, seed, 0.1)
-    run = {"id": "fedh2l", "algorithm": "fedh2l", "organizations": [f"org-{i}" for i in range(CLIENTS)],
-           "rounds": 2, "seed_set": seed_set, "algorithm_config": fields}
-    return run, seed_set
+def _fedh2l_run() -> tuple[dict[str, Any], dict[str, Any]]:
+    (run,) = aggregator_config(OPTS, "unused")["runs"]
+    return {**run, "rounds": 2}, run["seed_set"]
 
 
 def test_a_client_with_another_seed_set_is_refused(aggregator: Callable[..., Any], tmp_path: Path) -> None:
     from hetfed.client.data import DataConfig
-    from hetfed.client.rotated import build_seed_set
+    from hetfed.client.data.rotated import build_seed_set
+    from hetfed.client.data.seedset import SeedSet
     from hetfed.client.runtime import ClientError
-    from hetfed.client.seedset import SeedSet
 
     run, _ = _fedh2l_run()
     agg = aggregator(run)

@@ -59,6 +59,18 @@ def test_dirichlet_fedavg_beats_local_on_held_out_data(tmp_path: Path) -> None:
     fedavg, local = runs["fedavg"], runs["local"]
     assert fedavg["final_global_test_accuracy"] > local["final_global_test_accuracy"] + 0.2
     assert local["bytes_per_train_round"] < 2000  # Local sends metrics only
+    # hetfed run --output writes hetfed report's plot by default: accuracy against log bytes, one line each.
+    from PIL import Image
+
+    from hetfed.cli.prom import PNG_KEY
+    from hetfed.cli.report import X_LABEL, Y_LABEL
+
+    with Image.open(tmp_path / "out" / "report.png") as im:
+        assert im.size == (800, 500)
+        meta = json.loads(im.text[PNG_KEY])
+    assert (meta["xlabel"], meta["ylabel"], meta["xscale"]) == (X_LABEL, Y_LABEL, "log")
+    assert [(line["label"], line["points"]) for line in meta["lines"]] == [("fedavg", 11), ("local", 11)]
+    assert "| local |" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_head_only_fedavg_counts_only_the_head(tmp_path: Path) -> None:
@@ -100,3 +112,13 @@ def test_baselines_match_golden_metrics(tmp_path: Path) -> None:
                 for kind, n in rw.items():
                     # Payload bytes are exact; the envelope varies by a few bytes with varint-encoded values.
                     assert rg[kind] == pytest.approx(n, abs=0 if kind != "envelope" else 16), (algo, key, kind)
+
+
+def test_a_second_run_into_the_same_output_directory_starts_fresh(tmp_path: Path) -> None:
+    """``--output DIR`` twice: the second run does not resume the first one's finished state."""
+    args = ("--algorithm", "local", "--clients", "2", "--rounds", "1", "--dataset", "digits", "--model", "mlp",
+            "--no-report")
+    first = hetfed_run(tmp_path, *args)["local"]
+    second = hetfed_run(tmp_path, *args)["local"]
+    assert [r["round"] for r in second["rounds"]] == [1, 2]  # one training round and the evaluate round, again
+    assert second["final_test_accuracy"] == first["final_test_accuracy"]  # and deterministic

@@ -17,8 +17,8 @@ from tests.conftest import load_benchmark
 @pytest.mark.e2e
 def test_counted_bytes_match_socket_bytes_for_fedavg(tmp_path: Path) -> None:
     bench = load_benchmark("socket_bytes")
-    opts = LocalRunOptions(algorithms=("fedavg",), clients=2, rounds=2, dataset="digits", model="mlp",
-                           local_epochs=1, quiet=True)
+    opts = LocalRunOptions(algorithms=("fedavg",), clients=2, rounds=2, dataset="digits", models=("mlp",),
+                           train={"local_epochs": 1}, quiet=True)
     r = bench.measure(opts, tmp_path, timeout=300)
     print(bench.report(r))
     # Every client connection went through the relay, the orchestrator's Status polling did not.

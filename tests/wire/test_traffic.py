@@ -112,7 +112,7 @@ def test_breakdowns_add_up() -> None:
 
 def test_metrics_record_every_kind_with_labels() -> None:
     registry = CollectorRegistry()
-    metrics = TrafficMetrics(registry)
+    metrics = TrafficMetrics(registry, "aggregator")
     update = make_update(PAYLOADS)
     b = breakdown(list(update.payloads), update.ByteSize() + 40, messages=3)
     metrics.record("run-1", "fedavg", "org-7", "up", b)
@@ -123,8 +123,21 @@ def test_metrics_record_every_kind_with_labels() -> None:
                                                 "direction": "up", "payload_kind": kind})
 
     for kind, c in b.kinds.items():
-        assert value("hetfed_bytes_total", kind) == 2 * c.bytes
-        assert value("hetfed_messages_total", kind) == 2 * c.messages
-    assert value("hetfed_parameters_total", "model_weights") == 2 * 631
-    assert value("hetfed_parameters_total", ENVELOPE) is None  # no elements, no series
-    assert sum(value("hetfed_bytes_total", k) or 0 for k in b.kinds) == 2 * (update.ByteSize() + 40)
+        assert value("hetfed_aggregator_bytes_total", kind) == 2 * c.bytes
+        assert value("hetfed_aggregator_messages_total", kind) == 2 * c.messages
+    assert value("hetfed_aggregator_parameters_total", "model_weights") == 2 * 631
+    assert value("hetfed_aggregator_parameters_total", ENVELOPE) is None  # no elements, no series
+    assert sum(value("hetfed_aggregator_bytes_total", k) or 0 for k in b.kinds) == 2 * (update.ByteSize() + 40)
+
+
+def test_the_two_sides_count_in_distinct_families() -> None:
+    registry = CollectorRegistry()
+    aggregator, client = TrafficMetrics(registry, "aggregator"), TrafficMetrics(registry, "client")
+    b = breakdown([], 50)
+    aggregator.record("r", "fedavg", "o", "down", b)
+    client.record("r", "fedavg", "o", "down", b)
+    labels = {"run": "r", "algorithm": "fedavg", "organization": "o", "direction": "down", "payload_kind": ENVELOPE}
+    assert registry.get_sample_value("hetfed_aggregator_bytes_total", labels) == 50
+    assert registry.get_sample_value("hetfed_client_bytes_total", labels) == 50
+    with pytest.raises(ValueError, match="side"):
+        TrafficMetrics(registry, "both")

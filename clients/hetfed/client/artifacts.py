@@ -18,6 +18,7 @@ import torch
 
 from hetfed.client.data import ClientData
 from hetfed.client.models import SplitModel, state_arrays
+from hetfed.client.training import eval_mode
 
 STATE_PREFIX = "state/"
 
@@ -25,10 +26,8 @@ STATE_PREFIX = "state/"
 @torch.no_grad()
 def embed(model: SplitModel, x: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
     """Latents z of ``x`` in eval mode (float32 numpy)."""
-    was_training = model.training
-    model.eval()
-    out = [model.embed(x[i : i + batch_size]).float().cpu() for i in range(0, int(x.shape[0]), batch_size)]
-    model.train(was_training)
+    with eval_mode(model):
+        out = [model.embed(x[i : i + batch_size]).float().cpu() for i in range(0, int(x.shape[0]), batch_size)]
     return torch.cat(out).numpy() if out else np.zeros((0, model.latent_dim), np.float32)
 
 

@@ -55,12 +55,17 @@ class ClientConfig:
     # Prometheus /metrics port; 0 picks a free port, -1 disables the endpoint.
     metrics_port: int = -1
     metrics_host: str = "0.0.0.0"
+    # Keep serving /metrics this long after the run finishes, so a scraper collects the final counts.
+    metrics_linger_seconds: float = 0.0
     pull_wait_seconds: float = 20.0
     tls: TlsConfig | None = None
     retry: RetryConfig = field(default_factory=RetryConfig)
     # Where this client writes local artifacts for its operator (model snapshots, probe latents;
     # hetfed.client.artifacts). Nothing written here is ever sent. None: write nothing.
     output_dir: str | None = None
+    # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
+    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
+    report_timing: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.organization), "organization must not be empty")
@@ -71,6 +76,7 @@ class ClientConfig:
         )
         check(self.threads >= 0, "threads must be >= 0")
         check(self.metrics_port >= -1, "metrics_port must be >= -1")
+        check(self.metrics_linger_seconds >= 0, "metrics_linger_seconds must be >= 0")
         check(self.pull_wait_seconds > 0, "pull_wait_seconds must be > 0")
 
 

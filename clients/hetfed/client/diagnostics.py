@@ -7,7 +7,9 @@ latent client-discriminator of Fed-CMA's evaluation. torch and matplotlib are im
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +45,25 @@ def discriminator_accuracy(latents: list[np.ndarray], seed: int = 0, steps: int 
             opt.step()
         with torch.no_grad():
             return float((clf((xte - mu) / sd).argmax(1) == yte).float().mean())
+
+
+def latent_discriminator(workdir: Path, summary: dict[str, Any], seed: int) -> float:
+    """Held-out accuracy of a linear classifier telling a local run's organizations apart from their latents.
+
+    Every client wrote the latents z of the same probe images with its final model to its own output
+    directory (``artifacts/<run>/<organization>/final.npz``); nothing extra crossed the wire.
+    """
+    from hetfed.client.artifacts import read_snapshot
+
+    orgs = sorted(summary["rounds"][-1]["per_organization"])
+    latents = [read_snapshot(workdir / "artifacts" / summary["run"] / org / "final.npz")[1] for org in orgs]
+    return discriminator_accuracy(latents, seed)
+
+
+# Figures a reproduction computes from the clients' local snapshots, by name (``diagnostic:<name>`` in a grid).
+DIAGNOSTICS: dict[str, Callable[[Path, dict[str, Any], int], float]] = {
+    "latent_discriminator": latent_discriminator,
+}
 
 
 def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:

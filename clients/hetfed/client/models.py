@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetfed.client.model_registry import MODELS
+from hetfed.client.training import eval_mode
+
 __all__ = [
     "ModelUnavailableError",
     "SplitModel",
@@ -67,15 +70,13 @@ def _image_shape(name: str, input_shape: tuple[int, ...], min_side: int) -> tupl
 
 
 def _flat_size(features: nn.Module, input_shape: tuple[int, ...]) -> int:
-    with torch.no_grad():
-        was_training = features.training
-        features.eval()
+    with torch.no_grad(), eval_mode(features):
         out = features(torch.zeros(1, *input_shape))
-        features.train(was_training)
     return int(out.numel())
 
 
-def _mlp(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def mlp(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """MLP encoder: flatten, Linear(in, 200), ReLU, Linear(200, d_e), then the latent activation."""
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(math.prod(input_shape), 200),
@@ -85,7 +86,8 @@ def _mlp(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Mod
     )
 
 
-def _lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
     c, _, _ = _image_shape("lenet", input_shape, min_side=4)
     features = nn.Sequential(
         nn.Conv2d(c, 6, kernel_size=5, padding=2),
@@ -106,7 +108,8 @@ def _lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.M
     )
 
 
-def _lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """LeNet with twice the channels (12, 32) and 200 hidden units."""
     # LeNet with twice the convolution channels (12, 32) and a wider hidden layer (200), for
     # heterogeneous federations that mix architectures of one family at different sizes.
     c, _, _ = _image_shape("lenet_wide", input_shape, min_side=4)
@@ -129,7 +132,8 @@ def _lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) ->
     )
 
 
-def _fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """FedGen's MNIST CNN: two stride-2 3x3 convolutions with BatchNorm and ReLU, a linear layer to d_e."""
     # FedGen's 'mnist' config (zhuangdizhu/FedGen: utils/model_config.py, FLAlgorithms/trainmodel/models.py):
     # [6, 16, 'F'] with 3x3 stride-2 padding-1 convolutions, each followed by BatchNorm and ReLU, then a
     # linear layer to the latent (784 -> 32 on 28x28); the latent has no activation in FedGen.
@@ -150,7 +154,8 @@ def _fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) ->
     return nn.Sequential(*layers)
 
 
-def _cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """Two 3x3 convolutions (32, 64 channels) with max-pooling and a linear layer to d_e."""
     c, _, _ = _image_shape("cnn", input_shape, min_side=4)
     features = nn.Sequential(
         nn.Conv2d(c, 32, kernel_size=3, padding=1),
@@ -176,7 +181,8 @@ def _torchvision_models(name: str) -> ModuleType:
         ) from exc
 
 
-def _resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """torchvision's ResNet-18 (untrained) with a linear layer to d_e; needs torchvision."""
     c, _, _ = _image_shape("resnet18", input_shape, min_side=8)
     backbone = _torchvision_models("resnet18").resnet18(weights=None)
     if c != 3:
@@ -194,7 +200,8 @@ def _resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> n
     return nn.Sequential(backbone, nn.Linear(width, latent_dim), _latent_activation(bounded))
 
 
-def _mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+def mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """torchvision's MobileNetV2 (untrained) with a linear layer to d_e; needs torchvision."""
     c, _, _ = _image_shape("mobilenet_v2", input_shape, min_side=8)
     backbone = _torchvision_models("mobilenet_v2").mobilenet_v2(weights=None)
     if c != 3:
@@ -212,21 +219,9 @@ def _mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) 
     return nn.Sequential(backbone, nn.Linear(width, latent_dim), _latent_activation(bounded))
 
 
-# name -> (encoder builder, default latent width)
-_REGISTRY: dict[str, tuple[EncoderBuilder, int]] = {
-    "mlp": (_mlp, 64),
-    "lenet": (_lenet, 84),
-    "lenet_wide": (_lenet_wide, 84),
-    "fedgen_cnn": (_fedgen_cnn, 32),
-    "cnn": (_cnn, 128),
-    "resnet18": (_resnet18, 128),
-    "mobilenet_v2": (_mobilenet_v2, 128),
-}
-
-
 def available_models() -> list[str]:
     """Names accepted by :func:`build_model`."""
-    return list(_REGISTRY)
+    return list(MODELS)
 
 
 def build_model(
@@ -243,14 +238,17 @@ def build_model(
     ``bounded_latent`` ends the encoder with a Sigmoid so that z lies in [0, 1]^latent_dim (Fed-CMA).
     The global torch RNG state is left as it was.
     """
-    if name not in _REGISTRY:
+    if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
     shape = tuple(int(s) for s in input_shape)
     if not shape or any(s < 1 for s in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    builder, default_dim = _REGISTRY[name]
+    entry = MODELS[name]
+    module, _, func = entry.builder.partition(":")
+    builder: EncoderBuilder = getattr(importlib.import_module(module), func)
+    default_dim = entry.latent_dim
     dim = default_dim if latent_dim is None else int(latent_dim)
     if dim < 1:
         raise ValueError(f"latent_dim must be >= 1, got {latent_dim}")

@@ -1,7 +1,14 @@
-"""The client runtime: join, long-poll for instructions, run the algorithm's hook, push; retry with backoff."""
+"""The client runtime: join, long-poll for instructions, run the algorithm's hook, push; retry with backoff.
+
+The runtime knows no algorithm: it learns the run's algorithm, config and seed from Join, builds the
+organization's model and the algorithm's client half from the registries, declares its tensors when the
+run asks for them, and then follows instructions. Failed calls are retried by the reason the aggregator
+gives (``RemoteError.retryable``), never by matching message text.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -9,30 +16,23 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-import grpc
-import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
-from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
-from hetfed.wire import chunks, codec, contract
 from hetfed.wire.config import from_mapping
-from hetfed.wire.payloads import RELAYED_KINDS, EvalMetrics, Payload, PayloadKind, by_kind
-from hetfed.wire.specs import AlgorithmSpec, get_spec
-from hetfed.wire.traffic import TrafficBreakdown, TrafficMetrics, breakdown
-from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
+from hetfed.wire.messages import Fingerprint
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.phases import Action
+from hetfed.wire.rpc import AggregatorClient, RemoteError
+from hetfed.wire.specs import get_spec
+from hetfed.wire.traffic import TrafficMetrics
 
 log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
 
-# Failures worth retrying: the aggregator is restarting, unreachable or overloaded.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-
 
 class ClientError(RuntimeError):
-    """The aggregator refused this client for a reason retrying cannot fix."""
+    """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable."""
 
 
 def backoff_delays(initial: float, maximum: float, multiplier: float, rng: random.Random) -> Iterator[float]:
@@ -60,125 +60,63 @@ class ClientRuntime:
     def __init__(self, config: ClientConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry or CollectorRegistry()
-        self.traffic = TrafficMetrics(self.registry)
-        self.train_loss = Gauge("hetfed_client_train_loss", "Training loss of the last round",
-                                ["run", "algorithm", "organization"], registry=self.registry)
-        self.test_accuracy = Gauge("hetfed_client_test_accuracy", "Test accuracy reported in the last round",
-                                   ["run", "algorithm", "organization"], registry=self.registry)
-        self.round_gauge = Gauge("hetfed_client_round", "Last round this organization completed",
-                                 ["run", "algorithm", "organization"], registry=self.registry)
+        labels = ["run", "algorithm", "organization"]
+        self.train_loss = Gauge("hetfed_client_train_loss", "Training loss of the last round", labels,
+                                registry=self.registry)
+        self.test_accuracy = Gauge("hetfed_client_test_accuracy", "Test accuracy reported in the last round", labels,
+                                   registry=self.registry)
+        self.round_gauge = Gauge("hetfed_client_round", "Last round this organization completed", labels,
+                                 registry=self.registry)
         self._rng = random.Random(config.data.seed * 7919 + len(config.organization))
-        self._channel = make_channel(config.aggregator, config.tls)
-        self._stub = agrpc.AggregatorStub(self._channel)
-        self._metadata = (() if config.tls else ((ORGANIZATION_METADATA_KEY, config.organization),))
-        self.spec: AlgorithmSpec | None = None
+        self.client = AggregatorClient(config.aggregator, config.tls, config.organization, config.run,
+                                       traffic=TrafficMetrics(self.registry, "client"), retry=self._retry)
         self.algorithm = ""
         self.reports: list[tuple[int, EvalMetrics]] = []
+        self._train_cpu = 0.0
+        self._train_wall = 0.0
 
-    # ------------------------------------------------------------------ retries
     def _retry(self, what: str, call: Callable[[], T]) -> T:
+        """Run ``call``, retrying retryable failures with backoff until ``give_up_after_seconds``."""
         r = self.config.retry
         delays = backoff_delays(r.initial_backoff_seconds, r.max_backoff_seconds, r.multiplier, self._rng)
         start = time.monotonic()
         while True:
             try:
                 return call()
-            except grpc.RpcError as err:
-                code = err.code()  # type: ignore[attr-defined]
-                details = err.details() or ""  # type: ignore[attr-defined]
-                permanent = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not details.startswith("rate_limited")
-                if code not in RETRYABLE or permanent:
-                    raise ClientError(f"{what} refused: {code.name}: {err.details()}") from None  # type: ignore[attr-defined]
+            except RemoteError as err:
+                if not err.retryable:
+                    raise
                 if time.monotonic() - start > r.give_up_after_seconds:
                     raise ClientError(f"{what}: aggregator unreachable for {r.give_up_after_seconds:.0f}s "
-                                      f"({code.name}: {err.details()})") from None  # type: ignore[attr-defined]
+                                      f"({err})") from None
                 delay = next(delays)
-                log.info("%s failed (%s); retrying in %.2fs", what, code.name, delay)
+                log.info("%s failed (%s%s); retrying in %.2fs", what, err.code.name,
+                         f" {err.reason}" if err.reason else "", delay)
                 time.sleep(delay)
 
-    # ------------------------------------------------------------------ RPCs
-    def _join(self, declared: list[tuple[PayloadKind, str, np.ndarray]],
-              seed_set: apb.DatasetFingerprint | None) -> apb.JoinResponse:
-        req = apb.JoinRequest(
-            run_id=self.config.run,
-            organization_id=self.config.organization,
-            num_train_examples=0,
-        )
-        if seed_set is not None:
-            req.seed_set.CopyFrom(seed_set)
-        wire_dtype = self._wire_dtype
-        for kind, name, arr in declared:
-            dt = wire_dtype if (wire_dtype and arr.dtype.kind == "f") else codec.wire_dtype_of(arr)
-            req.declared_tensors.add(payload_kind=kind.proto_enum, name=name,  # type: ignore[arg-type]
-                                     dtype=codec._WIRE[dt][0], shape=arr.shape)  # type: ignore[arg-type]
-        resp = self._retry("Join", lambda: self._stub.Join(req, metadata=self._metadata, timeout=30))
-        self._count("up", breakdown([], req.ByteSize()))
-        self._count("down", breakdown([], resp.ByteSize()))
-        return resp
-
-    def _count(self, direction: str, b: TrafficBreakdown) -> None:
-        self.traffic.record(self.config.run, self.algorithm or "unknown", self.config.organization, direction, b)
-
-    def _pull(self, completed: int) -> apb.Instructions:
-        req = apb.PullInstructionsRequest(run_id=self.config.run, organization_id=self.config.organization,
-                                          completed_round=completed, wait_seconds=self.config.pull_wait_seconds)
-
-        def call() -> tuple[bytes, int, int]:
-            asm = chunks.Reassembler(max_bytes=1 << 40)
-            wire, n = 0, 0
-            for resp in self._stub.PullInstructions(req, metadata=self._metadata,
-                                                    timeout=self.config.pull_wait_seconds + 60):
-                wire += resp.ByteSize()
-                n += 1
-                asm.add(resp.chunk)
-            return asm.data(), wire, n
-
-        data, wire, n = self._retry("PullInstructions", call)
-        ins = apb.Instructions.FromString(data)
-        self._count("up", breakdown([], req.ByteSize()))
-        self._count("down", breakdown(list(ins.payloads), wire, n))
-        return ins
-
-    def _push(self, round_: int, payloads: list[Payload]) -> apb.PushUpdateResponse | None:
-        update = apb.Update(
-            envelope=apb.Envelope(run_id=self.config.run, round=round_, organization_id=self.config.organization,
-                                  payload_kinds=[p.kind.proto_enum for p in payloads]),  # type: ignore[misc]
-        )
-        for p in payloads:
-            codec.fill_payload(update.payloads.add(), p, self._wire_dtype)  # in place: no extra tensor copy
-        messages = update.payloads
-        data = update.SerializeToString()
-        requests = [apb.PushUpdateRequest(run_id=self.config.run, round=round_,
-                                          organization_id=self.config.organization, chunk=c)
-                    for c in chunks.split(data)]
-
-        def call() -> apb.PushUpdateResponse:
-            return self._stub.PushUpdate(iter(requests), metadata=self._metadata, timeout=600)
-
-        try:
-            resp = self._retry("PushUpdate", call)
-        except ClientError as err:
-            if "FAILED_PRECONDITION" in str(err):
-                log.warning("round %d closed before our update arrived: %s", round_, err)
-                return None
-            raise
-        if not resp.duplicate:
-            self._count("up", breakdown(messages, sum(r.ByteSize() for r in requests), len(requests)))
-            self._count("down", breakdown([], resp.ByteSize()))
-        return resp
-
-    # ------------------------------------------------------------------ main loop
-    @property
-    def _wire_dtype(self) -> str | None:
-        if self.spec is None:
-            return None
-        return None if self._train_config.wire_dtype == "float32" else self._train_config.wire_dtype
+    def _timed(self, upload: list[Payload], cpu: float, wall: float) -> list[Payload]:
+        """The upload with the cumulative CPU and wall seconds of local work added to its metrics."""
+        self._train_cpu += cpu
+        self._train_wall += wall
+        timing = {"train_cpu_seconds": self._train_cpu, "train_wall_seconds": self._train_wall,
+                  "process_cpu_seconds": time.process_time()}
+        return [dataclasses.replace(p, extra={**p.extra, **timing}) if isinstance(p, EvalMetrics) else p
+                for p in upload]
 
     def run(self) -> list[tuple[int, EvalMetrics]]:
         """Take part in the run until it finishes; returns the metrics reported per round."""
+        try:
+            return self._run()
+        except RemoteError as err:
+            raise ClientError(f"the aggregator refused {self.config.organization!r}: {err}") from None
+        finally:
+            self.client.close()
+
+    def _run(self) -> list[tuple[int, EvalMetrics]]:
         import torch
 
         from hetfed.client.algorithms import ClientContext, make_client_half
+        from hetfed.client.artifacts import write_snapshot
         from hetfed.client.data import load_client_data
         from hetfed.client.models import SplitModel, build_model
 
@@ -189,55 +127,56 @@ class ClientRuntime:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.registry)
         device = torch.device(resolve_device(cfg.device))
         data = load_client_data(cfg.data)
-        # Learn the algorithm and seed first: the model's initial weights come from the run seed.
-        probe = self._retry("Status", lambda: self._stub.Status(apb.StatusRequest(run_id=cfg.run),
-                                                                metadata=self._metadata, timeout=30))
-        self.algorithm = probe.runs[0].algorithm
-        self.spec = get_spec(self.algorithm)
-        latent = cfg.model.latent_dim or None
-        bounded = self.spec.bounded_latent
+        seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
+        joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+        self.algorithm = joined.algorithm
+        spec = get_spec(joined.algorithm)
+        config = from_mapping(spec.config_type, json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
+        wire_dtype = None if config.wire_dtype == "float32" else config.wire_dtype
+        # A run with one latent space (its config names latent_dim) sets the width unless the model config does.
+        latent = cfg.model.latent_dim or int(getattr(config, "latent_dim", 0)) or None
 
-        def build(seed: int) -> SplitModel:
-            return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=seed, latent_dim=latent,
-                               bounded_latent=bounded).to(device)
+        def build() -> SplitModel:
+            # The run's seed fixes the initial weights, the same in every organization.
+            return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=int(joined.seed),
+                               latent_dim=latent, bounded_latent=spec.bounded_latent).to(device)
 
-        # The declaration depends only on shapes, so a model built with seed 0 describes it.
-        self._train_config = self.spec.config_type()
-        ctx = ClientContext(cfg.organization, build(0), data, device, self._train_config, 0)
-        joined = self._join(make_client_half(self.algorithm, ctx).declared(), self._seed_set(data))
-        train_config = from_mapping(self.spec.config_type, json.loads(joined.algorithm_config_json),
-                                    f"runs[{cfg.run}].algorithm_config")
-        self._train_config = train_config
-        # The run's seed fixes the initial weights; the data stays where it was copied to the device, once.
-        ctx.model, ctx.config, ctx.seed = build(int(joined.seed)), train_config, int(joined.seed)
-        half = make_client_half(self.algorithm, ctx)
-        log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, self.algorithm,
+        ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build)
+        half = make_client_half(spec, ctx)
+        if joined.declare_required:
+            self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
+                             num_train_examples=len(data.train))
+        log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
-        labels = (cfg.run, self.algorithm, cfg.organization)
+        labels = (cfg.run, joined.algorithm, cfg.organization)
         completed = -1
         while True:
-            ins = self._pull(completed)
-            action, round_ = ins.action, ins.envelope.round
-            if action == apb.ACTION_WAIT:
+            ins = self.client.pull(completed, cfg.pull_wait_seconds, spec)
+            round_ = ins.round
+            if ins.action is Action.WAIT:
                 continue
-            if action == apb.ACTION_FINISH:
+            if ins.action is Action.FINISH:
                 log.info("%s: run %s finished", cfg.organization, cfg.run)
                 break
-            received = by_kind(contract.check_download(self.spec, ins.payloads), repeated=RELAYED_KINDS)
-            if action == apb.ACTION_SETUP:
+            received = Received(ins.payloads, spec.repeated_download)
+            cpu, wall = time.process_time(), time.perf_counter()
+            if ins.action is Action.SETUP:
                 upload = half.setup(ins.round_seed)
-            elif action == apb.ACTION_TRAIN:
+            elif ins.action is Action.TRAIN:
                 upload = half.train(round_, ins.round_seed, received)
-            elif action == apb.ACTION_EVALUATE:
-                upload = [half.evaluate(round_, received)]
             else:
-                raise ClientError(f"unknown action {action} in instructions for round {round_}")
-            self._push(round_, upload)
-            if cfg.output_dir and (action == apb.ACTION_EVALUATE or (action == apb.ACTION_TRAIN and round_ == 1)):
-                from hetfed.client.artifacts import write_snapshot
-
-                tag = "final" if action == apb.ACTION_EVALUATE else "round-1"
-                write_snapshot(cfg.output_dir, tag, ctx.model, data, cfg.model.name)
+                upload = [half.evaluate(round_, received)]
+            if cfg.report_timing:
+                upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
+            try:
+                self.client.push(round_, upload, wire_dtype)
+            except RemoteError as err:
+                if err.reason != "late":
+                    raise
+                log.warning("round %d closed before our update arrived: %s", round_, err.details)
+            if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
+                tag = "final" if ins.action is Action.EVALUATE else "round-1"
+                write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.name)
             completed = round_
             for p in upload:
                 if isinstance(p, EvalMetrics):
@@ -245,12 +184,6 @@ class ClientRuntime:
                     self.train_loss.labels(*labels).set(p.train_loss)
                     self.test_accuracy.labels(*labels).set(p.test_accuracy)
             self.round_gauge.labels(*labels).set(round_)
-        self._channel.close()
+        if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
+            time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
         return self.reports
-
-    def _seed_set(self, data: object) -> apb.DatasetFingerprint | None:
-        """The seed-set fingerprint a data set carries (FedH2L); None otherwise."""
-        fp = getattr(data, "seed_set", None)
-        if fp is None:
-            return None
-        return apb.DatasetFingerprint(id=fp[0], sha256=fp[1])

@@ -1,9 +1,21 @@
-"""The one local training loop and the one evaluation routine every algorithm uses."""
+"""The one local training loop and the one evaluation routine every algorithm uses.
+
+An algorithm expresses its local objective as ``Objective``s: a model, its optimiser, the loss terms summed
+on each batch, optionally its own forward pass (a stochastic encoder, a feature hook) and a hook between the
+backward pass and the optimiser step (a gradient projection). ``fit`` steps every objective on every batch
+in order, so two models trained on the same batch (a global and a personal model), several optimisers (a
+local step and a mutual-learning step, called one after the other), stochastic forward passes (a
+probabilistic encoder) and terms on any parameters (a sparsity penalty on masks) all use this loop.
+Batches come from ``epoch_batches`` (shuffled epochs or a number of steps) or ``sampled_batches``
+(independent draws).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -12,9 +24,6 @@ from torch.nn import functional as F
 
 from hetfed.client.data import ArrayDataset
 from hetfed.wire.specs import TrainConfig
-
-# extra_loss(model, x, y, logits) -> a scalar tensor added to the cross-entropy (FedProx, Fed-CMA, ...)
-ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -32,12 +41,132 @@ class DeviceData:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    def take(self, idx: np.ndarray) -> Batch:
+        """The examples at ``idx`` as a batch."""
+        t = torch.as_tensor(idx, device=self.x.device)
+        return Batch(self.x[t], self.y[t])
+
+
+@dataclass
+class Batch:
+    """One minibatch: inputs and labels on the training device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Forward:
+    """A forward pass's outputs: the logits and any named intermediate tensors (latents, μ and σ, features)."""
+
+    logits: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.extras[name]
+        except KeyError:
+            raise KeyError(f"the forward pass produced no {name!r} (it produced {sorted(self.extras)})") from None
+
+
+class LossTerm(Protocol):
+    """One term of a local objective, computed from the batch and the forward pass."""
+
+    def __call__(self, batch: Batch, out: Forward) -> torch.Tensor:
+        """A scalar tensor added to the objective."""
+        ...
+
+
+def cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
+    """The classification loss: cross-entropy of the logits against the labels."""
+    return F.cross_entropy(out.logits, batch.y)
+
+
+def plain_forward(model: nn.Module, batch: Batch) -> Forward:
+    """The model's logits, nothing else."""
+    return Forward(model(batch.x))
+
+
+@dataclass
+class Objective:
+    """One model trained on every batch: its optimiser and the loss terms summed into its objective."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    terms: Sequence[LossTerm] = (cross_entropy,)
+    forward: Callable[[nn.Module, Batch], Forward] = plain_forward
+    # Called after the backward pass and before the optimiser step (to read or change the gradients).
+    before_step: Callable[[], None] | None = None
+
+
+@dataclass
+class FitResult:
+    """Mean objective value of each objective over the steps taken."""
+
+    losses: list[float]
+    steps: int
+
+    @property
+    def loss(self) -> float:
+        """The first objective's mean loss (the one an organization reports)."""
+        return self.losses[0] if self.losses else 0.0
+
+
+def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
+    """Step every objective on every batch, in order; returns the mean loss of each."""
+    for o in objectives:
+        o.model.train()
+    totals = [0.0] * len(objectives)
+    steps = 0
+    for batch in batches:
+        for i, o in enumerate(objectives):
+            out = o.forward(o.model, batch)
+            loss = o.terms[0](batch, out)
+            for term in o.terms[1:]:
+                loss = loss + term(batch, out)
+            o.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if o.before_step is not None:
+                o.before_step()
+            o.optimizer.step()
+            totals[i] += float(loss.detach())
+        steps += 1
+    return FitResult([t / max(steps, 1) for t in totals], steps)
+
 
 def minibatches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Index batches of one seeded shuffled epoch."""
     order = rng.permutation(n)
     for start in range(0, n, batch_size):
         yield order[start : start + batch_size]
+
+
+def epoch_batches(data: DeviceData, cfg: TrainConfig, rng: np.random.Generator) -> Iterator[Batch]:
+    """``local_epochs`` shuffled epochs of minibatches, or exactly ``local_steps`` of them when it is > 0."""
+    n = len(data)
+    if n == 0:
+        return
+    budget = cfg.local_steps if cfg.local_steps > 0 else None
+    epochs = cfg.local_epochs if budget is None else 1 << 30
+    steps = 0
+    for _ in range(epochs):
+        for idx in minibatches(n, cfg.batch_size, rng):
+            yield data.take(idx)
+            steps += 1
+            if budget is not None and steps >= budget:
+                return
+
+
+def sampled_batches(data: DeviceData, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Batch]:
+    """``steps`` independent minibatches, each drawn without replacement."""
+    n = len(data)
+    for _ in range(steps):
+        yield data.take(rng.choice(n, size=min(batch_size, n), replace=False))
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that receive gradients."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -47,53 +176,40 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def fit(
-    model: nn.Module,
-    data: DeviceData,
-    cfg: TrainConfig,
-    rng: np.random.Generator,
-    extra_loss: ExtraLoss | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> float:
-    """Train for ``local_epochs`` epochs (or ``local_steps`` steps); returns the mean training loss."""
-    model.train()
-    opt = optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-    n = len(data)
-    if n == 0:
-        return 0.0
-    total, steps = 0.0, 0
-    budget = cfg.local_steps if cfg.local_steps > 0 else None
-    epochs = cfg.local_epochs if budget is None else 1 << 30
-    for _ in range(epochs):
-        for idx in minibatches(n, cfg.batch_size, rng):
-            t = torch.as_tensor(idx, device=data.x.device)
-            x, y = data.x[t], data.y[t]
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            if extra_loss is not None:
-                loss = loss + extra_loss(model, x, y, logits)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-            steps += 1
-            if budget is not None and steps >= budget:
-                return total / steps
-    return total / max(steps, 1)
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Put ``models`` in eval mode for the block and restore each one's previous mode after it."""
+    modes = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(models, modes, strict=True):
+            m.train(mode)
+
+
+def log_softmax_of(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The default prediction: log-probabilities of the model's logits."""
+    return lambda x: torch.log_softmax(model(x), dim=1)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DeviceData, batch_size: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``data``, in eval mode."""
+def evaluate(model: nn.Module, data: DeviceData, batch_size: int = 1024,
+             predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``data``, in eval mode.
+
+    ``predict(x)`` returns log-probabilities (default: log-softmax of the logits; a stochastic model may
+    average its samples' probabilities).
+    """
     if len(data) == 0:
         return 0.0, 0.0
-    was_training = model.training
-    model.eval()
+    pred = predict or log_softmax_of(model)
     correct, loss = 0, 0.0
-    for start in range(0, len(data), batch_size):
-        x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
-        logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(data), batch_size):
+            x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+            log_probs = pred(x)
+            loss += float(F.nll_loss(log_probs, y, reduction="sum"))
+            correct += int((log_probs.argmax(dim=1) == y).sum())
     return correct / len(data), loss / len(data)

@@ -100,7 +100,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., declared_tensors: _Optional[_Iterable[_Union[DeclaredTensor, _Mapping]]] = ..., seed_set: _Optional[_Union[DatasetFingerprint, _Mapping]] = ..., num_train_examples: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations")
+    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class JoinResponse(_message.Message):
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    DECLARE_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     algorithm_config_json: str
@@ -115,7 +116,8 @@ class JoinResponse(_message.Message):
     total_rounds: int
     seed: int
     organizations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ...) -> None: ...
+    declare_required: bool
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., declare_required: _Optional[bool] = ...) -> None: ...
 
 class PullInstructionsRequest(_message.Message):
     __slots__ = ("run_id", "organization_id", "completed_round", "wait_seconds")
@@ -222,7 +224,7 @@ class RoundSummary(_message.Message):
     def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history")
+    __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history", "organization_status")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,7 @@ class RunStatus(_message.Message):
     ORGANIZATIONS_FIELD_NUMBER: _ClassVar[int]
     PUSHED_THIS_ROUND_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_STATUS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     state: RunState
@@ -239,7 +242,22 @@ class RunStatus(_message.Message):
     organizations: _containers.RepeatedScalarFieldContainer[str]
     pushed_this_round: _containers.RepeatedScalarFieldContainer[str]
     history: _containers.RepeatedCompositeFieldContainer[RoundSummary]
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., pushed_this_round: _Optional[_Iterable[str]] = ..., history: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ...) -> None: ...
+    organization_status: _containers.RepeatedCompositeFieldContainer[OrganizationStatus]
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., pushed_this_round: _Optional[_Iterable[str]] = ..., history: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., organization_status: _Optional[_Iterable[_Union[OrganizationStatus, _Mapping]]] = ...) -> None: ...
+
+class OrganizationStatus(_message.Message):
+    __slots__ = ("organization_id", "joined", "last_round_pushed", "bytes_up", "bytes_down")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    joined: bool
+    last_round_pushed: int
+    bytes_up: int
+    bytes_down: int
+    def __init__(self, organization_id: _Optional[str] = ..., joined: _Optional[bool] = ..., last_round_pushed: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("runs",)

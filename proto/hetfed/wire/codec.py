@@ -65,6 +65,13 @@ def wire_dtype_of(array: np.ndarray) -> str:
     raise WireError("unsupported_dtype", f"arrays of dtype {kind} cannot be sent")
 
 
+def dtype_enum(name: str) -> int:
+    """The hetfed.v1.Dtype enum value of a wire dtype name."""
+    if name not in _WIRE:
+        raise WireError("unsupported_dtype", f"unknown wire dtype {name!r}; expected one of {WIRE_DTYPES}")
+    return _WIRE[name][0]
+
+
 def dtype_name(enum_value: int) -> str:
     """The wire dtype name of a hetfed.v1.Dtype enum value."""
     if enum_value not in _BY_ENUM:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, SeedPosteriors
+from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received, SeedPosteriors, named_tensors
+from hetfed.wire.phases import Phase
 from hetfed.wire.specs import AlgorithmSpec
 
 
@@ -25,60 +26,52 @@ class TensorDecl:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class DeclaredTensor:
+    """A tensor a client will upload in every round, declared when it joins."""
+
+    kind: PayloadKind
+    name: str
+    decl: TensorDecl
+
+    @classmethod
+    def of(cls, kind: PayloadKind, name: str, array: np.ndarray, wire_dtype: str | None = None) -> DeclaredTensor:
+        """The declaration of ``array`` as it will be sent (``wire_dtype`` narrows floating tensors)."""
+        dtype = wire_dtype if (wire_dtype and array.dtype.kind == "f") else codec.wire_dtype_of(array)
+        return cls(kind, name, TensorDecl(dtype, tuple(int(d) for d in array.shape)))
+
+
 # payload kind -> tensor name -> declaration
 Schema = dict[PayloadKind, dict[str, TensorDecl]]
 
-PHASES = ("setup", "train", "evaluate")
 
-
-def allowed_uploads(spec: AlgorithmSpec, phase: str) -> tuple[frozenset[PayloadKind], frozenset[PayloadKind]]:
-    """(allowed, required) upload kinds of ``spec`` in a phase of the run."""
-    metrics = frozenset({PayloadKind.EVAL_METRICS})
-    if phase == "setup":
-        return spec.setup_upload, spec.setup_upload
-    if phase == "train":
-        return spec.upload, spec.required_upload
-    if phase == "evaluate":
-        return metrics, metrics
-    raise ValueError(f"unknown phase {phase!r}")
-
-
-def schema_from_declared(declared: Iterable[apb.DeclaredTensor], spec: AlgorithmSpec) -> Schema:
+def schema_from_declared(declared: Iterable[DeclaredTensor], spec: AlgorithmSpec) -> Schema:
     """The schema a joining client declares for the kinds the run shares; other kinds are ignored."""
     schema: Schema = {}
     for d in declared:
-        try:
-            kind = PayloadKind.from_proto_enum(d.payload_kind)
-        except ValueError:
-            raise WireError("malformed", f"declared tensor {d.name!r} has an unknown payload kind") from None
-        if kind not in spec.shared_schema:
+        if d.kind not in spec.shared_schema:
             continue
-        if kind not in spec.upload:
-            raise WireError("payload_kind_not_allowed", f"{spec.name} does not accept {kind.value} uploads")
-        entry = schema.setdefault(kind, {})
+        if d.kind not in spec.upload:
+            raise WireError("payload_kind_not_allowed", f"{spec.name} does not accept {d.kind.value} uploads")
+        entry = schema.setdefault(d.kind, {})
         if d.name in entry:
-            raise WireError("malformed", f"tensor {d.name!r} declared twice for {kind.value}")
-        entry[d.name] = TensorDecl(codec.dtype_name(d.dtype), tuple(int(s) for s in d.shape))
+            raise WireError("malformed", f"tensor {d.name!r} declared twice for {d.kind.value}")
+        entry[d.name] = d.decl
     for kind in spec.shared_schema:
         if kind not in schema:
             raise WireError("missing_payload", f"{spec.name} needs the {kind.value} tensors declared at join")
     return schema
 
 
-def declared_from_schema(schema: Schema) -> list[apb.DeclaredTensor]:
-    """The DeclaredTensor messages that describe a schema (for Join requests and checkpoints)."""
-    out = []
-    for kind, tensors in schema.items():
-        for name, decl in tensors.items():
-            out.append(
-                apb.DeclaredTensor(
-                    payload_kind=kind.proto_enum,  # type: ignore[arg-type]
-                    name=name,
-                    dtype=codec._WIRE[decl.dtype][0],  # type: ignore[arg-type]
-                    shape=decl.shape,
-                )
-            )
-    return out
+def schema_to_json(schema: Schema) -> dict[str, dict[str, list[Any]]]:
+    """A JSON-ready form of a schema (for checkpoints)."""
+    return {k.value: {n: [d.dtype, list(d.shape)] for n, d in t.items()} for k, t in schema.items()}
+
+
+def schema_from_json(data: dict[str, dict[str, list[Any]]]) -> Schema:
+    """Inverse of ``schema_to_json``."""
+    return {PayloadKind(k): {n: TensorDecl(str(d[0]), tuple(int(x) for x in d[1])) for n, d in t.items()}
+            for k, t in data.items()}
 
 
 def check_same_schema(run_schema: Schema, declared: Schema) -> None:
@@ -132,8 +125,6 @@ def _check_schema(kind: PayloadKind, message: pb.Payload, schema: dict[str, Tens
 
 def check_finite(kind: PayloadKind, payload: Payload) -> None:
     """Reject NaN or infinite values in any floating tensor or metric."""
-    from hetfed.wire.payloads import named_tensors
-
     for name, array in named_tensors(payload):
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
@@ -150,13 +141,13 @@ def check_finite(kind: PayloadKind, payload: Payload) -> None:
 
 def check_update(
     spec: AlgorithmSpec,
-    phase: str,
+    phase: Phase,
     messages: Sequence[pb.Payload],
     schema: Schema,
     max_elements: int,
-) -> list[Payload]:
+) -> Received:
     """Check an update's payloads against the contract and decode them; raises WireError."""
-    allowed, required = allowed_uploads(spec, phase)
+    allowed, required = spec.uploads(phase)
     kinds: list[PayloadKind] = []
     for m in messages:
         kind = codec.payload_kind_of(m)
@@ -164,14 +155,14 @@ def check_update(
             allowed_names = ", ".join(sorted(k.value for k in allowed)) or "nothing"
             raise WireError(
                 "payload_kind_not_allowed",
-                f"{spec.name} does not accept {kind.value} in its {phase} phase (allowed: {allowed_names})",
+                f"{spec.name} does not accept {kind.value} in its {phase.value} phase (allowed: {allowed_names})",
             )
         if kind in kinds:
             raise WireError("duplicate_payload", f"the update carries two {kind.value} payloads")
         kinds.append(kind)
     missing = sorted(k.value for k in required - set(kinds))
     if missing:
-        raise WireError("missing_payload", f"{spec.name} {phase} updates must carry {', '.join(missing)}")
+        raise WireError("missing_payload", f"{spec.name} {phase.value} updates must carry {', '.join(missing)}")
     elements = sum(codec.tensor_elements(m) for m in messages)
     if elements > max_elements:
         raise WireError("oversized", f"the update carries {elements} tensor elements, the limit is {max_elements}")
@@ -182,10 +173,10 @@ def check_update(
         payload = codec.payload_from_proto(m)
         check_finite(kind, payload)
         decoded.append(payload)
-    return decoded
+    return Received(decoded)
 
 
-def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload]) -> list[Payload]:
+def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload]) -> Received:
     """A client's check of what the aggregator sends: only the spec's download kinds, finite values."""
     out = []
     for m in messages:
@@ -195,4 +186,4 @@ def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload]) -> list[
         payload = codec.payload_from_proto(m)
         check_finite(kind, payload)
         out.append(payload)
-    return out
+    return Received(out, repeated=spec.repeated_download)

@@ -1,39 +1,56 @@
-"""Typed wire errors: each carries a rejection reason (a metric label) and the gRPC status it maps to."""
+"""Typed wire errors: each carries a rejection reason (a metric label), the gRPC status it maps to, and
+whether a client should retry it. The reason travels to the client as a gRPC rich status (ErrorInfo), so
+clients decide by reason, never by matching message text."""
 
 from __future__ import annotations
 
-# Rejection reason -> gRPC status code name. One table, so every reason has exactly one status.
-REASON_STATUS: dict[str, str] = {
-    "malformed": "INVALID_ARGUMENT",
-    "checksum_mismatch": "INVALID_ARGUMENT",
-    "unsupported_dtype": "INVALID_ARGUMENT",
-    "envelope_mismatch": "INVALID_ARGUMENT",
-    "missing_payload": "INVALID_ARGUMENT",
-    "duplicate_payload": "INVALID_ARGUMENT",
-    "dtype_mismatch": "INVALID_ARGUMENT",
-    "shape_mismatch": "INVALID_ARGUMENT",
-    "schema_mismatch": "INVALID_ARGUMENT",
-    "non_finite": "INVALID_ARGUMENT",
-    "invalid_value": "INVALID_ARGUMENT",
-    "seed_set_mismatch": "FAILED_PRECONDITION",
-    "payload_kind_not_allowed": "PERMISSION_DENIED",
-    "unknown_organization": "PERMISSION_DENIED",
-    "identity_mismatch": "PERMISSION_DENIED",
-    "unauthenticated": "UNAUTHENTICATED",
-    "oversized": "RESOURCE_EXHAUSTED",
-    "rate_limited": "RESOURCE_EXHAUSTED",
-    "late": "FAILED_PRECONDITION",
-    "not_joined": "FAILED_PRECONDITION",
-    "replayed": "ALREADY_EXISTS",
-    "unknown_run": "NOT_FOUND",
+from typing import NamedTuple
+
+
+class Reason(NamedTuple):
+    """How a rejection reason is answered."""
+
+    status: str
+    retryable: bool
+
+
+# Rejection reason -> gRPC status code name and retryability. One table, so every reason has exactly one
+# status; the client reads the same table to decide whether to retry.
+REASONS: dict[str, Reason] = {
+    "malformed": Reason("INVALID_ARGUMENT", False),
+    "checksum_mismatch": Reason("INVALID_ARGUMENT", True),  # a corrupted transfer: sending again may succeed
+    "unsupported_dtype": Reason("INVALID_ARGUMENT", False),
+    "envelope_mismatch": Reason("INVALID_ARGUMENT", False),
+    "missing_payload": Reason("INVALID_ARGUMENT", False),
+    "duplicate_payload": Reason("INVALID_ARGUMENT", False),
+    "dtype_mismatch": Reason("INVALID_ARGUMENT", False),
+    "shape_mismatch": Reason("INVALID_ARGUMENT", False),
+    "schema_mismatch": Reason("INVALID_ARGUMENT", False),
+    "non_finite": Reason("INVALID_ARGUMENT", False),
+    "invalid_value": Reason("INVALID_ARGUMENT", False),
+    "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
+    "not_declared": Reason("FAILED_PRECONDITION", False),
+    "payload_kind_not_allowed": Reason("PERMISSION_DENIED", False),
+    "unknown_organization": Reason("PERMISSION_DENIED", False),
+    "identity_mismatch": Reason("PERMISSION_DENIED", False),
+    "unauthenticated": Reason("UNAUTHENTICATED", False),
+    "oversized": Reason("RESOURCE_EXHAUSTED", False),
+    "rate_limited": Reason("RESOURCE_EXHAUSTED", True),
+    "late": Reason("FAILED_PRECONDITION", False),
+    "not_joined": Reason("FAILED_PRECONDITION", False),
+    "replayed": Reason("ALREADY_EXISTS", False),
+    "unknown_run": Reason("NOT_FOUND", False),
 }
+REASON_STATUS: dict[str, str] = {k: v.status for k, v in REASONS.items()}
+# The ErrorInfo domain of hetfed's rejections.
+ERROR_DOMAIN = "hetfed.v1"
 
 
 class WireError(Exception):
     """A message that breaks the wire contract; ``reason`` labels the rejection metric."""
 
     def __init__(self, reason: str, message: str) -> None:
-        if reason not in REASON_STATUS:
+        if reason not in REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         super().__init__(message)
         self.reason = reason
@@ -42,7 +59,12 @@ class WireError(Exception):
     @property
     def status(self) -> str:
         """The gRPC status code name for this error."""
-        return REASON_STATUS[self.reason]
+        return REASONS[self.reason].status
+
+    @property
+    def retryable(self) -> bool:
+        """Whether sending the same request again may succeed."""
+        return REASONS[self.reason].retryable
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}"

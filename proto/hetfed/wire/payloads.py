@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from hetfed.v1 import payloads_pb2 as pb
+from hetfed.wire.errors import WireError
 
 
 class PayloadKind(enum.Enum):
@@ -170,19 +171,49 @@ def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
         yield "embeddings", payload.embeddings
 
 
-# Kinds the aggregator may send several of in one instructions message: FedH2L relays one SeedPosteriors
-# per teacher. ``by_kind(..., repeated=RELAYED_KINDS)`` gathers each such kind into a tuple.
-RELAYED_KINDS = frozenset({PayloadKind.SEED_POSTERIORS})
+P = TypeVar("P")
 
 
-def by_kind(payloads: list[Payload], repeated: frozenset[PayloadKind] = frozenset()) -> dict[PayloadKind, Any]:
-    """Index payloads by kind: one payload per kind, except kinds in ``repeated``, gathered into a tuple."""
-    out: dict[PayloadKind, Any] = {}
-    for p in payloads:
-        if p.kind in repeated:
-            out[p.kind] = (*out.get(p.kind, ()), p)
-            continue
-        if p.kind in out:
-            raise ValueError(f"two payloads of kind {p.kind.value}")
-        out[p.kind] = p
-    return out
+class Received:
+    """The payloads of one message with typed access by class: ``received.get(ClassCounts)``.
+
+    Each kind appears at most once, except the kinds in ``repeated`` (relays, e.g. one SeedPosteriors per
+    teacher), which ``all`` returns in order. A message breaking that is malformed (WireError).
+    """
+
+    def __init__(self, payloads: Iterable[Payload], repeated: frozenset[PayloadKind] = frozenset()) -> None:
+        self._items: dict[PayloadKind, list[Payload]] = {}
+        for p in payloads:
+            got = self._items.setdefault(p.kind, [])
+            if got and p.kind not in repeated:
+                raise WireError("duplicate_payload", f"two {p.kind.value} payloads in one message")
+            got.append(p)
+
+    def get(self, cls: type[P]) -> P:
+        """The one payload of type ``cls``; WireError(missing_payload) when absent."""
+        kind: PayloadKind = getattr(cls, "kind")  # noqa: B009 - every payload class declares its kind
+        items = self._items.get(kind)
+        if not items:
+            raise WireError("missing_payload", f"the message carries no {kind.value} payload")
+        return items[0]  # type: ignore[return-value]
+
+    def maybe(self, cls: type[P]) -> P | None:
+        """The payload of type ``cls``, or None."""
+        items = self._items.get(getattr(cls, "kind"))  # noqa: B009
+        return items[0] if items else None  # type: ignore[return-value]
+
+    def all(self, cls: type[P]) -> tuple[P, ...]:
+        """Every payload of type ``cls``, in the order received."""
+        return tuple(self._items.get(getattr(cls, "kind"), ()))  # type: ignore[arg-type]  # noqa: B009
+
+    @property
+    def kinds(self) -> frozenset[PayloadKind]:
+        """The kinds present."""
+        return frozenset(self._items)
+
+    def __iter__(self) -> Iterator[Payload]:
+        for items in self._items.values():
+            yield from items
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._items.values())

@@ -81,16 +81,28 @@ def breakdown(payloads: Sequence[pb.Payload], wire_bytes: int, messages: int = 1
     return with_envelope(payload_breakdown(payloads), wire_bytes, messages)
 
 
-class TrafficMetrics:
-    """Prometheus counters of communication cost, labelled by run, algorithm, organization, direction, kind."""
+SIDES = ("aggregator", "client")
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class TrafficMetrics:
+    """Prometheus counters of the traffic one side counted, labelled by run, algorithm, organization, direction, kind.
+
+    The side is part of the family name (``hetfed_aggregator_bytes_total``, ``hetfed_client_bytes_total``): both
+    sides count every message, so one family summed over all its labels is the wire total, never twice it.
+    """
+
+    def __init__(self, registry: CollectorRegistry, side: str) -> None:
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
         self.bytes = Counter(
-            "hetfed_bytes", "Serialized bytes of gRPC messages, by payload kind", LABELS, registry=registry
+            f"hetfed_{side}_bytes", f"Serialized bytes of gRPC messages the {side} counted, by payload kind", LABELS,
+            registry=registry,
         )
-        self.messages = Counter("hetfed_messages", "Messages (payloads; envelopes per RPC)", LABELS, registry=registry)
+        self.messages = Counter(f"hetfed_{side}_messages", f"Messages the {side} counted (payloads; envelopes "
+                                "per gRPC message)", LABELS, registry=registry)
         self.parameters = Counter(
-            "hetfed_parameters", "Tensor elements carried by payloads", LABELS, registry=registry
+            f"hetfed_{side}_parameters", f"Tensor elements carried by payloads the {side} counted", LABELS,
+            registry=registry,
         )
 
     def record(self, run: str, algorithm: str, organization: str, direction: str, b: TrafficBreakdown) -> None:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, from_mapping, load_file
-from hetfed.wire.specs import TrainConfig, get_spec
+from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.transport import TlsConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -16,10 +17,30 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 @dataclass(frozen=True)
 class SeedSetConfig:
-    """A data set every organization of a run must hold, named by id and SHA-256."""
+    """A data set every organization of a run must hold, named by id and SHA-256 (checked at Join).
+
+    ``size`` and ``parts`` (organization -> [start, stop) of the examples it teaches on), when given, let the
+    algorithm check every upload's indices against the seed set and the sender's own part.
+    """
 
     id: str
     sha256: str
+    size: int = 0
+    parts: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(bool(self.id), "seed_set.id must not be empty")
+        check(len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256),
+              f"seed_set.sha256 must be 64 lowercase hex digits, got {self.sha256[:80]!r}")
+        check(self.size >= 0, f"seed_set.size must be >= 0, got {self.size}")
+        for org, r in self.parts.items():
+            check(len(r) == 2 and 0 <= r[0] < r[1], f"seed_set.parts[{org}] must be [start, stop), got {list(r)}")
+            check(not self.size or r[1] <= self.size,
+                  f"seed_set.parts[{org}] = {list(r)} exceeds seed_set.size {self.size}")
+
+    def info(self) -> SeedSetInfo:
+        """What the algorithm's server half is told of the seed set."""
+        return SeedSetInfo(self.id, self.size, dict(self.parts))
 
 
 @dataclass(frozen=True)
@@ -36,6 +57,9 @@ class RunConfig:
     seed: int = 0
     algorithm_config: dict[str, Any] = field(default_factory=dict)
     seed_set: SeedSetConfig | None = None
+    # Bytes of the float32 weights each organization would exchange under FedAvg with the same model; only the
+    # dashboards' FedAvg comparison (hetfed_run_fedavg_reference_bytes_total) reads it. 0: not declared.
+    fedavg_model_bytes: int = 0
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
@@ -50,20 +74,35 @@ class RunConfig:
         )
         check(self.round_deadline_seconds > 0, "round_deadline_seconds must be > 0")
         check(self.seed >= 0, "seed must be >= 0")
+        check(self.fedavg_model_bytes >= 0, "fedavg_model_bytes must be >= 0")
         self.train_config()  # validates algorithm and algorithm_config now, with a precise message
+        if self.spec.needs_seed_set:
+            check(self.seed_set is not None, f"algorithm {self.algorithm!r} needs the run's seed_set "
+                                             "({id, sha256}, and size and parts to check uploads)")
+        if self.seed_set is not None:
+            unknown = sorted(set(self.seed_set.parts) - set(self.organizations))
+            check(not unknown, f"seed_set.parts names organizations not in the run: {unknown}")
 
     @property
     def quorum(self) -> int:
         """Clients needed to close a round at its deadline."""
         return self.min_clients or len(self.organizations)
 
-    def train_config(self) -> TrainConfig:
-        """The algorithm's typed, validated config."""
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The algorithm's spec."""
         try:
-            spec = get_spec(self.algorithm)
+            return get_spec(self.algorithm)
         except ValueError as exc:
             raise ConfigError(f"runs[{self.id}].algorithm: {exc}") from None
-        return from_mapping(spec.config_type, self.algorithm_config, "algorithm_config")
+
+    def train_config(self) -> TrainConfig:
+        """The algorithm's typed, validated config."""
+        return from_mapping(self.spec.config_type, self.algorithm_config, "algorithm_config")
+
+    def run_info(self) -> RunInfo:
+        """What the run's server half is told besides its config."""
+        return RunInfo(self.seed, self.organizations, self.seed_set.info() if self.seed_set else None)
 
 
 @dataclass(frozen=True)
@@ -74,6 +113,8 @@ class ServerConfig:
     # Prometheus /metrics port; 0 picks a free port, -1 disables the endpoint.
     metrics_port: int = 9090
     metrics_host: str = "0.0.0.0"
+    # A plaintext address serving only the gRPC health service (kubelet probes under mTLS); "" for none.
+    health_listen: str = ""
     state_dir: str = "hetfed-state"
     max_update_bytes: int = 4 << 30
     max_tensor_elements: int = 1 << 31

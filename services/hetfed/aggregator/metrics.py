@@ -13,7 +13,7 @@ class AggregatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.traffic = TrafficMetrics(r)
+        self.traffic = TrafficMetrics(r, "aggregator")
         self.rejected = Counter(
             "hetfed_rejected_messages", "Messages rejected, by reason", ["run", "reason"], registry=r
         )
@@ -32,18 +32,18 @@ class AggregatorMetrics:
         )
         self.current_round = Gauge("hetfed_current_round", "The open round", ["run", "algorithm"], registry=r)
         self.client_train_loss = Gauge(
-            "hetfed_client_train_loss", "Training loss an organization reported for its last round",
+            "hetfed_reported_train_loss", "Training loss an organization reported for its last round",
             ["run", "algorithm", "organization"], registry=r,
         )
         self.client_test_accuracy = Gauge(
-            "hetfed_client_test_accuracy", "Test accuracy an organization reported for its last round",
+            "hetfed_reported_test_accuracy", "Test accuracy an organization reported for its last round",
             ["run", "algorithm", "organization"], registry=r,
         )
         self.client_metric = Gauge(
-            "hetfed_client_metric", "A named figure an organization reported for its last round "
+            "hetfed_reported_metric", "A named figure an organization reported for its last round "
             "(EvalMetrics.extra, e.g. wdp, cdp, acc)", ["run", "algorithm", "organization", "name"], registry=r,
         )
         self.client_metric_mean = Gauge(
-            "hetfed_client_metric_mean", "Mean over the organizations of a named figure in the last closed round",
+            "hetfed_reported_metric_mean", "Mean over the organizations of a named figure in the last closed round",
             ["run", "algorithm", "name"], registry=r,
         )

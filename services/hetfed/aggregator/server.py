@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
+from hetfed.aggregator.health_listener import start_health_listener
 from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
+from hetfed.wire.rpc import add_aggregator_handler
 from hetfed.wire.transport import make_server
 
 log = logging.getLogger("hetfed.aggregator")
@@ -31,12 +34,15 @@ class RunningAggregator:
     _health: health.HealthServicer
     _stop: threading.Event
     _http: object | None
+    _health_server: object | None = None
 
     def stop(self, grace: float = 2.0) -> None:
         """Flip health to NOT_SERVING, drain in-flight calls for ``grace`` seconds, stop."""
         self._health.enter_graceful_shutdown()
         self._stop.set()
         self._server.stop(grace).wait()  # type: ignore[attr-defined]
+        if self._health_server is not None:
+            self._health_server.stop(0)  # type: ignore[attr-defined]
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
 
@@ -49,8 +55,9 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
     """Start serving ``config`` (restoring each run's state from the state directory)."""
     metrics = AggregatorMetrics()
     service = AggregatorService(config, metrics)
+    metrics.registry.register(RunMetricsCollector(lambda: list(service.runs.values())))
     server, port = make_server(config.server.listen, config.server.tls)
-    agrpc.add_AggregatorServicer_to_server(service, server)
+    add_aggregator_handler(server, service)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     http = None
@@ -63,6 +70,7 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_server = start_health_listener(config.server.health_listen, health_servicer) if config.server.health_listen else None
     stop = threading.Event()
 
     def ticker() -> None:
@@ -75,11 +83,12 @@ def start_aggregator(config: AggregatorConfig) -> RunningAggregator:
     threading.Thread(target=ticker, name="hetfed-deadlines", daemon=True).start()
     log.info("aggregator serving on port %d (metrics on %d) with runs %s", port, metrics_port,
              ", ".join(service.runs))
-    return RunningAggregator(port, metrics_port, service, server, health_servicer, stop, http)
+    return RunningAggregator(port, metrics_port, service, server, health_servicer, stop, http, health_server)
 
 
 def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    k8s_events.start_from_environment()
     agg = start_aggregator(config)
     if ready_file:
         import json
@@ -98,3 +107,4 @@ def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
     agg.stop()
+    k8s_events.shutdown()

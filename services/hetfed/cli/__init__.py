@@ -1,13 +1,32 @@
-"""The ``hetfed`` command: aggregator, client, and the local federation ``run``.
+"""The ``hetfed`` command: aggregator, client, the local federation ``run``, certificates and benchmarks.
 
-Subcommands import what they need lazily, so ``hetfed aggregator`` never loads torch.
+Subcommands import what they need lazily, so ``hetfed aggregator`` never loads torch. The choices of
+``hetfed run`` and their help come from the registries (algorithm specs, datasets, partitions, models), and
+every user error prints one line and exits with status 2, before any process starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from hetfed.cli import checkconfig, health, k8s_status, report
+from hetfed.wire.config import ConfigError
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (with where to look) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2."""
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -21,67 +40,72 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.config import load_aggregator_config
     from hetfed.aggregator.server import serve
 
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_aggregator_config, args.config)
     serve(load_aggregator_config(args.config), ready_file=args.ready_file)
     return 0
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
     from hetfed.client.config import load_client_config
-    from hetfed.client.runtime import ClientRuntime
+    from hetfed.client.runtime import ClientError, ClientRuntime
 
-    ClientRuntime(load_client_config(args.config)).run()
+    if args.check_config:
+        return checkconfig.report(checkconfig.check_client_config, args.config)
+    try:
+        ClientRuntime(load_client_config(args.config)).run()
+    except ClientError as exc:
+        print(f"hetfed client: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _parse_sets(items: list[str], algorithms: tuple[str, ...]) -> dict[str, dict[str, object]]:
+def _parse_sets(items: Sequence[str], algorithms: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--set [ALGO.]FIELD=VALUE`` (VALUE as JSON, else a string) into per-algorithm config overrides."""
-    import json
-
-    out: dict[str, dict[str, object]] = {a: {} for a in algorithms}
+    out: dict[str, dict[str, Any]] = {a: {} for a in algorithms}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"hetfed run: --set expects [ALGO.]FIELD=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects [ALGO.]FIELD=VALUE, got {item!r}")
         try:
-            value: object = json.loads(raw)
+            value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        algo, dot, field = key.rpartition(".")
-        targets = [algo] if dot else list(algorithms)
-        for t in targets:
-            if t not in out:
-                raise SystemExit(f"hetfed run: --set names algorithm {t!r}, which is not among {list(algorithms)}")
-            out[t][field] = value
-    return out
+        algo, dot, name = key.rpartition(".")
+        for target in ([algo] if dot else list(algorithms)):
+            if target not in out:
+                raise ConfigError(f"--set names algorithm {target!r}, which is not among {', '.join(algorithms)}")
+            out[target][name] = value
+    return {k: v for k, v in out.items() if v}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from hetfed.cli.localrun import LocalRunOptions, run_local
 
-    algorithms = tuple(a.strip() for a in args.algorithm.split(",") if a.strip())
-
+    algorithms = tuple(args.algorithm)
+    models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip()) or (
+        (args.model,) if args.model else ())
+    knobs = {"local_epochs": args.local_epochs, "lr": args.lr, "momentum": args.momentum, "batch_size": args.batch_size}
     opts = LocalRunOptions(
         algorithms=algorithms,
         clients=args.clients,
-        rounds=args.rounds if args.rounds is not None else (500 if "fedh2l" in algorithms else 10),
+        rounds=args.rounds,
         public_fraction=args.public_fraction,
         dataset=args.dataset,
         partition=args.partition,
         alpha=args.alpha,
         seed=args.seed,
-        model=args.model,
-        models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
+        models=models,
         latent_dim=args.latent_dim,
         test_split=args.test_split,
+        train={k: v for k, v in knobs.items() if v is not None},
         extra_algorithm_config=_parse_sets(args.set or [], algorithms),
-        local_epochs=args.local_epochs,
-        lr=args.lr,
-        momentum=args.momentum,
-        batch_size=args.batch_size,
-        output=args.output,
         wire_dtype=args.wire_dtype,
+        output=args.output,
         timeout=args.timeout,
         tls=args.tls,
+        metrics_linger=args.metrics_linger,
+        report=not args.no_report,
     )
     return run_local(opts)
 
@@ -94,7 +118,7 @@ def _cmd_certs(args: argparse.Namespace) -> int:
         certs = make_federation_certs(args.out, orgs, args.aggregator_name, days=args.days, force=args.force)
     except (ValueError, FileExistsError) as exc:
         print(f"hetfed certs: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     print(f"CA:         {certs.ca} (keep {certs.ca_key} offline)")
     print(f"aggregator: {certs.aggregator}, {certs.aggregator_key}")
     for org, (cert, key) in certs.organizations.items():
@@ -103,64 +127,130 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from hetfed.cli.bench import run_benchmark
+    from hetfed.cli.bench import list_benchmarks, run_benchmark
 
     if args.list or not args.name:
-        return run_benchmark("--list", [])
+        return list_benchmarks()
     return run_benchmark(args.name, args.args)
+
+
+# ------------------------------------------------------------------------------------------------ parser
+def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{what} must be greater than 0, got {text}")
+        return value
+    return parse
+
+
+def _choice(name: str, options: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            import difflib
+
+            close = difflib.get_close_matches(text, options, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise argparse.ArgumentTypeError(f"unknown {name} {text!r}{hint}; choose from {', '.join(options)}")
+        return text
+    return parse
+
+
+def _algorithms(options: Sequence[str]) -> Callable[[str], list[str]]:
+    one = _choice("algorithm", options)
+
+    def parse(text: str) -> list[str]:
+        names = [one(a.strip()) for a in text.split(",") if a.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError("names no algorithm")
+        return names
+    return parse
+
+
+def _listing(entries: dict[str, str]) -> str:
+    return "; ".join(f"{k}: {v}" for k, v in entries.items())
+
+
+def _add_run(sub: Any) -> None:
+    from hetfed.client.data import DATASETS, DEFAULT_DATASET, PARTITIONS, TEST_SPLITS
+    from hetfed.client.model_registry import MODELS
+    from hetfed.wire.specs import DEFAULT_COMPARISON, SPECS
+    from hetfed.wire.specs.base import WireDtype
+
+    builtin = [n for n, e in DATASETS.items() if e.builtin]
+    r = sub.add_parser(
+        "run",
+        help="start a real aggregator and real clients on loopback and federate a built-in data set",
+        description="Starts a real aggregator and real client processes on loopback, runs each algorithm, and "
+        "prints final accuracy and bytes per algorithm. Unset options take the dataset's and the algorithm's "
+        "defaults (docs/algorithms/).",
+    )
+    r.add_argument("--algorithm", type=_algorithms(list(SPECS)), default=list(DEFAULT_COMPARISON), metavar="A[,A...]",
+                   help=f"comma-separated algorithms (default {','.join(DEFAULT_COMPARISON)}): "
+                   + _listing({k: s.summary.split(":")[0].split(".")[0] for k, s in SPECS.items()}))
+    r.add_argument("--clients", type=_positive(int, "--clients"), default=4, help="organizations per algorithm (default 4)")
+    r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None,
+                   help="training rounds (default: the algorithm's for the dataset, else 10)")
+    r.add_argument("--dataset", type=_choice("dataset", builtin), default=DEFAULT_DATASET, metavar="NAME",
+                   help=f"(default {DEFAULT_DATASET}) " + _listing({k: DATASETS[k].summary for k in builtin}))
+    r.add_argument("--partition", type=_choice("partition", list(PARTITIONS)), default=None, metavar="NAME",
+                   help="(default: what the algorithms need, else the dataset's) "
+                   + _listing({k: v.summary for k, v in PARTITIONS.items()}))
+    r.add_argument("--alpha", type=_positive(float, "--alpha"), default=0.5,
+                   help="concentration of label-skewed partitions (default 0.5)")
+    r.add_argument("--public-fraction", type=_positive(float, "--public-fraction"), default=0.1,
+                   help="partitions with a shared seed set: its fraction of each domain (default 0.1)")
+    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    r.add_argument("--model", type=_choice("model", list(MODELS)), default=None, metavar="NAME",
+                   help="one architecture for every organization (default: the algorithm's or dataset's) "
+                   + _listing({k: v.summary for k, v in MODELS.items()}))
+    r.add_argument("--models", default=None, metavar="M[,M...]",
+                   help="architectures assigned to organizations in turn (heterogeneous federations)")
+    r.add_argument("--latent-dim", type=_positive(int, "--latent-dim"), default=None,
+                   help="latent width d_e (default: the algorithm's or the architecture's)")
+    r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default="proportional",
+                   help="own test sets of label-skewed partitions: proportional to the train labels, or FedGen's "
+                   "equal share per label held (default proportional)")
+    r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
+                   help="override an algorithm config field (VALUE is JSON); repeatable")
+    r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None, help="local epochs per round (default 2)")
+    r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help="learning rate (default 0.01)")
+    r.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
+    r.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=None, help="minibatch size (default 32)")
+    r.add_argument("--wire-dtype", type=_choice("wire dtype", list(WireDtype.__args__)), default="float32",  # type: ignore[attr-defined]
+                   help="transport precision of floating tensors (default float32)")
+    r.add_argument("--output", help="directory for per-round results (results.json), logs and configs")
+    r.add_argument("--timeout", type=_positive(float, "--timeout"), default=1800, help="give up after this many seconds")
+    r.add_argument("--tls", action="store_true",
+                   help="generate a CA and certificates in the run directory and federate over mTLS")
+    r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
+                   "lists every endpoint (file_sd), and processes keep serving SECONDS after the run (default 0: off)")
+    r.add_argument("--no-report", action="store_true", help="do not write report.png and report.md with --output")
+    r.set_defaults(func=_cmd_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``hetfed`` command."""
-    p = argparse.ArgumentParser(prog="hetfed", description="Heterogeneous federated learning over gRPC.")
+    p = _Parser(prog="hetfed", description="Heterogeneous federated learning over gRPC.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
     a = sub.add_parser("aggregator", help="run the aggregator service")
     a.add_argument("--config", required=True, help="aggregator config file (.toml or .json)")
     a.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    a.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     a.set_defaults(func=_cmd_aggregator)
 
     c = sub.add_parser("client", help="run one organization's client")
     c.add_argument("--config", required=True, help="client config file (.toml or .json)")
+    c.add_argument("--check-config", action="store_true", help="validate the config file and exit")
     c.set_defaults(func=_cmd_client)
 
-    r = sub.add_parser(
-        "run",
-        help="start a real aggregator and real clients on loopback and federate a built-in data set",
-        description="Starts a real aggregator and real client processes on loopback, runs each algorithm, "
-        "and prints final accuracy and bytes per algorithm.",
-    )
-    r.add_argument("--algorithm", default="fedavg,local",
-                   help="comma-separated algorithms (default: fedavg,local)")
-    r.add_argument("--clients", type=int, default=4, help="organizations per algorithm (default 4)")
-    r.add_argument("--rounds", type=int, default=None,
-                   help="training rounds (default 10; with fedh2l 500: one round is one FedH2L iteration)")
-    r.add_argument("--public-fraction", type=float, default=0.1,
-                   help="partition rotated: fraction alpha of each domain in the shared seed set (default 0.1)")
-    r.add_argument("--dataset", default="mnist5k", help="mnist5k, digits or synthetic (default mnist5k)")
-    r.add_argument("--partition", default="dirichlet", help="iid, dirichlet or natural (default dirichlet)")
-    r.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
-    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
-    r.add_argument("--model", default="lenet", help="private architecture of every organization (default lenet)")
-    r.add_argument("--models", help="comma-separated architectures assigned to organizations in turn "
-                   "(heterogeneous federations; overrides --model)")
-    r.add_argument("--latent-dim", type=int, default=0, help="latent width d_e (default: the architecture's)")
-    r.add_argument("--test-split", default="proportional", choices=["proportional", "fedgen"],
-                   help="own test sets of dirichlet partitions: proportional to the train labels, or FedGen's equal share per label held (default proportional)")
-    r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
-                   help="override an algorithm config field (VALUE is JSON); repeatable")
-    r.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
-    r.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    r.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    r.add_argument("--batch-size", type=int, default=32, help="minibatch size (default 32)")
-    r.add_argument("--wire-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="transport precision of floating tensors")
-    r.add_argument("--output", help="directory for per-round results (results.json) and logs")
-    r.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
-    r.add_argument("--tls", action="store_true",
-                   help="generate a CA and certificates in the run directory and federate over mTLS")
-    r.set_defaults(func=_cmd_run)
+    _add_run(sub)
 
     k = sub.add_parser(
         "certs",
@@ -177,28 +267,36 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace existing files")
     k.set_defaults(func=_cmd_certs)
 
+    report.add_parser(sub)
+
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
     b.add_argument("name", nargs="?", help="benchmark name (see --list)")
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
+    health.add_parser(sub)
+    k8s_status.add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hetfed`` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args = parser.parse_args(["run", *argv])
     _setup_logging(args.verbose)
-    from hetfed.wire.config import ConfigError
-
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"hetfed: configuration error: {exc}", file=sys.stderr)
-        return 2
+        print(f"hetfed {args.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    finally:
+        # The interpreter's shutdown collections would traverse every object torch and the run created (several
+        # seconds per process on a busy machine, so a federation's clients exited long after their run ended);
+        # frozen objects are skipped, and module teardown still releases everything.
+        gc.freeze()
 
 
 if __name__ == "__main__":

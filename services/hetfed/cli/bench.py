@@ -1,29 +1,26 @@
-"""``hetfed bench NAME``: reproductions of the papers' claims and system benchmarks, by name.
+"""``hetfed bench NAME``: reproductions of the papers' claims, found automatically.
 
-Each entry maps a name to ``module:function``; the function takes the remaining arguments and
-returns an exit code. Benchmarks use the same aggregator and client processes as everything else.
+Every ``<name>.bench.toml`` grid beside an algorithm's spec (``hetfed.wire.specs``) is a benchmark of that
+name, run by the generic runner in :mod:`hetfed.cli.reproduce`; a new algorithm's grid is listed without
+touching this module. System benchmarks are scripts in ``benchmarks/`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import importlib
+from hetfed.cli.reproduce import grids, load_grid
+from hetfed.cli.reproduce import main as reproduce
+from hetfed.wire.config import ConfigError
 
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "fedh2l": ("hetfed.cli.bench_fedh2l:main",
-               "FedH2L vs IND, AGG and no-projection on Rotated MNIST-5k, heterogeneous nets; bytes vs FedAvg"),
-    "fedcma": ("hetfed.cli.bench_fedcma:main",
-               "Fed-CMA vs Local and head-only FedAvg on MNIST-5k, 20 orgs, CNN+MLP encoders; latent discriminator; bytes vs FedAvg"),
-    # name: ("module:function", one-line description)
-}
+
+def list_benchmarks() -> int:
+    """Print every benchmark with its title."""
+    for name in grids():
+        print(f"{name:<16} {load_grid(name).title}")
+    return 0
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:
-    """Run benchmark ``name`` with ``argv``; ``--list`` prints what exists."""
-    if name in ("--list", "list"):
-        for key, (_, desc) in sorted(BENCHMARKS.items()):
-            print(f"{key:<16} {desc}")
-        return 0
-    if name not in BENCHMARKS:
-        raise SystemExit(f"hetfed bench: unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS)) or 'none'}")
-    module, _, func = BENCHMARKS[name][0].partition(":")
-    return int(getattr(importlib.import_module(module), func)(argv))
+    """Run benchmark ``name`` with ``argv``."""
+    if name not in grids():
+        raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(grids()) or 'none'}")
+    return reproduce(name, argv)

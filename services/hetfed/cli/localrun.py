@@ -1,69 +1,219 @@
 """``hetfed run``: a real aggregator and real client processes on loopback, one run per algorithm.
 
-Nothing is simulated: the aggregator and every organization are separate processes started with the
-same ``hetfed aggregator`` / ``hetfed client`` commands a Kubernetes deployment runs, talking gRPC.
+Nothing is simulated: the aggregator and every organization are separate processes started with the same
+``hetfed aggregator`` / ``hetfed client`` commands a Kubernetes deployment runs, talking gRPC. This module
+knows no algorithm and no dataset: what each needs comes from the registries (``hetfed.wire.specs``, the
+data registry, the model registry), and every choice is validated before any process starts.
+
+Defaults are layered, the later winning: the command's own (``BASE``), the dataset's, the algorithm's
+(for every dataset, then for this dataset), and finally what the user gave on the command line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
-from hetfed.wire.config import to_mapping
-from hetfed.wire.transport import TlsConfig, make_channel
+from hetfed.cli.report import write_report
+from hetfed.client.data.registry import DEFAULT_DATASET
+from hetfed.wire.config import ConfigError, from_mapping, to_mapping
+from hetfed.wire.messages import RunStatus
+from hetfed.wire.rpc import status_of
+from hetfed.wire.specs import DEFAULT_COMPARISON, AlgorithmSpec, LocalDefaults, get_spec
+from hetfed.wire.transport import TlsConfig
 
 if TYPE_CHECKING:
     from hetfed.cli.certs import FederationCerts
 
 # The orchestrator's own certificate under --tls: a name no run lists, good only for the read-only Status.
 OPERATOR_ORGANIZATION = "hetfed-operator"
+# The command's own defaults, under every dataset's and algorithm's.
+BASE = LocalDefaults(rounds=10, models=("lenet",),
+                     config={"local_epochs": 2, "lr": 0.01, "momentum": 0.9, "batch_size": 32})
+# Training knobs the command line sets for every run (--local-epochs, --lr, --momentum, --batch-size).
+TRAIN_KNOBS = ("local_epochs", "lr", "momentum", "batch_size")
 
 
 @dataclass(frozen=True)
 class LocalRunOptions:
-    """What ``hetfed run`` federates and how."""
+    """What the user asked ``hetfed run`` for; ``None`` (or empty) leaves the choice to the defaults."""
 
-    algorithms: tuple[str, ...] = ("fedavg", "local")
+    algorithms: tuple[str, ...] = DEFAULT_COMPARISON
     clients: int = 4
-    rounds: int = 10
-    dataset: str = "mnist5k"
-    partition: str = "dirichlet"
+    rounds: int | None = None
+    dataset: str = DEFAULT_DATASET
+    partition: str | None = None
     alpha: float = 0.5
     seed: int = 0
-    model: str = "lenet"
-    # Per-organization architectures (cycled); overrides `model` when set.
+    # Per-organization architectures (cycled); --model X is ("X",).
     models: tuple[str, ...] = ()
-    latent_dim: int = 0
-    # Own test sets of dirichlet partitions: "proportional" or "fedgen" (hetfed.client.data.split_like).
+    latent_dim: int | None = None
+    # Own test sets of label-skewed partitions: "proportional" or "fedgen" (hetfed.client.data.split_like).
     test_split: str = "proportional"
     # Clients write model snapshots and probe latents under <workdir>/artifacts (hetfed.client.artifacts).
     artifacts: bool = False
-    local_epochs: int = 2
-    lr: float = 0.01
-    momentum: float = 0.9
-    batch_size: int = 32
+    # Training knobs given on the command line (TRAIN_KNOBS), for every run.
+    train: Mapping[str, Any] = field(default_factory=dict)
     wire_dtype: str = "float32"
     output: str | None = None
     timeout: float = 1800.0
-    extra_algorithm_config: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Partition "rotated": the seed-set fraction alpha of each domain; train on the whole seed set too (AGG).
+    # --set: algorithm -> config field -> value.
+    extra_algorithm_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Partitions with a shared seed set: its fraction of each domain; train on the whole seed set too (AGG).
     public_fraction: float = 0.1
     train_on_public: bool = False
     quiet: bool = False
     # Federate over mTLS with certificates generated into <workdir>/certs.
     tls: bool = False
+    # Clients report their CPU and wall time of local work (benchmarks measure the overhead with it).
+    timing: bool = False
+    # > 0: set up for a Prometheus (client metrics, <workdir>/prometheus-targets.json, whole-model references).
+    metrics_linger: float = 0.0
+    # Write report.png and report.md (hetfed.cli.report) next to results.json.
+    report: bool = True
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """One run of a local federation, every default resolved."""
+
+    run_id: str
+    spec: AlgorithmSpec
+    rounds: int
+    models: tuple[str, ...]
+    latent_dim: int | None
+    config: dict[str, Any]
+    seed_set: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """A whole local federation: the shared data settings and one plan per run."""
+
+    opts: LocalRunOptions
+    partition: str
+    runs: tuple[RunPlan, ...]
+    picture: str
+
+
+def run_id_of(algorithm: str) -> str:
+    """The run id of an algorithm in a local federation."""
+    return algorithm.replace("_", "-")
+
+
+def _data_mapping(opts: LocalRunOptions, partition: str, index: int) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha, "num_clients": opts.clients,
+        "client_index": index, "seed": opts.seed, "public_fraction": opts.public_fraction,
+    }
+    if opts.test_split != "proportional":
+        data["test_split"] = opts.test_split
+    if opts.train_on_public:
+        data["train_on_public"] = True
+    return data
+
+
+def plan(opts: LocalRunOptions) -> LocalPlan:
+    """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
+    from hetfed.client.data import DATASETS, DataConfig, load_seed_set
+    from hetfed.client.model_registry import MODELS
+
+    if opts.clients < 1:
+        raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
+    if not opts.algorithms:
+        raise ConfigError("--algorithm names no algorithm")
+    if len(set(opts.algorithms)) != len(opts.algorithms):
+        raise ConfigError(f"--algorithm names an algorithm twice: {','.join(opts.algorithms)}")
+    specs = []
+    for name in opts.algorithms:
+        try:
+            specs.append(get_spec(name))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    for name in opts.extra_algorithm_config:
+        if name not in opts.algorithms:
+            raise ConfigError(f"--set names algorithm {name!r}, which is not among {', '.join(opts.algorithms)}")
+    if opts.dataset not in DATASETS or not DATASETS[opts.dataset].builtin:
+        builtin = sorted(n for n, e in DATASETS.items() if e.builtin)
+        raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(builtin)}")
+    entry = DATASETS[opts.dataset]
+    layered = {s.name: s.defaults_for(opts.dataset).over(entry.defaults.over(BASE)) for s in specs}
+    # One partition for every run of the federation: the user's, else the one the algorithms need, else the
+    # dataset's.
+    partition = opts.partition
+    if partition is None:
+        wanted = {s.name: s.defaults_for(opts.dataset).partition for s in specs}
+        needs = {p for p in wanted.values() if p is not None}
+        if len(needs) > 1:
+            raise ConfigError(f"the algorithms need different partitions ({', '.join(sorted(needs))}): "
+                              "choose one with --partition")
+        partition = needs.pop() if needs else (entry.defaults.partition or BASE.partition or "")
+        if partition not in entry.partitions:
+            who = ", ".join(n for n, p in wanted.items() if p == partition)
+            raise ConfigError(f"{who} needs the {partition!r} partition, which dataset {opts.dataset!r} does not "
+                              f"offer (it offers {', '.join(entry.partitions)})")
+    if partition not in entry.partitions:
+        raise ConfigError(f"dataset {opts.dataset!r} has no partition {partition!r}; it offers "
+                          f"{', '.join(entry.partitions)}")
+    try:
+        DataConfig(**_data_mapping(opts, partition, 0))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    seed_cfg = DataConfig(**_data_mapping(opts, partition, 0))
+    runs = []
+    for spec in specs:
+        d = layered[spec.name]
+        if spec.needs_seed_set and not entry.partitions[partition].seed_set:
+            offer = [p for p, e in entry.partitions.items() if e.seed_set]
+            raise ConfigError(f"{spec.name} needs a seed set every organization holds; partition {partition!r} of "
+                              f"{opts.dataset!r} has none" + (f" (use --partition {' or '.join(offer)})" if offer
+                                                              else f", and no partition of {opts.dataset!r} has one"))
+        models = opts.models or d.models
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}")
+        latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
+        fields = {f.name for f in dataclasses.fields(spec.config_type)}
+        config: dict[str, Any] = {k: v for k, v in d.config.items() if k in fields}
+        config.update({k: v for k, v in opts.train.items() if k in fields})
+        config["wire_dtype"] = opts.wire_dtype
+        # Algorithms with one label space or one latent space name them in their config.
+        if "num_classes" in fields and entry.num_classes is not None:
+            config["num_classes"] = entry.num_classes
+        if "latent_dim" in fields and latent is not None:
+            config["latent_dim"] = latent
+        config.update(opts.extra_algorithm_config.get(spec.name, {}))
+        if "latent_dim" in fields:
+            latent = int(config.get("latent_dim", getattr(spec.config_type(), "latent_dim")))  # noqa: B009
+        try:
+            from_mapping(spec.config_type, config, f"{spec.name} config")
+        except ConfigError as exc:
+            raise ConfigError(f"--set: {exc}") from None
+        seed_set = None
+        if spec.needs_seed_set:
+            seeds = load_seed_set(seed_cfg)
+            assert seeds is not None
+            seed_set = {"id": seeds.id, "sha256": seeds.sha256, "size": len(seeds),
+                        "parts": {f"org-{d}": list(r) for d, r in seeds.ranges().items() if d < opts.clients}}
+        rounds = opts.rounds if opts.rounds is not None else int(d.rounds or 10)
+        if rounds < 1:
+            raise ConfigError(f"--rounds must be at least 1, got {rounds}")
+        runs.append(RunPlan(run_id_of(spec.name), spec, rounds, tuple(models), latent, config, seed_set))
+    return LocalPlan(opts, partition, tuple(runs), entry.picture)
+
+
+# ------------------------------------------------------------------------------------------------ processes
 def _subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -131,10 +281,9 @@ class LocalFederation:
         if self.aggregator is not None and self.aggregator.poll() is not None:
             raise RuntimeError(f"the aggregator exited:\n{self.log_tail('aggregator')}")
 
-    def status(self, timeout: float = 10.0) -> apb.StatusResponse:
+    def status(self, timeout: float = 10.0) -> list[RunStatus]:
         """The aggregator's Status of every run."""
-        with make_channel(f"127.0.0.1:{self.port}", self.tls) as ch:
-            return agrpc.AggregatorStub(ch).Status(apb.StatusRequest(), timeout=timeout)
+        return status_of(f"127.0.0.1:{self.port}", self.tls, timeout=timeout)
 
     def wait_clients(self, timeout: float) -> None:
         """Wait for every client process to exit."""
@@ -156,36 +305,25 @@ class LocalFederation:
                 p.wait()
 
 
-def aggregator_config(opts: LocalRunOptions, state_dir: str, tls: TlsConfig | None = None) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------ configs
+def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: TlsConfig | None = None) -> dict[str, Any]:
     """The aggregator config of a local federation: one run per algorithm."""
+    p = opts if isinstance(opts, LocalPlan) else plan(opts)
     runs = []
-    for algo in opts.algorithms:
-        algo_cfg: dict[str, Any] = {
-            "local_epochs": opts.local_epochs,
-            "lr": opts.lr,
-            "momentum": opts.momentum,
-            "batch_size": opts.batch_size,
-            "wire_dtype": opts.wire_dtype,
-            **opts.extra_algorithm_config.get(algo, {}),
-        }
-        runs.append({
-            "id": algo.replace("_", "-"),
-            "algorithm": algo,
-            "organizations": [f"org-{i}" for i in range(opts.clients)],
-            "rounds": opts.rounds,
+    for r in p.runs:
+        run: dict[str, Any] = {
+            "id": r.run_id,
+            "algorithm": r.spec.name,
+            "organizations": [f"org-{i}" for i in range(p.opts.clients)],
+            "rounds": r.rounds,
             "round_deadline_seconds": 600.0,
-            "seed": opts.seed,
-            "algorithm_config": algo_cfg,
-        })
-        if algo == "fedh2l":
-            from hetfed.cli.fedh2l_local import apply_fedh2l
-
-            apply_fedh2l(runs[-1], opts.dataset, opts.partition, opts.clients, opts.seed, opts.public_fraction,
-                         opts.extra_algorithm_config.get(algo, {}))
-        if algo == "fedcma":
-            from hetfed.cli.fedcma_local import fedcma_run_defaults
-
-            fedcma_run_defaults(runs[-1], opts)
+            "seed": p.opts.seed,
+            "algorithm_config": r.config,
+        }
+        if r.seed_set is not None:
+            run["seed_set"] = r.seed_set
+        runs.append(run)
+    declare_fedavg_reference(runs, p)
     server: dict[str, Any] = {
         "listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir,
     }
@@ -195,63 +333,42 @@ def aggregator_config(opts: LocalRunOptions, state_dir: str, tls: TlsConfig | No
     return {"server": server, "runs": runs}
 
 
-def client_config(
-    opts: LocalRunOptions, run_id: str, index: int, port: int, tls: TlsConfig | None = None
-) -> dict[str, Any]:
-    """The config of organization ``index`` in run ``run_id`` (``tls``: its certificate, under mTLS)."""
-    models = opts.models or (opts.model,)
-    if not opts.models and run_id == "fedh2l":
-        from hetfed.cli.fedh2l_local import DEFAULT_MODELS
+def artifacts_dir(run_id: str, organization: str) -> str:
+    """Where a local run's client writes its snapshots, relative to the run's work directory."""
+    return str(Path("artifacts") / run_id / organization)
 
-        models = DEFAULT_MODELS
+
+def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, port: int,
+                  tls: TlsConfig | None = None) -> dict[str, Any]:
+    """The config of organization ``index`` in run ``run_id`` (``tls``: its certificate, under mTLS)."""
+    p = opts if isinstance(opts, LocalPlan) else plan(opts)
+    r = next(r for r in p.runs if r.run_id == run_id)
     cfg: dict[str, Any] = {
         "organization": f"org-{index}",
         "run": run_id,
         "aggregator": f"127.0.0.1:{port}",
         "device": "auto",
         "threads": 1,
-        "data": {
-            "dataset": opts.dataset,
-            "partition": opts.partition,
-            "alpha": opts.alpha,
-            "num_clients": opts.clients,
-            "client_index": index,
-            "seed": opts.seed,
-        },
-        "model": {"name": models[index % len(models)], "latent_dim": opts.latent_dim},
+        "data": _data_mapping(p.opts, p.partition, index),
+        "model": {"name": r.models[index % len(r.models)], "latent_dim": r.latent_dim or 0},
         "retry": {"give_up_after_seconds": 120.0},
     }
-    if opts.dataset == "gauss4":  # the 2-D toy: one fixed split, flat inputs, a 2-D latent space to draw
-        cfg["data"]["partition"] = "natural"
-        if not opts.models and opts.model == "lenet":
-            cfg["model"]["name"] = "mlp"
-        cfg["model"]["latent_dim"] = opts.latent_dim or 2
-    if opts.test_split != "proportional":
-        cfg["data"]["test_split"] = opts.test_split
-    if run_id == "fedcma" or opts.artifacts or opts.dataset == "gauss4":
-        from hetfed.cli.fedcma_local import artifacts_dir, fedcma_client_defaults
-
-        if run_id == "fedcma":
-            fedcma_client_defaults(cfg, opts, index)
-        if opts.artifacts or opts.dataset == "gauss4":
-            cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
-    if opts.partition == "rotated":
-        cfg["data"].update(public_fraction=opts.public_fraction, train_on_public=opts.train_on_public)
+    if p.opts.artifacts or p.picture:
+        cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
+    if p.opts.timing:
+        cfg["report_timing"] = True
     if tls is not None:
         cfg["tls"] = to_mapping(tls)
     return cfg
 
 
-def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------ results
+def summarize_run(status: RunStatus) -> dict[str, Any]:
     """Per-round results of a finished run and its final figures, as JSON-ready dicts."""
+    spec = get_spec(status.algorithm)
     rounds: list[dict[str, Any]] = []
     for rec in status.history:
-        up: dict[str, int] = {}
-        down: dict[str, int] = {}
-        for t in rec.traffic:
-            side = up if t.direction == "up" else down
-            side[t.payload_kind] = side.get(t.payload_kind, 0) + t.bytes
-        reports = {r.organization_id: r.metrics for r in rec.reports}
+        reports = rec.reports
         n_test = sum(m.num_test_examples for m in reports.values())
         acc = sum(m.test_accuracy * m.num_test_examples for m in reports.values()) / n_test if n_test else None
         gaccs = [m.extra["global_test_accuracy"] for m in reports.values() if "global_test_accuracy" in m.extra]
@@ -264,14 +381,16 @@ def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
             "test_accuracy": acc,
             "global_test_accuracy": sum(gaccs) / len(gaccs) if gaccs else None,
             "train_loss": loss,
-            "bytes_up": up,
-            "bytes_down": down,
+            "bytes_up": rec.bytes("up"),
+            "bytes_down": rec.bytes("down"),
             "per_organization": {
-                org: {"test_accuracy": m.test_accuracy, "train_loss": m.train_loss, **dict(m.extra)}
+                org: {"test_accuracy": m.test_accuracy, "train_loss": m.train_loss,
+                      "num_test_examples": m.num_test_examples, **dict(m.extra)}
                 for org, m in sorted(reports.items())
             },
         })
     final = rounds[-1] if rounds else {}
+    orgs = final.get("per_organization", {})
     train_rounds = [r for r in rounds if r["round"] >= 1][: status.total_rounds]
     total_up = sum(sum(r["bytes_up"].values()) for r in rounds)
     total_down = sum(sum(r["bytes_down"].values()) for r in rounds)
@@ -281,12 +400,13 @@ def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
         "rounds": rounds,
         "final_test_accuracy": final.get("test_accuracy"),
         "final_global_test_accuracy": final.get("global_test_accuracy"),
-        # Domain partitions (rotated): the mean over organizations of WDP, CDP and ACC in the final report.
-        "final_domain_metrics": {
-            k: sum(m[k] for m in final["per_organization"].values()) / len(final["per_organization"])
-            for k in ("wdp", "cdp", "acc")
-            if final and final["per_organization"] and all(k in m for m in final["per_organization"].values())
+        # The algorithm's own figures (its spec's), means over organizations in the final report.
+        "final_figures": {
+            f.key: sum(m[f.source] for m in orgs.values()) / len(orgs)
+            for f in spec.figures
+            if orgs and all(f.source in m for m in orgs.values())
         },
+        "figure_labels": {f.key: f.label for f in spec.figures},
         "bytes_up_total": total_up,
         "bytes_down_total": total_down,
         "bytes_per_train_round": (
@@ -296,7 +416,8 @@ def summarize_run(status: apb.RunStatus) -> dict[str, Any]:
     }
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """Bytes in decimal units (B, KB, MB, GB)."""
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -304,87 +425,131 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    """A plain-text table of final accuracy and bytes per algorithm."""
-    head = ("algorithm", "own-test acc", "global-test acc", "bytes up", "bytes down", "bytes/round", "time")
-    rows = [head]
+def _pct(v: float | None) -> str:
+    return f"{100 * v:.2f}%" if v is not None else "-"
+
+
+TABLE_HEAD = ("algorithm", "own-test acc", "global-test acc", "bytes up", "bytes down", "bytes/round", "time",
+              "figures")
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The final table's rows: accuracy, bytes and the algorithm's own figures per run."""
+    rows: list[tuple[str, ...]] = []
     for r in results:
-        g = r["final_global_test_accuracy"]
+        figures = "  ".join(f"{r['figure_labels'][k]} {100 * v:.2f}%" for k, v in r["final_figures"].items())
         rows.append((
-            r["algorithm"],
-            f"{100 * r['final_test_accuracy']:.2f}%" if r["final_test_accuracy"] is not None else "-",
-            f"{100 * g:.2f}%" if g is not None else "-",
-            _fmt_bytes(r["bytes_up_total"]),
-            _fmt_bytes(r["bytes_down_total"]),
-            _fmt_bytes(r["bytes_per_train_round"]),
-            f"{r.get('wall_seconds', 0):.0f}s",
+            r["algorithm"], _pct(r["final_test_accuracy"]), _pct(r["final_global_test_accuracy"]),
+            fmt_bytes(r["bytes_up_total"]), fmt_bytes(r["bytes_down_total"]), fmt_bytes(r["bytes_per_train_round"]),
+            f"{r.get('wall_seconds', 0):.0f}s", figures or "-",
         ))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return rows
 
 
-def _bar(status: apb.RunStatus, width: int = 24) -> str:
-    done = min(status.total_rounds, max(0, status.round - 1))
-    if status.state == apb.RUN_STATE_FINISHED or status.state == apb.RUN_STATE_EVALUATING:
-        done = status.total_rounds
-    filled = int(width * done / max(1, status.total_rounds))
-    acc = ""
-    for rec in reversed(status.history):
-        if rec.reports:
-            n = sum(r.metrics.num_test_examples for r in rec.reports)
-            if n:
-                acc = f"  acc {100 * sum(r.metrics.test_accuracy * r.metrics.num_test_examples for r in rec.reports) / n:5.1f}%"
-            break
-    state = apb.RunState.Name(status.state).removeprefix("RUN_STATE_").lower()
-    return f"{status.algorithm:<12} [{'#' * filled}{'.' * (width - filled)}] {done:>3}/{status.total_rounds} {state:<10}{acc}"
+# ------------------------------------------------------------------------------------------------ scraping
+# ``--metrics-linger SECONDS``: every client serves /metrics on a loopback port, the run directory gets
+# ``prometheus-targets.json`` (Prometheus ``file_sd_configs`` format), runs whose organizations share one
+# architecture declare ``fedavg_model_bytes``, and every process keeps serving its final counts for SECONDS.
+TARGETS_FILE = "prometheus-targets.json"
 
 
-def federate(opts: LocalRunOptions, workdir: Path,
-             on_status: Callable[[LocalFederation, apb.StatusResponse], None] | None = None) -> list[dict[str, Any]]:
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_targets(workdir: Path, aggregator_metrics_port: int, clients: dict[str, int]) -> Path:
+    """Write the file_sd targets of a local federation atomically (``clients``: process name -> port)."""
+    groups: list[dict[str, Any]] = [
+        {"targets": [f"127.0.0.1:{aggregator_metrics_port}"], "labels": {"hetfed_component": "aggregator"}}
+    ]
+    groups += [{"targets": [f"127.0.0.1:{port}"], "labels": {"hetfed_component": "client", "hetfed_process": name}}
+               for name, port in sorted(clients.items())]
+    path = workdir / TARGETS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def client_metrics(opts: LocalRunOptions, workdir: Path, aggregator_metrics_port: int,
+                   names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per client process: the config fields that serve its metrics; also writes the targets file.
+
+    Empty unless ``opts.metrics_linger`` > 0.
+    """
+    if opts.metrics_linger <= 0:
+        return {}
+    ports = {name: free_port() for name in names}
+    write_targets(workdir, aggregator_metrics_port, ports)
+    return {name: {"metrics_port": port, "metrics_host": "127.0.0.1", "metrics_linger_seconds": opts.metrics_linger}
+            for name, port in ports.items()}
+
+
+def model_bytes(plan: LocalPlan, model: str, latent_dim: int | None) -> int:
+    """Bytes of a model's floating state in float32 on the plan's data: one whole-model message of it."""
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.models import build_model
+
+    o = plan.opts
+    data = load_client_data(DataConfig(dataset=o.dataset, partition=plan.partition,  # type: ignore[arg-type]
+                                       num_clients=o.clients, seed=o.seed, public_fraction=o.public_fraction))
+    m = build_model(model, data.input_shape, data.num_classes, latent_dim=latent_dim)
+    return sum(v.numel() * 4 for v in m.state_dict().values() if v.is_floating_point())
+
+
+def declare_fedavg_reference(runs: list[dict[str, Any]], plan: LocalPlan) -> None:
+    """With scraping on, set ``fedavg_model_bytes`` on every run whose organizations share one architecture."""
+    if plan.opts.metrics_linger <= 0:
+        return
+    for run, r in zip(runs, plan.runs, strict=True):
+        if len(set(r.models)) == 1:  # heterogeneous organizations have no single whole model to compare with
+            run["fedavg_model_bytes"] = model_bytes(plan, r.models[0], r.latent_dim)
+
+
+# ------------------------------------------------------------------------------------------------ running
+def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
+             on_status: Callable[[LocalFederation, list[RunStatus]], None] | None = None) -> list[dict[str, Any]]:
     """Run every algorithm of ``opts`` on one local aggregator; returns each run's summary.
 
     ``on_status`` sees the federation and each Status it polls (benchmarks measure the processes with it).
     """
-    certs = _make_certs(opts, workdir) if opts.tls else None
+    from hetfed.cli.progress import Progress
+
+    p = opts if isinstance(opts, LocalPlan) else plan(opts)
+    o = p.opts
+    certs = _make_certs(o, workdir) if o.tls else None
     fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None)
     started = time.monotonic()
+    state = workdir / "state"
+    if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
+        shutil.rmtree(state)
     try:
-        fed.start_aggregator(aggregator_config(opts, str(workdir / "state"), certs.aggregator_tls() if certs else None))
-        for algo in opts.algorithms:
-            run_id = algo.replace("_", "-")
-            for i in range(opts.clients):
-                client_tls = certs.client_tls(f"org-{i}") if certs else None
-                fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, fed.port, client_tls))
-        tty = sys.stdout.isatty() and not opts.quiet
-        last: dict[str, str] = {}
-        while True:
-            fed.raise_if_failed()
-            status = fed.status()
-            if on_status is not None:
-                on_status(fed, status)
-            bars = [_bar(s) for s in status.runs]
-            if tty:
-                sys.stdout.write("".join(f"\r\x1b[2K{b}\n" for b in bars) + f"\x1b[{len(bars)}A")
-                sys.stdout.flush()
-            elif not opts.quiet:
-                for s, b in zip(status.runs, bars, strict=True):
-                    if last.get(s.run_id) != b.split("  acc")[0]:
-                        last[s.run_id] = b.split("  acc")[0]
-                        print(b, flush=True)
-            if all(s.state == apb.RUN_STATE_FINISHED for s in status.runs):
-                break
-            if time.monotonic() - started > opts.timeout:
-                raise TimeoutError(f"the federation did not finish within {opts.timeout}s")
-            # Status carries every round's history: poll long runs (FedH2L's thousands of rounds) less often.
-            time.sleep(0.25 if max(s.round for s in status.runs) < 200 else 1.0)
-        if tty:
-            sys.stdout.write("\n" * len(status.runs))
+        fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
+        names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(o.clients)}
+        scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
+        for (run_id, i), name in names.items():
+            client_tls = certs.client_tls(f"org-{i}") if certs else None
+            fed.start_client(name, {**client_config(p, run_id, i, fed.port, client_tls), **scrape.get(name, {})})
+        with Progress(quiet=o.quiet) as progress:
+            while True:
+                fed.raise_if_failed()
+                status = fed.status()
+                if on_status is not None:
+                    on_status(fed, status)
+                progress.update(status)
+                if all(s.finished for s in status):
+                    break
+                if time.monotonic() - started > o.timeout:
+                    raise TimeoutError(f"the federation did not finish within {o.timeout}s")
+                # Status carries every round's history: poll long runs (thousands of rounds) less often.
+                time.sleep(0.25 if max(s.round for s in status) < 200 else 1.0)
         fed.wait_clients(timeout=60)
         wall = time.monotonic() - started
         results = []
-        for s in status.runs:
+        for s in status:
             summary = summarize_run(s)
             summary["wall_seconds"] = wall
             results.append(summary)
@@ -403,36 +568,41 @@ def _make_certs(opts: LocalRunOptions, workdir: Path) -> FederationCerts:
 
 
 def run_local(opts: LocalRunOptions) -> int:
-    """The ``hetfed run`` command: federate, print the table, write results.json when asked."""
+    """The ``hetfed run`` command: validate, federate, print the table, write results.json when asked."""
+    p = plan(opts)  # every user error surfaces here, before any process starts
     if opts.output:
         # Absolute: the processes it starts run inside it and are handed paths in it.
         workdir = Path(opts.output).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        return _run_in(opts, workdir)
+        return _run_in(p, workdir)
     with tempfile.TemporaryDirectory(prefix="hetfed-run-") as tmp:
-        return _run_in(opts, Path(tmp))
+        return _run_in(p, Path(tmp))
 
 
-def _run_in(opts: LocalRunOptions, workdir: Path) -> int:
-    if not opts.quiet:
-        print(f"hetfed run: {', '.join(opts.algorithms)} with {opts.clients} organizations on {opts.dataset} "
-              f"({opts.partition}{f', alpha={opts.alpha}' if opts.partition == 'dirichlet' else ''}), "
-              f"{opts.rounds} rounds, seed {opts.seed}", flush=True)
-    results = federate(opts, workdir)
-    print(format_table(results))
-    for r in results:
-        if r["final_domain_metrics"]:
-            print(f"{r['algorithm']}: mean over organizations " + "  ".join(
-                f"{k.upper()} {100 * v:.2f}%" for k, v in r["final_domain_metrics"].items()))
-    if opts.dataset == "gauss4":
-        from hetfed.client.diagnostics import plot_gauss4
+def _run_in(p: LocalPlan, workdir: Path) -> int:
+    from hetfed.cli.progress import print_table, say
+
+    o = p.opts
+    if not o.quiet:
+        from hetfed.client.data import PARTITIONS
+
+        detail = "".join(f", {k}={getattr(o, k)}" for k in PARTITIONS[p.partition].parameters)
+        rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
+        say(f"hetfed run: {', '.join(o.algorithms)} with {o.clients} organizations on {o.dataset} "
+            f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
+    results = federate(p, workdir)
+    print_table(TABLE_HEAD, table_rows(results))
+    if p.picture:
+        from hetfed.client.data.registry import resolve
 
         for r in results:
-            png = plot_gauss4(workdir, r["run"], Path(opts.output or "."))
+            png = resolve(p.picture)(workdir, r["run"], Path(o.output or "."))
             if png is not None:
-                print(f"latent spaces and decision boundaries: {png}")
-    if opts.output:
-        out = {"options": to_mapping(opts), "runs": results}
+                say(f"{r['algorithm']}: {png}")
+    if o.output:
+        out = {"options": to_mapping(o), "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
-        print(f"per-round results: {workdir / 'results.json'}")
+        say(f"per-round results: {workdir / 'results.json'}")
+        if o.report:
+            say(f"accuracy against bytes: {write_report([workdir / 'results.json'], workdir)}")
     return 0

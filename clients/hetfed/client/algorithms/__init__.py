@@ -1,26 +1,30 @@
-"""Client halves of the algorithms (torch), registered by spec name."""
+"""Client halves of the algorithms (torch), registered by spec name (one line per algorithm)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
-from hetfed.client.algorithms.fedavg import FedAvgClient, HeadFedAvgClient, LocalClient
+from hetfed.client.algorithms.fedavg import FedAvgClient
+from hetfed.client.algorithms.fedavg_head import HeadFedAvgClient
 from hetfed.client.algorithms.fedcma import FedCMAClient
 from hetfed.client.algorithms.fedh2l import FedH2LClient
+from hetfed.client.algorithms.fedprox import FedProxClient
+from hetfed.client.algorithms.local import LocalClient
+from hetfed.wire.specs import AlgorithmSpec
 
-CLIENT_HALVES: dict[str, Callable[[ClientContext], ClientHalf]] = {
+CLIENT_HALVES: dict[str, type[ClientHalf]] = {  # type: ignore[type-arg]
     "local": LocalClient,
     "fedavg": FedAvgClient,
-    "fedprox": FedAvgClient,
+    "fedprox": FedProxClient,
     "fedavg_head": HeadFedAvgClient,
     "fedcma": FedCMAClient,
     "fedh2l": FedH2LClient,
 }
 
 
-def make_client_half(algorithm: str, ctx: ClientContext) -> ClientHalf:
-    """The client half for a spec name."""
-    if algorithm not in CLIENT_HALVES:
-        raise ValueError(f"algorithm {algorithm!r} has no client half; available: {sorted(CLIENT_HALVES)}")
-    return CLIENT_HALVES[algorithm](ctx)
+def make_client_half(spec: AlgorithmSpec, ctx: ClientContext) -> ClientHalf:  # type: ignore[type-arg]
+    """The client half registered for ``spec``, built on a context holding a config of ``spec.config_type``."""
+    try:
+        half = CLIENT_HALVES[spec.name]
+    except KeyError:
+        raise ValueError(f"algorithm {spec.name!r} has no client half; available: {sorted(CLIENT_HALVES)}") from None
+    return half(ctx)

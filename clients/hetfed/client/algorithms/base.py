@@ -1,56 +1,65 @@
-"""The client-half interface and the context every client half is built with."""
+"""The client-half interface and the context every client half is built with.
+
+A client half is generic in its algorithm's config type (the registry pairs it with its spec, and a test
+checks the pairing), receives typed payloads (``Received``) and trains through the one training loop
+(``hetfed.client.training.fit``). The runtime owns the round loop and calls these hooks.
+"""
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from hetfed.client.data import ClientData
 from hetfed.client.models import SplitModel
 from hetfed.client.training import DeviceData, evaluate
-from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind
+from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.specs import TrainConfig
+
+C = TypeVar("C", bound=TrainConfig)
 
 
 @dataclass
-class ClientContext:
+class ClientContext(Generic[C]):
     """Everything a client half works with: the private model and data, the run's config and seed."""
 
     organization: str
     model: SplitModel
     data: ClientData
     device: torch.device
-    config: TrainConfig
+    config: C
     seed: int
+    # Builds another model of this organization's architecture with the run's initial weights (two-model
+    # algorithms keep a second copy).
+    build_model: Callable[[], SplitModel] | None = None
+    eval_sets: dict[str, DeviceData] = field(init=False)
 
     def __post_init__(self) -> None:
         self.train = DeviceData.of(self.data.train, self.device)
         self.test = DeviceData.of(self.data.test, self.device)
-        self.global_test = DeviceData.of(self.data.global_test, self.device) if self.data.global_test else None
-        self.cross_test = DeviceData.of(self.data.cross_test, self.device) if self.data.cross_test else None
+        self.eval_sets = {name: DeviceData.of(ds, self.device) for name, ds in self.data.eval_sets().items()}
 
     def rng(self, round_seed: int) -> np.random.Generator:
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
         return np.random.default_rng([self.seed, round_seed, zlib.crc32(self.organization.encode())])
 
-    def metrics(self, train_loss: float, evaluated_round: int, **extra: float) -> EvalMetrics:
-        """Evaluate the current model on the own test set (and the shared one when present)."""
-        acc, loss = evaluate(self.model, self.test)
-        figures = {"evaluated_round": float(evaluated_round), **extra}
-        if self.global_test is not None:
-            gacc, gloss = evaluate(self.model, self.global_test)
-            figures["global_test_accuracy"] = gacc
-            figures["global_test_loss"] = gloss
-            if self.cross_test is not None:
-                # Domain partitions: within-domain (own test set), cross-domain (the other organizations'
-                # domains) and all-domain accuracy, FedH2L's WDP, CDP and ACC.
-                figures["wdp"] = acc
-                figures["cdp"] = evaluate(self.model, self.cross_test)[0]
-                figures["acc"] = gacc
+    def metrics(self, train_loss: float, evaluated_round: int, extra: Mapping[str, float] | None = None, *,
+                model: nn.Module | None = None,
+                predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EvalMetrics:
+        """Evaluate ``model`` (default: the organization's model) on its own test set and every further held-out
+        set the data provides, reported as ``<set>_accuracy`` and ``<set>_loss``, with ``extra`` figures."""
+        net = model if model is not None else self.model
+        acc, loss = evaluate(net, self.test, predict=predict)
+        figures = {"evaluated_round": float(evaluated_round), **(extra or {})}
+        for name, data in self.eval_sets.items():
+            figures[f"{name}_accuracy"], figures[f"{name}_loss"] = evaluate(net, data, predict=predict)
         return EvalMetrics(
             train_loss=train_loss,
             num_train_examples=len(self.train),
@@ -61,21 +70,29 @@ class ClientContext:
         )
 
 
-class ClientHalf(Protocol):
-    """Hooks the client runtime calls; the loop itself lives in the runtime."""
+class ClientHalf(Generic[C]):
+    """Hooks the client runtime calls; the round loop lives in the runtime, the training loop in ``training``."""
 
-    def declared(self) -> list[tuple[PayloadKind, str, np.ndarray]]:
-        """Tensors this client will upload every round (declared at Join; checked by the aggregator)."""
-        ...
+    def __init__(self, ctx: ClientContext[C]) -> None:
+        self.ctx = ctx
+        self.config: C = ctx.config
+
+    def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
+        """Tensors this client will upload every round (declared at Join, checked by the aggregator)."""
+        return []
 
     def setup(self, round_seed: int) -> list[Payload]:
         """The one-time setup upload (only for algorithms with a setup phase)."""
-        ...
+        return []
 
-    def train(self, round_: int, round_seed: int, received: dict[PayloadKind, Payload]) -> list[Payload]:
+    def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """One round of local work on what the aggregator sent; returns the upload."""
-        ...
+        raise NotImplementedError
 
-    def evaluate(self, round_: int, received: dict[PayloadKind, Payload]) -> EvalMetrics:
+    def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The final evaluation of what this organization would deploy."""
-        ...
+        raise NotImplementedError
+
+    def deployed_model(self) -> SplitModel:
+        """The model this organization would deploy (what local artifacts snapshot)."""
+        return self.ctx.model

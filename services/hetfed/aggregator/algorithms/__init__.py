@@ -1,29 +1,29 @@
-"""Server halves of the algorithms (numpy only), registered by spec name."""
+"""Server halves of the algorithms (numpy only), registered by spec name (one line per algorithm)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from hetfed.aggregator.algorithms.base import ServerHalf
-from hetfed.aggregator.algorithms.fedavg import HeadFedAvgServer, LocalServer, ModelFedAvgServer
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
+from hetfed.aggregator.algorithms.fedavg import FedAvgServer
+from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer
 from hetfed.aggregator.algorithms.fedh2l import FedH2LServer
-from hetfed.wire.specs import SPECS, TrainConfig
+from hetfed.aggregator.algorithms.local import LocalServer
+from hetfed.wire.specs import AlgorithmSpec, TrainConfig
 
-SERVER_HALVES: dict[str, Callable[[TrainConfig, int], ServerHalf]] = {
+SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "local": LocalServer,
-    "fedavg": ModelFedAvgServer,
-    "fedprox": ModelFedAvgServer,
+    "fedavg": FedAvgServer,
+    "fedprox": FedAvgServer,  # FedProx differs from FedAvg only in the client objective
     "fedavg_head": HeadFedAvgServer,
     "fedcma": FedCMAServer,
     "fedh2l": FedH2LServer,
 }
 
 
-def make_server_half(algorithm: str, config: TrainConfig, seed: int) -> ServerHalf:
-    """The server half for a spec name, built with the run's typed config and seed."""
-    if algorithm not in SPECS:
-        raise ValueError(f"unknown algorithm {algorithm!r}")
-    if algorithm not in SERVER_HALVES:
-        raise ValueError(f"algorithm {algorithm!r} has no server half")
-    return SERVER_HALVES[algorithm](config, seed)
+def make_server_half(spec: AlgorithmSpec, config: TrainConfig, run: RunInfo) -> ServerHalf:  # type: ignore[type-arg]
+    """The server half registered for ``spec``, built with the run's typed config (of ``spec.config_type``)."""
+    try:
+        half = SERVER_HALVES[spec.name]
+    except KeyError:
+        raise ValueError(f"algorithm {spec.name!r} has no server half") from None
+    return half(config, run)

@@ -1,43 +1,72 @@
-"""The server-half interface every algorithm implements; the round engine owns the loop."""
+"""The server-half interface every algorithm implements (numpy only); the round engine owns the loop.
+
+A server half is generic in its algorithm's config type: the registry pairs it with the spec whose
+``config_type`` it names, and a test checks that pairing for every algorithm, so no half inspects its
+config's type at run time. Hooks receive typed payloads (``Received``) and the run's ``Phase``.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from hetfed.wire.payloads import Payload, PayloadKind
+from hetfed.wire.payloads import Payload, Received
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs import TrainConfig
+
+C = TypeVar("C", bound=TrainConfig)
 
 
-class ServerHalf(Protocol):
-    """Numpy state and hooks the round engine calls; one instance per run."""
+@dataclass(frozen=True)
+class SeedSetInfo:
+    """The run's shared seed set: its id, size and each organization's part [start, stop) (empty: unchecked)."""
 
-    # True when every organization receives the same payloads in a round (instructions are cached).
-    broadcast: bool
+    id: str
+    size: int = 0
+    parts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
-    def payloads_for(self, phase: str, round_: int, organization: str) -> list[Payload]:
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a server half knows of its run besides its config: the seed, the participants, the seed set."""
+
+    seed: int
+    organizations: tuple[str, ...]
+    seed_set: SeedSetInfo | None = None
+
+
+class ServerHalf(Generic[C]):
+    """Numpy state and the hooks the round engine calls; one instance per run. Hooks default to no-ops."""
+
+    # True when every organization receives the same payloads in a round (the engine builds them once).
+    broadcast: ClassVar[bool] = True
+
+    def __init__(self, config: C, run: RunInfo) -> None:
+        self.config = config
+        self.run = run
+
+    def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """What ``organization`` receives with its instructions for ``round_`` of ``phase``."""
-        ...
+        return []
 
-    def validate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
         """Algorithm-specific checks of a contract-checked update; raise WireError to reject it."""
-        ...
 
-    def accumulate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Fold one accepted update into the round's running aggregate (streaming)."""
-        ...
 
-    def close_round(self, phase: str, round_: int) -> None:
+    def close_round(self, phase: Phase, round_: int) -> None:
         """Finish the round: turn the running aggregate into the new server state."""
-        ...
 
     def state(self) -> dict[str, np.ndarray]:
-        """Arrays that, with the stored updates of the open round, restore this half after a restart."""
-        ...
+        """Named arrays that, with the stored updates of the open round, restore this half after a restart."""
+        return {}
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Restore from ``state()`` output."""
-        ...
 
 
 class WeightedMean:
@@ -48,7 +77,7 @@ class WeightedMean:
         self.weight = 0.0
         self.count = 0
 
-    def add(self, arrays: dict[str, np.ndarray], weight: float) -> None:
+    def add(self, arrays: Mapping[str, np.ndarray], weight: float) -> None:
         """Add ``weight`` × arrays to the sum."""
         if weight <= 0:
             raise ValueError("weights must be positive")

@@ -1,82 +1,54 @@
-"""Server halves of Local, FedAvg / FedProx (whole model) and head-only FedAvg."""
+"""FedAvg's server half (McMahan et al. 2017) and the weighted average it shares with head-only FedAvg."""
 
 from __future__ import annotations
 
+from typing import Generic
+
 import numpy as np
 
-from hetfed.aggregator.algorithms.base import WeightedMean
+from hetfed.aggregator.algorithms.base import C, RunInfo, ServerHalf, WeightedMean
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import HeadWeights, ModelWeights, Payload, PayloadKind
-from hetfed.wire.specs import TrainConfig
+from hetfed.wire.payloads import ModelWeights, Payload, Received
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs.fedavg import FedAvgConfig
 
 
-class LocalServer:
-    """Local training: nothing to aggregate, nothing to send."""
+class AveragingServer(ServerHalf[C], Generic[C]):
+    """Averages the named arrays of one payload type, weighted by example counts, and sends the mean back."""
 
-    broadcast = True
-
-    def __init__(self, config: TrainConfig, seed: int) -> None:
-        self.config = config
-
-    def payloads_for(self, phase: str, round_: int, organization: str) -> list[Payload]:
-        """Local clients receive nothing."""
-        return []
-
-    def validate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
-        """Metrics need no further checks."""
-
-    def accumulate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
-        """Nothing to fold in."""
-
-    def close_round(self, phase: str, round_: int) -> None:
-        """Nothing to finish."""
-
-    def state(self) -> dict[str, np.ndarray]:
-        """No state."""
-        return {}
-
-    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """No state."""
-
-
-class _FedAvgServer:
-    """FedAvg over the named arrays of one payload kind, weighted by example counts (McMahan et al.)."""
-
-    broadcast = True
-    kind: PayloadKind
-
-    def __init__(self, config: TrainConfig, seed: int) -> None:
-        self.config = config
+    def __init__(self, config: C, run: RunInfo) -> None:
+        super().__init__(config, run)
         self.global_: dict[str, np.ndarray] | None = None
         self._acc = WeightedMean()
 
-    def _arrays(self, payload: Payload) -> tuple[dict[str, np.ndarray], int]:
+    def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
+        """The arrays an update contributes and their weight (None: nothing to average)."""
         raise NotImplementedError
 
-    def _payload(self, arrays: dict[str, np.ndarray]) -> Payload:
+    def payload(self, arrays: dict[str, np.ndarray]) -> Payload:
+        """The payload that carries the global arrays down."""
         raise NotImplementedError
 
-    def payloads_for(self, phase: str, round_: int, organization: str) -> list[Payload]:
+    def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """The current global arrays (none before the first aggregation: clients start from the run seed)."""
-        if self.global_ is None or phase == "setup":
+        if self.global_ is None or phase is Phase.SETUP:
             return []
-        return [self._payload(self.global_)]
+        return [self.payload(self.global_)]
 
-    def validate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
         """The aggregation weight must be a positive example count."""
-        if self.kind in payloads:
-            _, n = self._arrays(payloads[self.kind])
-            if n <= 0:
-                raise WireError("invalid_value", f"{self.kind.value}.num_examples must be > 0, got {n}")
+        got = self.arrays(update)
+        if got is not None and got[1] <= 0:
+            raise WireError("invalid_value", f"num_examples must be > 0, got {got[1]}")
 
-    def accumulate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Add n_i · w_i to the running sum."""
-        if self.kind in payloads:
-            arrays, n = self._arrays(payloads[self.kind])
-            self._acc.add(arrays, float(n))
+        got = self.arrays(update)
+        if got is not None:
+            self._acc.add(got[0], float(got[1]))
 
-    def close_round(self, phase: str, round_: int) -> None:
-        """w ← Σ n_i w_i / Σ n_i over the clients that pushed."""
+    def close_round(self, phase: Phase, round_: int) -> None:
+        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed."""
         if self._acc.count:
             self.global_ = {k: v.astype(np.float32) for k, v in self._acc.mean().items()}
         self._acc.reset()
@@ -90,27 +62,14 @@ class _FedAvgServer:
         self.global_ = dict(arrays) or None
 
 
-class ModelFedAvgServer(_FedAvgServer):
-    """FedAvg and FedProx: average whole models (FedProx differs only in the client objective)."""
+class FedAvgServer(AveragingServer[FedAvgConfig]):
+    """FedAvg: average whole models (FedProx shares it: its difference is in the client objective)."""
 
-    kind = PayloadKind.MODEL_WEIGHTS
+    def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
+        """The model's tensors and example count."""
+        mw = update.maybe(ModelWeights)
+        return None if mw is None else (mw.tensors, mw.num_examples)
 
-    def _arrays(self, payload: Payload) -> tuple[dict[str, np.ndarray], int]:
-        assert isinstance(payload, ModelWeights)
-        return payload.tensors, payload.num_examples
-
-    def _payload(self, arrays: dict[str, np.ndarray]) -> Payload:
+    def payload(self, arrays: dict[str, np.ndarray]) -> Payload:
+        """The global model."""
         return ModelWeights(arrays)
-
-
-class HeadFedAvgServer(_FedAvgServer):
-    """Head-only FedAvg: average the classifier head; encoders never leave the clients."""
-
-    kind = PayloadKind.HEAD_WEIGHTS
-
-    def _arrays(self, payload: Payload) -> tuple[dict[str, np.ndarray], int]:
-        assert isinstance(payload, HeadWeights)
-        return {"weight": payload.weight, "bias": payload.bias}, payload.num_examples
-
-    def _payload(self, arrays: dict[str, np.ndarray]) -> Payload:
-        return HeadWeights(arrays["weight"], arrays["bias"])

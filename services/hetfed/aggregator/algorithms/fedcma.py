@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, PayloadKind
-from hetfed.wire.specs import FedCMAConfig, TrainConfig
+from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, Received
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs.fedcma import FedCMAConfig
 
-CC = PayloadKind.CLASS_COUNTS
-CME = PayloadKind.CLASS_MEAN_EMBEDDINGS
-HW = PayloadKind.HEAD_WEIGHTS
 # Stream of the run seed that draws v̄⁰ (independent of every other draw made from the seed).
 _HEAD_INIT_STREAM = 0xC3A
 # Latents are sigmoid-bounded (Assumption 2): means outside [0, 1] by more than this are rejected.
@@ -49,15 +48,11 @@ def p_weights(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return p_ik, p_i
 
 
-class FedCMAServer:
+class FedCMAServer(ServerHalf[FedCMAConfig]):
     """Fed-CMA (Algorithm 1, server side): global class means ē and global head v̄ by eq. 7."""
 
-    broadcast = True
-
-    def __init__(self, config: TrainConfig, seed: int) -> None:
-        if not isinstance(config, FedCMAConfig):
-            raise TypeError(f"Fed-CMA needs a FedCMAConfig, got {type(config).__name__}")
-        self.config = config
+    def __init__(self, config: FedCMAConfig, run: RunInfo) -> None:
+        super().__init__(config, run)
         k, d = config.num_classes, config.latent_dim
         self.head_step = config.lambda1 * config.server_lr
         self.mean_step = config.lambda2 * config.server_lr
@@ -69,7 +64,7 @@ class FedCMAServer:
         # Consensus state: ē (starts at 0; `present` marks classes set at least once) and v̄.
         self.means = np.zeros((k, d))
         self.present = np.zeros(k, dtype=bool)
-        self.head_weight, self.head_bias = initial_head(k, d, seed)
+        self.head_weight, self.head_bias = initial_head(k, d, run.seed)
         self._pending: dict[str, np.ndarray] = {}
         self._reset_sums()
 
@@ -100,9 +95,9 @@ class FedCMAServer:
         return self.counts.sum(axis=0).astype(np.int64)
 
     # ------------------------------------------------------------------ ServerHalf
-    def payloads_for(self, phase: str, round_: int, organization: str) -> list[Payload]:
+    def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """ē (with Σ_j n_j^k as counts, presence = set at least once) and v̄; nothing in the setup round."""
-        if phase == "setup":
+        if phase is Phase.SETUP:
             return []
         k = self.config.num_classes
         return [
@@ -115,21 +110,19 @@ class FedCMAServer:
             HeadWeights(self.head_weight.astype(np.float32), self.head_bias.astype(np.float32), 0),
         ]
 
-    def validate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
         """Shapes against K and d_e, counts against the setup counts, presence against counts, bounded means."""
         k, d = self.config.num_classes, self.config.latent_dim
-        if phase == "setup":
-            cc = payloads[CC]
-            assert isinstance(cc, ClassCounts)
+        if phase is Phase.SETUP:
+            cc = update.get(ClassCounts)
             _check_int(cc.counts, (k,), "class_counts.counts")
             if (cc.counts < 0).any() or cc.counts.sum() <= 0:
                 raise WireError("invalid_value", "class_counts.counts must be >= 0 with a positive total")
             return
-        if phase != "train":
+        if phase is not Phase.TRAIN:
             return
         i = self._index(organization)
-        cme, head = payloads[CME], payloads[HW]
-        assert isinstance(cme, ClassMeanEmbeddings) and isinstance(head, HeadWeights)
+        cme, head = update.get(ClassMeanEmbeddings), update.get(HeadWeights)
         _check_int(cme.labels, (k,), "class_mean_embeddings.labels")
         if not np.array_equal(cme.labels, np.arange(k)):
             raise WireError("invalid_value", f"class_mean_embeddings.labels must be 0..{k - 1} in order")
@@ -148,18 +141,16 @@ class FedCMAServer:
         _check_float(head.weight, (k, d), "head_weights.weight")
         _check_float(head.bias, (k,), "head_weights.bias")
 
-    def accumulate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Setup: remember n_i^k. Train: add p_i^k·e_i^k per reported class and p_i·v_i to the sums."""
-        if phase == "setup":
-            cc = payloads[CC]
-            assert isinstance(cc, ClassCounts)
+        if phase is Phase.SETUP:
+            cc = update.get(ClassCounts)
             self._pending[organization] = np.asarray(cc.counts, dtype=np.int64).copy()
             return
-        if phase != "train":
+        if phase is not Phase.TRAIN:
             return
         i = self._index(organization)
-        cme, head = payloads[CME], payloads[HW]
-        assert isinstance(cme, ClassMeanEmbeddings) and isinstance(head, HeadWeights)
+        cme, head = update.get(ClassMeanEmbeddings), update.get(HeadWeights)
         present = np.asarray(cme.presence, dtype=bool)
         w = np.where(present, self.p_class[i], 0.0)
         self._e_sum += w[:, None] * np.asarray(cme.means, dtype=np.float64)
@@ -169,15 +160,15 @@ class FedCMAServer:
         self._v_bias_sum += p * np.asarray(head.bias, dtype=np.float64)
         self._v_weight += p
 
-    def close_round(self, phase: str, round_: int) -> None:
+    def close_round(self, phase: Phase, round_: int) -> None:
         """Setup: fix the p weights. Train: eq. 7 over the reporting organizations."""
-        if phase == "setup":
+        if phase is Phase.SETUP:
             if self._pending:
                 names = sorted(self._pending)
                 self._set_counts(names, np.stack([self._pending[n] for n in names]))
             self._pending = {}
             return
-        if phase == "train":
+        if phase is Phase.TRAIN:
             reported = self._e_weight > 0
             if reported.any():
                 target = self._e_sum[reported] / self._e_weight[reported, None]

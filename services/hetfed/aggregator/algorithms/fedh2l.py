@@ -6,7 +6,8 @@ in round r + 1, sends each organization those of its teachers (every peer, or a 
 ``peers_per_round``) with ``source_organization`` set. It never aggregates and computes nothing from the
 posteriors: the arrays it relays are the very arrays it received. It checks them, though: the seed set's
 id, indices inside the seed set and inside the sender's own domain part, rows that are distributions,
-a confidence in [0, 1].
+a confidence in [0, 1]. The seed set's id, size and each organization's part come from the run's
+``seed_set`` (the aggregator config), the same description the Join check uses.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ import zlib
 
 import numpy as np
 
+from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo, ServerHalf
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import Payload, PayloadKind, SeedPosteriors
-from hetfed.wire.specs import FedH2LConfig, TrainConfig
+from hetfed.wire.payloads import Payload, Received, SeedPosteriors
+from hetfed.wire.phases import Phase
+from hetfed.wire.specs.fedh2l import FedH2LConfig
 
-SP = PayloadKind.SEED_POSTERIORS
 
-
-class FedH2LServer:
+class FedH2LServer(ServerHalf[FedH2LConfig]):
     """Relays each organization's latest posteriors to its teachers' students; one instance per run."""
 
     broadcast = False
 
-    def __init__(self, config: TrainConfig, seed: int) -> None:
-        if not isinstance(config, FedH2LConfig):
-            raise TypeError(f"FedH2LServer needs a FedH2LConfig, got {type(config).__name__}")
-        self.config = config
-        self.seed = seed
+    def __init__(self, config: FedH2LConfig, run: RunInfo) -> None:
+        super().__init__(config, run)
+        self.seed_set = run.seed_set or SeedSetInfo("")
         # Posteriors of the last closed training round (what this round relays), and of the open round.
         self._relay: dict[str, SeedPosteriors] = {}
         self._incoming: dict[str, SeedPosteriors] = {}
@@ -44,39 +43,39 @@ class FedH2LServer:
         peers = sorted(o for o in self._relay if o != organization)
         k = self.config.peers_per_round
         if 0 < k < len(peers):
-            rng = np.random.default_rng([self.seed, round_, zlib.crc32(organization.encode())])
+            rng = np.random.default_rng([self.run.seed, round_, zlib.crc32(organization.encode())])
             peers = [peers[i] for i in sorted(rng.choice(len(peers), size=k, replace=False))]
         return peers
 
-    def payloads_for(self, phase: str, round_: int, organization: str) -> list[Payload]:
+    def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """The teachers' posteriors of the previous round, unchanged but for ``source_organization``."""
-        if phase == "setup":
+        if phase is Phase.SETUP:
             return []
         return [dataclasses.replace(self._relay[t], source_organization=t) for t in self.teachers(round_, organization)]
 
-    def validate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
         """Reject posteriors that name another seed set, stray outside the sender's part or are no distributions."""
-        sp = payloads.get(SP)
-        if not isinstance(sp, SeedPosteriors):
+        sp = update.maybe(SeedPosteriors)
+        if sp is None:
             return
-        cfg = self.config
+        seeds = self.seed_set
 
         def bad(reason: str, message: str) -> WireError:
             return WireError(reason, f"seed_posteriors from {organization!r}: {message}")
 
-        if cfg.seed_set_id and sp.seed_set_id != cfg.seed_set_id:
-            raise bad("seed_set_mismatch", f"seed set {sp.seed_set_id!r}, the run uses {cfg.seed_set_id!r}")
+        if seeds.id and sp.seed_set_id != seeds.id:
+            raise bad("seed_set_mismatch", f"seed set {sp.seed_set_id[:64]!r}, the run uses {seeds.id!r}")
         if not sp.seed_set_id:
             raise bad("invalid_value", "no seed_set_id")
         if sp.source_organization not in ("", organization):
-            raise bad("invalid_value", f"claims to come from {sp.source_organization!r}")
+            raise bad("invalid_value", f"claims to come from {sp.source_organization[:64]!r}")
         idx, probs = sp.indices, sp.probabilities
         if idx.dtype.kind not in "iu" or idx.ndim != 1 or idx.size == 0:
             raise bad("invalid_value", f"indices must be a non-empty int64 vector, got {idx.dtype}{list(idx.shape)}")
         lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or (cfg.seed_set_size and hi >= cfg.seed_set_size):
-            raise bad("invalid_value", f"indices span [{lo}, {hi}], outside the seed set of {cfg.seed_set_size}")
-        own = cfg.teach_ranges.get(organization)
+        if lo < 0 or (seeds.size and hi >= seeds.size):
+            raise bad("invalid_value", f"indices span [{lo}, {hi}], outside the seed set of {seeds.size}")
+        own = seeds.parts.get(organization)
         if own is not None and (lo < own[0] or hi >= own[1]):
             raise bad("invalid_value", f"indices span [{lo}, {hi}], outside its own domain part "
                                        f"[{own[0]}, {own[1]})")
@@ -99,15 +98,15 @@ class FedH2LServer:
             return int(sp.probabilities.shape[1])
         return None
 
-    def accumulate(self, phase: str, organization: str, payloads: dict[PayloadKind, Payload]) -> None:
+    def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Keep the organization's posteriors as they arrived (no arithmetic on them)."""
-        sp = payloads.get(SP)
-        if phase == "train" and isinstance(sp, SeedPosteriors):
+        sp = update.maybe(SeedPosteriors)
+        if phase is Phase.TRAIN and sp is not None:
             self._incoming[organization] = sp
 
-    def close_round(self, phase: str, round_: int) -> None:
+    def close_round(self, phase: Phase, round_: int) -> None:
         """The round's posteriors become what the next round relays."""
-        if phase == "train":
+        if phase is Phase.TRAIN:
             self._relay, self._incoming = self._incoming, {}
         else:
             self._incoming = {}

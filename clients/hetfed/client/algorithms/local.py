@@ -1,0 +1,23 @@
+"""Local training's client half: trains on its own data only and reports metrics of its own model."""
+
+from __future__ import annotations
+
+from hetfed.client.algorithms.base import ClientHalf
+from hetfed.client.training import Objective, epoch_batches, fit, make_optimizer, trainable
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.specs.local import LocalConfig
+
+
+class LocalClient(ClientHalf[LocalConfig]):
+    """Trains on its own data only; reports metrics of its own model after each round."""
+
+    def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
+        """Train locally, evaluate the result."""
+        ctx = self.ctx
+        opt = make_optimizer(trainable(ctx.model), self.config)
+        result = fit([Objective(ctx.model, opt)], epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
+        return [ctx.metrics(result.loss, evaluated_round=round_)]
+
+    def evaluate(self, round_: int, received: Received) -> EvalMetrics:
+        """The local model as it stands."""
+        return self.ctx.metrics(0.0, evaluated_round=round_ - 1)

@@ -1,0 +1,70 @@
+"""Datasets and federated partitions for the client runtime (numpy only).
+
+Every client of a run calls :func:`load_client_data` with the same :class:`DataConfig` except
+``client_index``; each computes the same global partition from ``seed`` and keeps its own part, so no
+data and no partition ever crosses the wire. All randomness comes from ``np.random.default_rng`` seeded
+by explicit arguments; the global numpy RNG is never used. The datasets and partitions are listed in
+:mod:`hetfed.client.data.registry`.
+"""
+
+from __future__ import annotations
+
+from hetfed.client.data.config import DataConfig
+from hetfed.client.data.core import (
+    HOLDOUT_FRACTION,
+    ArrayDataset,
+    ClientData,
+    DatasetUnavailableError,
+    Seed,
+)
+from hetfed.client.data.npz import load_npz_dir
+from hetfed.client.data.partitions import (
+    TEST_SPLITS,
+    class_counts,
+    class_proportions,
+    dirichlet_partition,
+    domain_partition,
+    iid_partition,
+    split_like,
+    stratified_holdout,
+)
+from hetfed.client.data.registry import DATASETS, DEFAULT_DATASET, PARTITIONS, resolve
+from hetfed.client.data.seedset import SeedSet
+from hetfed.client.data.synthetic import generate_synthetic
+
+__all__ = [
+    "DATASETS",
+    "DEFAULT_DATASET",
+    "HOLDOUT_FRACTION",
+    "PARTITIONS",
+    "TEST_SPLITS",
+    "ArrayDataset",
+    "ClientData",
+    "DataConfig",
+    "DatasetUnavailableError",
+    "Seed",
+    "SeedSet",
+    "class_counts",
+    "class_proportions",
+    "dirichlet_partition",
+    "domain_partition",
+    "generate_synthetic",
+    "iid_partition",
+    "load_client_data",
+    "load_npz_dir",
+    "load_seed_set",
+    "split_like",
+    "stratified_holdout",
+]
+
+
+def load_client_data(cfg: DataConfig) -> ClientData:
+    """This organization's train set, own test set and further held-out sets, as ``cfg`` describes."""
+    data: ClientData = resolve(DATASETS[cfg.dataset].partitions[cfg.partition].loader)(cfg)
+    return data
+
+
+def load_seed_set(cfg: DataConfig) -> SeedSet | None:
+    """The shared seed set every organization holds under ``cfg``'s partition (None if it provides none)."""
+    ref = DATASETS[cfg.dataset].partitions[cfg.partition].seed_set
+    return resolve(ref)(cfg) if ref else None  # type: ignore[no-any-return]

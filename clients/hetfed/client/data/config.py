@@ -1,0 +1,76 @@
+"""Which data set an organization trains on and how the federation's data is split (validated on load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hetfed.client.data.core import check_choice, check_float, check_int
+from hetfed.client.data.partitions import TEST_SPLITS
+from hetfed.client.data.registry import DATASETS, PARTITIONS, DatasetName, PartitionName
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset an organization trains on and how the federation's data is split among clients."""
+
+    dataset: DatasetName = "mnist5k"
+    partition: PartitionName = "dirichlet"
+    alpha: float = 0.5
+    num_clients: int = 4
+    client_index: int = 0
+    min_per_client: int = 10
+    seed: int = 0
+    path: str | None = None
+    synthetic_alpha: float = 0.5
+    synthetic_beta: float = 0.5
+    synthetic_samples: int = 5000
+    test_split: Literal["proportional", "fedgen"] = "proportional"
+    # Partition "rotated" (Rotated MNIST, see hetfed.client.data.rotated): the fraction alpha of each
+    # domain that forms the shared seed set; whether this organization also trains on the whole seed set
+    # (the AGG baseline); the seed set's .npz file when every organization mounts one (else it is derived).
+    public_fraction: float = 0.1
+    train_on_public: bool = False
+    seed_set_path: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("data.dataset", self.dataset, tuple(DATASETS))
+        check_choice("data.partition", self.partition, tuple(PARTITIONS))
+        check_choice("data.test_split", self.test_split, TEST_SPLITS)
+        check_float("data.alpha", self.alpha, minimum=0.0, inclusive=False)
+        check_int("data.num_clients", self.num_clients, minimum=1)
+        check_int("data.client_index", self.client_index, minimum=0)
+        if self.client_index >= self.num_clients:
+            raise ValueError(
+                f"data.client_index must be < data.num_clients ({self.num_clients}), got {self.client_index}"
+            )
+        check_int("data.min_per_client", self.min_per_client, minimum=0)
+        check_int("data.seed", self.seed, minimum=0)
+        check_float("data.synthetic_alpha", self.synthetic_alpha, minimum=0.0, inclusive=True)
+        check_float("data.synthetic_beta", self.synthetic_beta, minimum=0.0, inclusive=True)
+        check_int("data.synthetic_samples", self.synthetic_samples, minimum=10)
+        entry = DATASETS[self.dataset]
+        if entry.needs_path:
+            if not isinstance(self.path, str) or not self.path:
+                raise ValueError(f"data.path must name {entry.path_help} for dataset {self.dataset!r}, "
+                                 f"got {self.path!r}")
+        elif self.path is not None:
+            with_path = sorted(n for n, e in DATASETS.items() if e.needs_path)
+            raise ValueError(f"data.path is only used with dataset {' or '.join(map(repr, with_path))}, "
+                             f"got {self.path!r} for dataset {self.dataset!r}")
+        check_float("data.public_fraction", self.public_fraction, minimum=0.0, inclusive=False)
+        if self.public_fraction >= 0.75:
+            raise ValueError(f"data.public_fraction must be < 0.75, got {self.public_fraction:g}")
+        supported = entry.partitions
+        if self.partition not in supported:
+            with_it = sorted(name for name, e in DATASETS.items() if self.partition in e.partitions)
+            raise ValueError(
+                f"data.partition {self.partition!r} is not available for dataset {self.dataset!r} "
+                f"(it supports {', '.join(repr(p) for p in supported)}); partition {self.partition!r} "
+                f"works with dataset {' or '.join(repr(d) for d in with_it)}"
+                + (f" {PARTITIONS[self.partition].requirement}" if PARTITIONS[self.partition].requirement else "")
+            )
+        if (self.train_on_public or self.seed_set_path) and not supported[self.partition].seed_set:
+            with_seeds = sorted(p for p, e in supported.items() if e.seed_set)
+            raise ValueError("data.train_on_public and data.seed_set_path need a partition with a shared seed set "
+                             f"({', '.join(map(repr, with_seeds)) or 'none for this dataset'})")

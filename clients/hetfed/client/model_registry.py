@@ -1,0 +1,35 @@
+"""The architectures an organization can pick by name, as data (builders referenced lazily, no torch import).
+
+Each entry names its encoder builder ``(input_shape, latent_dim, bounded_latent) -> nn.Module`` as
+``"module:function"`` and its default latent width; :func:`hetfed.client.models.build_model` resolves it.
+Adding an architecture adds its builder and one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered architecture: its encoder builder, default latent width and what it is."""
+
+    builder: str
+    latent_dim: int
+    summary: str
+    # Needs torchvision (imported lazily, with a clear error where it is missing).
+    vision: bool = False
+
+
+MODELS: dict[str, ModelEntry] = {
+    "mlp": ModelEntry("hetfed.client.models:mlp", 64, "MLP: flatten, Linear(in, 200), ReLU, Linear(200, d_e)"),
+    "lenet": ModelEntry("hetfed.client.models:lenet", 84, "LeNet-5 style CNN (6 and 16 channels, 120 hidden)"),
+    "lenet_wide": ModelEntry("hetfed.client.models:lenet_wide", 84, "LeNet with 12 and 32 channels, 200 hidden"),
+    "fedgen_cnn": ModelEntry("hetfed.client.models:fedgen_cnn", 32,
+                             "FedGen's MNIST CNN (two stride-2 3x3 convolutions with BatchNorm)"),
+    "cnn": ModelEntry("hetfed.client.models:cnn", 128, "two 3x3 convolutions (32, 64) with max-pooling"),
+    "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",
+                           vision=True),
+    "mobilenet_v2": ModelEntry("hetfed.client.models:mobilenet_v2", 128,
+                               "torchvision MobileNetV2 (GPU client image)", vision=True),
+}

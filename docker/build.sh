@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Builds the hetfed images with buildah, without a Docker engine and without pulling from a registry:
+#   1. a local Debian base (debootstrap --variant=minbase with python3) imported as localhost/hetfed-base;
+#   2. a local torch base on it (CPU torch here; on a GPU cluster use a CUDA PyTorch image as BASE instead);
+#   3. localhost/hetfed-aggregator:<version> from docker/aggregator.Dockerfile (no torch);
+#   4. localhost/hetfed-client:<version> from docker/client.Dockerfile on the torch base.
+# Usage: docker/build.sh [aggregator|client|all]   (default all)
+# Environment:
+#   HETFED_IMAGE_STORE  container storage directory (default build/images; vfs driver, no daemon)
+#   HETFED_SUITE        Debian suite of the base (default bookworm: python 3.11)
+#   HETFED_TORCH        pip requirement of the torch base (default torch==2.13.0)
+#   PIP_FIND_LINKS      a local wheel directory, mounted into the torch base build when it exists
+#   HETFED_BUILD_CA     a CA bundle pip must trust inside the builds (a TLS-inspecting proxy); default
+#                       $PIP_CERT or $SSL_CERT_FILE when set. It is mounted for the build only, never kept.
+# Tools: buildah, podman, debootstrap and runc; run as root (apt-get installs them when missing).
+# Push the results with `buildah --root ... push localhost/hetfed-aggregator:TAG docker://REGISTRY/...`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+what=${1:-all}
+store=${HETFED_IMAGE_STORE:-$PWD/build/images}
+suite=${HETFED_SUITE:-bookworm}
+torch=${HETFED_TORCH:-torch==2.13.0}
+version=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+base=localhost/hetfed-base:$suite
+torch_base=localhost/hetfed-torch-base:$suite
+storage=(--root "$store/root" --runroot "$store/run" --storage-driver vfs)
+ca=${HETFED_BUILD_CA:-${PIP_CERT:-${SSL_CERT_FILE:-}}}
+ca_mount=()
+ca_arg=()
+if [[ -n $ca && -f $ca ]]; then
+  ca_mount=(-v "$(realpath "$ca"):/run/hetfed-build-ca.crt:ro")
+  ca_arg=(--build-arg PIP_CERT=/run/hetfed-build-ca.crt)
+fi
+
+step() { printf '== %s (%ss)\n' "$1" "$SECONDS"; }
+
+missing=()
+for tool in buildah podman debootstrap runc; do
+  command -v "$tool" >/dev/null || missing+=("$tool")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "docker/build.sh: missing ${missing[*]}: apt-get install -y --no-install-recommends buildah podman debootstrap runc" >&2
+    exit 2
+  fi
+  step "installing ${missing[*]}"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends buildah podman debootstrap runc >/dev/null
+fi
+mkdir -p "$store"
+
+has_image() { buildah "${storage[@]}" inspect --type image "$1" >/dev/null 2>&1; }
+
+if ! has_image "$base"; then
+  step "debootstrap $suite into a minimal root filesystem"
+  rootfs=$(mktemp -d "$store/rootfs.XXXXXX")
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$suite" "$rootfs" >/dev/null
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  chmod 755 "$rootfs"  # mktemp made it 0700: as the image's /, it would lock out every non-root user
+  step "importing it as $base"
+  tar -C "$rootfs" -c . | podman "${storage[@]}" import - "$base" >/dev/null
+  rm -rf "$rootfs"
+fi
+
+if [[ $what == all || $what == aggregator ]]; then
+  step "building localhost/hetfed-aggregator:$version"
+  buildah "${storage[@]}" bud --isolation chroot --layers=false --build-arg BASE="$base" \
+    "${ca_mount[@]}" "${ca_arg[@]}" -f docker/aggregator.Dockerfile -t "localhost/hetfed-aggregator:$version" . >"$store/aggregator.log"
+fi
+
+if [[ $what == all || $what == client ]]; then
+  if ! has_image "$torch_base"; then
+    step "making $torch_base ($torch)"
+    ctr=$(buildah "${storage[@]}" from "$base")
+    mounts=("${ca_mount[@]}")
+    if ((${#ca_mount[@]})); then
+      mounts+=(--env PIP_CERT=/run/hetfed-build-ca.crt)
+    fi
+    links=${PIP_FIND_LINKS:-}
+    if [[ -n $links && -d $links ]]; then
+      mounts+=(-v "$links:/wheels:ro" --env PIP_FIND_LINKS=/wheels)
+    fi
+    # torch goes into the system's site-packages (/usr/local), where a --system-site-packages venv sees it;
+    # a throw-away venv provides pip, so the base keeps no pip of its own.
+    buildah "${storage[@]}" run --isolation chroot "${mounts[@]}" "$ctr" -- sh -c \
+      'site=$(python3 -c "import sys; print(\"/usr/local/lib/python%d.%d/dist-packages\" % sys.version_info[:2])") \
+       && python3 -m venv /tmp/pip && /tmp/pip/bin/pip install --quiet --no-cache-dir --target "$site" "$0" \
+       && rm -rf /tmp/pip' "$torch"
+    buildah "${storage[@]}" commit --rm "$ctr" "$torch_base" >/dev/null
+  fi
+  step "building localhost/hetfed-client:$version"
+  buildah "${storage[@]}" bud --isolation chroot --layers=false --build-arg BASE="$torch_base" \
+    "${ca_mount[@]}" "${ca_arg[@]}" -f docker/client.Dockerfile -t "localhost/hetfed-client:$version" . >"$store/client.log"
+fi
+
+step "done"
+buildah "${storage[@]}" images

@@ -1,0 +1,421 @@
+"""Typed messages of the Aggregator service and pure conversions to and from hetfed.v1 Protobuf.
+
+The round engine and the client runtime work with these dataclasses only; this module (with ``rpc``) is the
+boundary where Protobuf is built and parsed. Updates and instructions travel as serialized bytes split into
+chunks; ``parse_update`` / ``check_update`` and ``encode_instructions`` / ``decode_instructions`` convert them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import codec, contract
+from hetfed.wire.errors import WireError
+from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
+from hetfed.wire.phases import Action, Phase
+from hetfed.wire.specs import AlgorithmSpec
+from hetfed.wire.traffic import KindCount, TrafficBreakdown, payload_breakdown
+
+# ---------------------------------------------------------------------------------------------- Join
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identifies a data set both sides hold (a shared seed set): its id and SHA-256."""
+
+    id: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """An organization asks to take part in a run (and, when the run shares a schema, declares its tensors)."""
+
+    run_id: str
+    organization: str = ""
+    declared: tuple[contract.DeclaredTensor, ...] = ()
+    seed_set: Fingerprint | None = None
+    num_train_examples: int = 0
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    """The run's algorithm, configuration (JSON), current round, seed and participants."""
+
+    run_id: str
+    algorithm: str
+    config_json: str
+    current_round: int
+    total_rounds: int
+    seed: int
+    organizations: tuple[str, ...]
+    # The run still needs this organization's tensor declaration: join again with ``declared``.
+    declare_required: bool = False
+
+
+def join_request_to_proto(req: JoinRequest) -> apb.JoinRequest:
+    """Encode a JoinRequest."""
+    msg = apb.JoinRequest(run_id=req.run_id, organization_id=req.organization,
+                          num_train_examples=req.num_train_examples)
+    if req.seed_set is not None:
+        msg.seed_set.id, msg.seed_set.sha256 = req.seed_set.id, req.seed_set.sha256
+    for d in req.declared:
+        msg.declared_tensors.add(payload_kind=d.kind.proto_enum,  # type: ignore[arg-type]
+                                 name=d.name, dtype=codec.dtype_enum(d.decl.dtype),  # type: ignore[arg-type]
+                                 shape=d.decl.shape)
+    return msg
+
+
+def join_request_from_proto(msg: apb.JoinRequest) -> JoinRequest:
+    """Decode a JoinRequest; an unknown payload kind or dtype in a declaration is malformed."""
+    declared = []
+    for d in msg.declared_tensors:
+        try:
+            kind = PayloadKind.from_proto_enum(d.payload_kind)
+        except ValueError:
+            raise WireError("malformed", f"declared tensor {d.name[:64]!r} has an unknown payload kind") from None
+        declared.append(contract.DeclaredTensor(
+            kind, d.name, contract.TensorDecl(codec.dtype_name(d.dtype), tuple(int(s) for s in d.shape))))
+    seed_set = Fingerprint(msg.seed_set.id, msg.seed_set.sha256) if msg.HasField("seed_set") else None
+    return JoinRequest(msg.run_id, msg.organization_id, tuple(declared), seed_set, int(msg.num_train_examples))
+
+
+def join_reply_to_proto(reply: JoinReply) -> apb.JoinResponse:
+    """Encode a JoinReply."""
+    return apb.JoinResponse(
+        run_id=reply.run_id, algorithm=reply.algorithm, algorithm_config_json=reply.config_json,
+        current_round=reply.current_round, total_rounds=reply.total_rounds, seed=reply.seed,
+        organizations=list(reply.organizations), declare_required=reply.declare_required,
+    )
+
+
+def join_reply_from_proto(msg: apb.JoinResponse) -> JoinReply:
+    """Decode a JoinResponse."""
+    return JoinReply(msg.run_id, msg.algorithm, msg.algorithm_config_json, int(msg.current_round),
+                     int(msg.total_rounds), int(msg.seed), tuple(msg.organizations), bool(msg.declare_required))
+
+
+# ---------------------------------------------------------------------------------------------- Pull
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A long-poll for an organization's next instructions."""
+
+    run_id: str
+    organization: str
+    # The last round this organization completed (pushed); -1 before its first.
+    completed_round: int
+    wait_seconds: float
+
+
+def pull_request_to_proto(req: PullRequest) -> apb.PullInstructionsRequest:
+    """Encode a PullRequest."""
+    return apb.PullInstructionsRequest(run_id=req.run_id, organization_id=req.organization,
+                                       completed_round=req.completed_round, wait_seconds=req.wait_seconds)
+
+
+def pull_request_from_proto(msg: apb.PullInstructionsRequest) -> PullRequest:
+    """Decode a PullInstructionsRequest; a wait that is not a finite number >= 0 is malformed."""
+    wait = float(msg.wait_seconds)
+    if not math.isfinite(wait) or wait < 0:
+        raise WireError("malformed", f"wait_seconds must be a finite number >= 0, got {wait}")
+    return PullRequest(msg.run_id, msg.organization_id, int(msg.completed_round), wait)
+
+
+@dataclass
+class Instructions:
+    """What an organization must do next, with the payloads of its round."""
+
+    run_id: str
+    round: int
+    action: Action
+    total_rounds: int
+    round_seed: int = 0
+    # Empty when the same instructions go to every organization (broadcast).
+    organization: str = ""
+    payloads: Sequence[Payload] = ()
+
+
+_ACTION_TO_PROTO = {Action.WAIT: apb.ACTION_WAIT, Action.SETUP: apb.ACTION_SETUP, Action.TRAIN: apb.ACTION_TRAIN,
+                    Action.EVALUATE: apb.ACTION_EVALUATE, Action.FINISH: apb.ACTION_FINISH}
+_ACTION_FROM_PROTO = {v: k for k, v in _ACTION_TO_PROTO.items()}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A serialized message and the traffic of the payloads it carries (the envelope not included)."""
+
+    data: bytes
+    payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
+
+
+def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:
+    """Serialize instructions; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
+    msg = apb.Instructions(
+        envelope=apb.Envelope(run_id=ins.run_id, round=ins.round, organization_id=ins.organization),
+        action=_ACTION_TO_PROTO[ins.action],  # type: ignore[arg-type]
+        round_seed=ins.round_seed,
+        total_rounds=ins.total_rounds,
+    )
+    for p in ins.payloads:
+        codec.fill_payload(msg.payloads.add(), p, wire_dtype)  # in place: no extra tensor copy
+        msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+    return Encoded(msg.SerializeToString(), payload_breakdown(msg.payloads) if ins.payloads else TrafficBreakdown())
+
+
+def decode_instructions(data: bytes, spec: AlgorithmSpec | None) -> tuple[Instructions, TrafficBreakdown]:
+    """Parse instructions and check their payloads against ``spec``'s download contract (a client's view)."""
+    try:
+        msg = apb.Instructions.FromString(data)
+    except DecodeError as exc:
+        raise WireError("malformed", f"instructions are not a valid hetfed.v1.Instructions: {exc}") from None
+    action = _ACTION_FROM_PROTO.get(msg.action)  # type: ignore[call-overload]
+    if action is None:
+        raise WireError("malformed", f"unknown action {msg.action} in instructions")
+    payloads: Received | tuple[Payload, ...] = ()
+    if msg.payloads:
+        if spec is None:
+            raise WireError("malformed", "instructions carry payloads before the algorithm is known")
+        payloads = contract.check_download(spec, msg.payloads)
+    env = msg.envelope
+    ins = Instructions(env.run_id, int(env.round), action, int(msg.total_rounds), int(msg.round_seed),
+                       env.organization_id, tuple(payloads))
+    return ins, payload_breakdown(msg.payloads) if msg.payloads else TrafficBreakdown()
+
+
+# ---------------------------------------------------------------------------------------------- Push
+
+
+@dataclass
+class Update:
+    """An organization's contribution to one round."""
+
+    run_id: str
+    round: int
+    organization: str
+    payloads: Sequence[Payload]
+
+
+def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
+    """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
+    msg = apb.Update(envelope=apb.Envelope(run_id=update.run_id, round=update.round,
+                                           organization_id=update.organization))
+    for p in update.payloads:
+        codec.fill_payload(msg.payloads.add(), p, wire_dtype)
+        msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+    return Encoded(msg.SerializeToString(), payload_breakdown(msg.payloads))
+
+
+class ParsedUpdate:
+    """A received update, parsed but not yet checked against a run's contract (opaque to the engine)."""
+
+    def __init__(self, data: bytes) -> None:
+        try:
+            self._msg = apb.Update.FromString(data)
+        except DecodeError as exc:
+            raise WireError("malformed", f"the update is not a valid hetfed.v1.Update: {exc}") from None
+        self.data = data
+
+    @property
+    def payload_traffic(self) -> TrafficBreakdown:
+        """Bytes, messages and elements per payload kind (the envelope not included)."""
+        return payload_breakdown(self._msg.payloads)
+
+    def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
+              run_id: str, round_: int, organization: str) -> Received:
+        """The envelope against the stream's addressing, the payloads against the contract; decoded."""
+        env = self._msg.envelope
+        if env.run_id != run_id or env.round != round_ or env.organization_id != organization:
+            raise WireError(
+                "envelope_mismatch",
+                f"envelope says run {env.run_id[:64]!r} round {env.round} organization {env.organization_id[:64]!r}; "
+                f"the stream is for run {run_id!r} round {round_} organization {organization!r}",
+            )
+        try:
+            declared = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
+        except ValueError as exc:
+            raise WireError("malformed", f"the envelope lists an unknown payload kind: {exc}") from None
+        actual = [codec.payload_kind_of(p).value for p in self._msg.payloads]
+        if declared != actual:
+            raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
+        return contract.check_update(spec, phase, self._msg.payloads, schema, max_elements)
+
+
+@dataclass(frozen=True)
+class PushReply:
+    """The aggregator's answer to a push."""
+
+    accepted: bool
+    duplicate: bool
+    round: int
+
+
+def push_reply_to_proto(reply: PushReply) -> apb.PushUpdateResponse:
+    """Encode a PushReply."""
+    return apb.PushUpdateResponse(accepted=reply.accepted, duplicate=reply.duplicate, round=reply.round)
+
+
+def push_reply_from_proto(msg: apb.PushUpdateResponse) -> PushReply:
+    """Decode a PushUpdateResponse."""
+    return PushReply(bool(msg.accepted), bool(msg.duplicate), int(msg.round))
+
+
+def push_reply_size(reply: PushReply) -> int:
+    """Serialized bytes of a PushReply (counted as the push's down traffic)."""
+    return push_reply_to_proto(reply).ByteSize()
+
+
+# ---------------------------------------------------------------------------------------------- Status
+
+
+@dataclass(frozen=True)
+class TrafficCount:
+    """Bytes, messages and tensor elements of one direction and payload kind ("envelope" for the rest)."""
+
+    direction: str
+    payload_kind: str
+    bytes: int
+    messages: int
+    elements: int
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One round of a run: clients, duration, traffic and the metrics organizations reported."""
+
+    round: int
+    clients: int
+    duration_seconds: float
+    traffic: tuple[TrafficCount, ...] = ()
+    reports: dict[str, EvalMetrics] = field(default_factory=dict)
+
+    def bytes(self, direction: str) -> dict[str, int]:
+        """Bytes per payload kind in one direction."""
+        out: dict[str, int] = {}
+        for t in self.traffic:
+            if t.direction == direction:
+                out[t.payload_kind] = out.get(t.payload_kind, 0) + t.bytes
+        return out
+
+
+def summary_traffic(up: TrafficBreakdown, down: TrafficBreakdown) -> tuple[TrafficCount, ...]:
+    """The traffic of a round's two directions as TrafficCounts (sorted by kind)."""
+    return tuple(
+        TrafficCount(direction, kind, c.bytes, c.messages, c.elements)
+        for direction, tb in (("up", up), ("down", down))
+        for kind, c in sorted(tb.kinds.items())
+    )
+
+
+def breakdown_of(traffic: Iterable[TrafficCount], direction: str) -> TrafficBreakdown:
+    """The TrafficBreakdown of one direction of a summary's counts."""
+    return TrafficBreakdown({t.payload_kind: KindCount(t.bytes, t.messages, t.elements)
+                             for t in traffic if t.direction == direction})
+
+
+@dataclass(frozen=True)
+class OrganizationStatus:
+    """One organization in a run: whether it joined, the last round it pushed, the bytes it sent and got."""
+
+    organization: str
+    joined: bool
+    last_round_pushed: int
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run's state and per-round history."""
+
+    run_id: str
+    algorithm: str
+    phase: Phase
+    round: int
+    total_rounds: int
+    organizations: tuple[str, ...]
+    pushed_this_round: tuple[str, ...] = ()
+    history: tuple[RoundSummary, ...] = ()
+    organization_status: tuple[OrganizationStatus, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has ended."""
+        return self.phase is Phase.FINISHED
+
+
+_STATE_TO_PROTO = {Phase.SETUP: apb.RUN_STATE_SETUP, Phase.TRAIN: apb.RUN_STATE_RUNNING,
+                   Phase.EVALUATE: apb.RUN_STATE_EVALUATING, Phase.FINISHED: apb.RUN_STATE_FINISHED}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+
+def run_status_to_proto(status: RunStatus, summaries: Sequence[apb.RoundSummary] = ()) -> apb.RunStatus:
+    """Encode a RunStatus; ``summaries``, when given, are already-encoded closed rounds used as they are."""
+    out = apb.RunStatus(
+        run_id=status.run_id, algorithm=status.algorithm,
+        state=_STATE_TO_PROTO[status.phase],  # type: ignore[arg-type]
+        round=status.round, total_rounds=status.total_rounds, organizations=list(status.organizations),
+        pushed_this_round=list(status.pushed_this_round),
+    )
+    out.history.extend(summaries)
+    for s in status.history[len(summaries):]:
+        encode_round_summary(s, out.history.add())
+    for o in status.organization_status:
+        out.organization_status.add(organization_id=o.organization, joined=o.joined,
+                                    last_round_pushed=o.last_round_pushed, bytes_up=o.bytes_up,
+                                    bytes_down=o.bytes_down)
+    return out
+
+
+def encode_round_summary(s: RoundSummary, out: apb.RoundSummary | None = None) -> apb.RoundSummary:
+    """A RoundSummary message (filled in place when ``out`` is given); a summary is serialized once."""
+    msg = out if out is not None else apb.RoundSummary()
+    cached = s.__dict__.get("_serialized")
+    if cached is not None:
+        msg.MergeFromString(cached)
+        return msg
+    msg.round, msg.clients, msg.duration_seconds = s.round, s.clients, s.duration_seconds
+    for t in s.traffic:
+        msg.traffic.add(direction=t.direction, payload_kind=t.payload_kind, bytes=t.bytes,
+                        messages=t.messages, elements=t.elements)
+    for org, m in sorted(s.reports.items()):
+        msg.reports.add(organization_id=org, metrics=codec.payload_to_proto(m).eval_metrics)
+    object.__setattr__(s, "_serialized", msg.SerializeToString())  # summaries are immutable once built
+    return msg
+
+
+def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
+    """Decode a RunStatus."""
+    history = tuple(
+        RoundSummary(
+            int(h.round), int(h.clients), float(h.duration_seconds),
+            tuple(TrafficCount(t.direction, t.payload_kind, int(t.bytes), int(t.messages), int(t.elements))
+                  for t in h.traffic),
+            {r.organization_id: _metrics_from_proto(r.metrics) for r in h.reports},
+        )
+        for h in msg.history
+    )
+    organizations = tuple(
+        OrganizationStatus(o.organization_id, bool(o.joined), int(o.last_round_pushed), int(o.bytes_up),
+                           int(o.bytes_down))
+        for o in msg.organization_status
+    )
+    return RunStatus(msg.run_id, msg.algorithm, _STATE_FROM_PROTO.get(msg.state, Phase.TRAIN),  # type: ignore[call-overload]
+                     int(msg.round), int(msg.total_rounds), tuple(msg.organizations),
+                     tuple(msg.pushed_this_round), history, organizations)
+
+
+def _metrics_from_proto(m: object) -> EvalMetrics:
+    from hetfed.v1 import payloads_pb2 as pb
+
+    payload = pb.Payload()
+    payload.eval_metrics.CopyFrom(m)  # type: ignore[arg-type]
+    decoded = codec.payload_from_proto(payload)
+    assert isinstance(decoded, EvalMetrics)
+    return decoded

@@ -1,0 +1,74 @@
+"""Fed-CMA (Federated Conditional Moment Alignment, Algorithm 1, eqs. 5-7): the spec and its config.
+
+Heterogeneous private encoders map into one bounded latent space [0, 1]^d_e; only class counts (once),
+K × d_e class-mean embeddings and the classification head cross the wire, never an encoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
+from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, TrainConfig
+
+
+@dataclass(frozen=True)
+class FedCMAConfig(TrainConfig):
+    """Fed-CMA (class-conditional moment alignment, eqs. 5-7): latent width, label space and the λ's.
+
+    The server's EMA steps are λ1·η (global head v̄) and λ2·η (global class means ē); the paper
+    requires 0 < λη ≤ 1. The defaults λ1 = λ2 = 0.5, η = 0.9 give the reference code's step of 0.45.
+    """
+
+    # λ1: weight of the head-consensus term (λ1/2)·p_i·||v_i - v̄||² and of the server's head step.
+    lambda1: float = 0.5
+    # λ2: weight of the alignment term and of the server's class-mean step.
+    lambda2: float = 0.5
+    # η in eq. 7 (the server step): v̄ ← (1 - λ1η)·v̄ + λ1η·Σ p_i v_i, likewise ē with λ2.
+    server_lr: float = 0.9
+    # d_e and K: every organization's encoder maps into [0, 1]^d_e; the head is Linear(d_e, K).
+    latent_dim: int = 32
+    num_classes: int = 10
+    # b: points per class in the fixed batches B_i^k (b_i^k = min(b, n_i^k)), chosen once per organization.
+    class_batch_size: int = 16
+    # "paper": eq. 5 over the fixed batches B_i^k with p weights; "reference": the reference code's form
+    # (MSE between the current training batch's z and ē^k per class present, λ1·||v - v̄||², no p weights).
+    alignment: Literal["paper", "reference"] = "paper"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("lambda1", "lambda2"):
+            step = getattr(self, name) * self.server_lr
+            check(0 < step <= 1, f"{name}·server_lr must lie in (0, 1] (eq. 7), got {getattr(self, name)}·"
+                                 f"{self.server_lr} = {step:g}")
+        check(self.latent_dim >= 1, f"latent_dim must be >= 1, got {self.latent_dim}")
+        check(self.num_classes >= 2, f"num_classes must be >= 2, got {self.num_classes}")
+        check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
+
+
+SPEC = AlgorithmSpec(
+    name="fedcma",
+    summary="Fed-CMA: heterogeneous private encoders aligned by class-conditional latent means; "
+    "only class counts (once), K×d_e class means and the head cross the wire.",
+    config_type=FedCMAConfig,
+    upload=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS, K.EVAL_METRICS}),
+    required_upload=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS, K.EVAL_METRICS}),
+    download=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS}),
+    setup_upload=frozenset({K.CLASS_COUNTS}),
+    model_private=True,
+    bounded_latent=True,
+    figures=(
+        Figure("global_head", "encoder + v̄", "global_head_test_accuracy",
+               "each organization's private encoder with the global head v̄, on its own test set"),
+    ),
+    local_defaults={
+        # The point of Fed-CMA is heterogeneous encoders: organizations alternate a CNN and an MLP.
+        ANY_DATASET: LocalDefaults(models=("fedgen_cnn", "mlp"), latent_dim=32),
+        "synthetic": LocalDefaults(models=("mlp",)),
+        # The 2-D toy: a 2-D latent space to draw, and enough local steps for the alignment to act.
+        "gauss4": LocalDefaults(models=("mlp",), latent_dim=2, rounds=30, config={"lr": 0.1, "local_steps": 10}),
+    },
+    docs="algorithms/fedcma.md",
+)

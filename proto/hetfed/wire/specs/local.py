@@ -1,0 +1,24 @@
+"""Local training: no federation; organizations report metrics and share nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetfed.wire.payloads import PayloadKind as K
+from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig
+
+
+@dataclass(frozen=True)
+class LocalConfig(TrainConfig):
+    """Local training: no federation, metrics only."""
+
+
+SPEC = AlgorithmSpec(
+    name="local",
+    summary="Local training only; organizations report metrics and share nothing else.",
+    config_type=LocalConfig,
+    upload=frozenset({K.EVAL_METRICS}),
+    required_upload=frozenset({K.EVAL_METRICS}),
+    download=frozenset(),
+    model_private=True,
+)

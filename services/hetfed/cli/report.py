@@ -1,0 +1,230 @@
+"""``hetfed report``: accuracy against cumulative bytes, one curve per algorithm, and a Markdown table.
+
+Input is one or more ``results.json`` files written by ``hetfed run --output DIR``, or a Prometheus that
+scraped an aggregator (``--prometheus URL``: the ``hetfed_run_*`` families). matplotlib is imported only
+when a plot is drawn (it comes with the client extra; the aggregator never needs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetfed.cli.prom import PNG_KEY, prom_query, prom_range
+
+X_LABEL = "cumulative bytes (up + down, log scale)"
+Y_LABEL = "test accuracy"
+
+
+@dataclass
+class RunCurve:
+    """One run's figures for the report: its accuracy-vs-bytes points and its totals."""
+
+    run: str
+    algorithm: str
+    source: str
+    points: list[tuple[float, float]] = field(default_factory=list)  # (cumulative bytes, accuracy)
+    final_accuracy: float | None = None
+    bytes_up: float = 0.0
+    bytes_down: float = 0.0
+    bytes_per_train_round: float = 0.0
+    label: str = ""
+
+
+def curve_from_summary(summary: dict[str, Any], source: str) -> RunCurve:
+    """A run of results.json: each round's reported accuracy against the bytes moved by the end of that round."""
+    c = RunCurve(summary["run"], summary["algorithm"], source, final_accuracy=summary.get("final_test_accuracy"),
+                 bytes_up=summary["bytes_up_total"], bytes_down=summary["bytes_down_total"],
+                 bytes_per_train_round=summary["bytes_per_train_round"])
+    total = 0
+    for r in summary["rounds"]:
+        total += sum(r["bytes_up"].values()) + sum(r["bytes_down"].values())
+        if r.get("test_accuracy") is not None:
+            c.points.append((float(total), float(r["test_accuracy"])))
+    return c
+
+
+def load_results(paths: list[Path]) -> list[RunCurve]:
+    """Every run of every results.json."""
+    out = []
+    for p in paths:
+        try:
+            data = json.loads(p.read_text())
+            runs = data["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{p}: not a hetfed results.json ({exc})") from None
+        out += [curve_from_summary(r, str(p)) for r in runs]
+    return out
+
+
+def curves_from_prometheus(url: str, start: float, end: float, step: float) -> list[RunCurve]:
+    """Runs as a Prometheus holds them: accuracy against the run's cumulative bytes at each step."""
+    key = ("run", "algorithm")
+    acc = prom_range(url, "hetfed_run_test_accuracy", start, end, step)
+    total = prom_range(url, "sum by (run, algorithm) (hetfed_run_bytes_total)", start, end, step)
+    runs: dict[tuple[str, str], RunCurve] = {}
+    for s in total:
+        k = tuple(s["metric"].get(n, "") for n in key)
+        runs[k] = RunCurve(k[0], k[1], url)  # type: ignore[index]
+    by_time = {tuple(s["metric"].get(n, "") for n in key): dict(s["values"]) for s in total}
+    for s in acc:
+        k = tuple(s["metric"].get(n, "") for n in key)
+        if k not in runs:
+            continue
+        for t, v in s["values"]:
+            b = by_time[k].get(t)
+            point = (float(b), float(v)) if b is not None else None
+            if point is not None and (not runs[k].points or runs[k].points[-1] != point):  # type: ignore[index]
+                runs[k].points.append(point)  # type: ignore[index]
+
+    def latest(query: str) -> dict[tuple[str, ...], float]:
+        return {tuple(s["metric"].get(n, "") for n in key): float(s["value"][1])
+                for s in prom_query(url, f"last_over_time(({query})[{int(end - start) + 1}s:{max(1, int(step))}s])",
+                                    at=end)}
+
+    final = latest("hetfed_run_final_test_accuracy")
+    up = latest('sum by (run, algorithm) (hetfed_run_bytes_total{direction="up"})')
+    down = latest('sum by (run, algorithm) (hetfed_run_bytes_total{direction="down"})')
+    per_round = latest('sum by (run, algorithm) (hetfed_run_bytes_total{phase="train"}) / '
+                       'sum by (run, algorithm) (hetfed_run_rounds_closed_total{phase="train"})')
+    for k, c in runs.items():
+        c.final_accuracy = final.get(k)
+        c.bytes_up, c.bytes_down, c.bytes_per_train_round = up.get(k, 0.0), down.get(k, 0.0), per_round.get(k, 0.0)
+    return sorted(runs.values(), key=lambda c: (c.algorithm, c.run))
+
+
+# ------------------------------------------------------------------ table and plot
+def _labels(curves: list[RunCurve]) -> None:
+    """One label per curve: the algorithm, qualified by run (and file) only where algorithms repeat."""
+    for c in curves:
+        same = [d for d in curves if d.algorithm == c.algorithm]
+        if len(same) == 1:
+            c.label = c.algorithm
+        elif len({d.run for d in same}) == len(same):
+            c.label = f"{c.algorithm} ({c.run})"
+        else:
+            c.label = f"{c.algorithm} ({c.run}, {Path(c.source).parent.name or c.source})"
+
+
+def fedavg_reference(c: RunCurve, curves: list[RunCurve]) -> RunCurve | None:
+    """The FedAvg run to compare ``c`` with: from the same source when there is one, else the first."""
+    fedavg = [d for d in curves if d.algorithm == "fedavg" and d.bytes_per_train_round > 0]
+    same = [d for d in fedavg if d.source == c.source]
+    return (same or fedavg)[0] if fedavg else None
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in B, KB, MB or GB (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def markdown_table(curves: list[RunCurve]) -> str:
+    """Final accuracy, bytes up and down, bytes per train round and the ratio to FedAvg, one row per run."""
+    _labels(curves)
+    rows = ["| algorithm | final accuracy | bytes up | bytes down | bytes per round | ratio to FedAvg |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for c in curves:
+        ref = fedavg_reference(c, curves)
+        ratio = f"{c.bytes_per_train_round / ref.bytes_per_train_round:.3g}x" if ref is not None else "-"
+        acc = f"{100 * c.final_accuracy:.2f}%" if c.final_accuracy is not None else "-"
+        rows.append(f"| {c.label} | {acc} | {fmt_bytes(c.bytes_up)} | {fmt_bytes(c.bytes_down)} | "
+                    f"{fmt_bytes(c.bytes_per_train_round)} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(curves: list[RunCurve], png: Path, title: str = "Accuracy against communication") -> dict[str, Any]:
+    """Draw accuracy against cumulative bytes (log x), one line per curve; returns the description it embeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _labels(curves)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    try:
+        drawn = [c for c in curves if c.points]
+        for c in drawn:
+            xs, ys = zip(*c.points, strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, label=c.label)
+        ax.set_xscale("log")
+        ax.set_xlabel(X_LABEL)
+        ax.set_ylabel(Y_LABEL)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if drawn:
+            ax.legend()
+        desc = {"xlabel": X_LABEL, "ylabel": Y_LABEL, "xscale": "log", "title": title,
+                "lines": [{"label": c.label, "points": len(c.points)} for c in drawn]}
+        png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, metadata={"Title": title, PNG_KEY: json.dumps(desc)})
+    finally:
+        plt.close(fig)
+    return desc
+
+
+def write_report(results: list[Path], out_dir: Path) -> Path:
+    """``report.png`` and ``report.md`` in ``out_dir`` from results.json files; returns the PNG's path."""
+    curves = load_results(results)
+    png = out_dir / "report.png"
+    plot(curves, png)
+    (out_dir / "report.md").write_text(markdown_table(curves))
+    return png
+
+
+# ------------------------------------------------------------------ command
+def add_parser(subparsers: Any) -> None:
+    """Register ``hetfed report`` on the ``hetfed`` command's subparsers."""
+    r = subparsers.add_parser(
+        "report", help="plot accuracy against bytes and tabulate communication cost per algorithm",
+        description="From results.json files (hetfed run --output DIR) or a Prometheus, write a PNG of accuracy "
+        "against cumulative bytes (one curve per algorithm, log-scaled bytes) and print a Markdown table.",
+    )
+    r.add_argument("results", nargs="*", type=Path, help="results.json files")
+    r.add_argument("--prometheus", metavar="URL", help="read the hetfed_run_* families from this Prometheus")
+    r.add_argument("--since", type=float, default=3600.0,
+                   help="with --prometheus: seconds of history to read (default 3600)")
+    r.add_argument("--preview", type=Path, metavar="PNG",
+                   help="with --prometheus: also render the bandwidth dashboard's main panels to this PNG")
+    r.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write (default report.png)")
+    r.add_argument("--markdown", type=Path, help="also write the table to this file")
+    r.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``hetfed report`` command."""
+    if not args.results and not args.prometheus:
+        print("hetfed report: give results.json files or --prometheus URL", file=sys.stderr)
+        return 2
+    if args.preview and not args.prometheus:
+        print("hetfed report: --preview needs --prometheus URL", file=sys.stderr)
+        return 2
+    try:
+        curves = load_results(args.results)
+        if args.prometheus:
+            end = time.time()
+            step = float(max(1, int(args.since / 600)))  # whole seconds: PromQL durations are integers
+            curves += curves_from_prometheus(args.prometheus, end - args.since, end, step)
+            if args.preview:
+                from hetfed.cli.dashboards import render_preview
+
+                render_preview(args.prometheus, args.preview, end - args.since, end, step)
+                print(f"dashboard preview: {args.preview}")
+    except (ValueError, OSError) as exc:
+        print(f"hetfed report: {exc}", file=sys.stderr)
+        return 2
+    plot(curves, args.out)
+    table = markdown_table(curves)
+    if args.markdown:
+        args.markdown.write_text(table)
+    print(table, end="")
+    print(f"plot: {args.out}")
+    return 0

@@ -1,0 +1,111 @@
+"""The generic reproduction runner: grids as data, exact claim statistics, pages rendered from measurements."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetfed.cli import reproduce as rp
+from hetfed.wire.specs import SPECS
+
+
+def test_every_declared_grid_loads_and_names_real_algorithms() -> None:
+    names = rp.grids()
+    assert {"fedcma", "fedh2l"} <= set(names)
+    for name in names:
+        grid = rp.load_grid(name)
+        assert grid.seeds and grid.methods and grid.figures, name
+        assert not set(grid.seeds) & set(grid.tuning_seeds), f"{name} reports seeds it was tuned on"
+        for m in grid.methods:
+            assert m.algorithm in SPECS, (name, m.algorithm)
+        assert grid.results.startswith("docs/results/"), name
+
+
+def test_a_grid_refuses_claims_on_unknown_methods() -> None:
+    with pytest.raises(ValueError, match="unknown method 'nobody'"):
+        rp.Grid(name="g", title="t", paper="p", results="r.md", seeds=(0,), rounds=1,
+                methods=(rp.Method("a", "A", "local"),), figures=(rp.GridFigure("acc", "acc", "final_test_accuracy"),),
+                claims=(rp.Claim("x", "a", "acc", ("nobody",), 1.0),))
+
+
+def test_mean_ci_matches_students_t_by_hand() -> None:
+    m, lo, hi = rp.mean_ci([1.0, 2.0, 3.0])
+    # mean 2, sd 1, n 3: half-width t(0.975, 2)·1/√3 = 4.303/1.7320508 = 2.48434...
+    assert m == 2.0 and hi - m == pytest.approx(4.303 / 3 ** 0.5, abs=1e-12) and m - lo == pytest.approx(hi - m)
+    assert rp.mean_ci([5.0]) == (5.0, 5.0, 5.0)
+
+
+def _grid() -> rp.Grid:
+    return rp.Grid(
+        name="toy", title="Toy", paper="Table 0", results="docs/results/toy.md", seeds=(0, 1, 2), rounds=1,
+        methods=(rp.Method("base1", "Base 1", "local"), rp.Method("base2", "Base 2", "local"),
+                 rp.Method("new", "New", "fedavg")),
+        figures=(rp.GridFigure("acc", "acc", "final_test_accuracy"),),
+        axes=(rp.Axis("alpha", (0.1, 0.5)),),
+        claims=(rp.Claim("New beats the better baseline by 2", "new", "acc", ("base1", "base2"), 2.0,
+                         where={"alpha": 0.1}),),
+        paper_values=(rp.PaperValue("new", "acc", 91.0, {"alpha": 0.1}),),
+    )
+
+
+def _rows() -> list[dict]:
+    acc = {  # method -> seed -> accuracy at alpha 0.1 (alpha 0.5 gets the same minus 0.1)
+        "base1": [0.80, 0.70, 0.75],
+        "base2": [0.81, 0.72, 0.76],  # the better baseline on average
+        "new": [0.85, 0.73, 0.80],
+    }
+    return [{"method": m, "cell": {"alpha": a}, "seed": s, "wall_seconds": 1.0, "figures": {"acc": v - d}}
+            for m, vals in acc.items() for s, v in enumerate(vals) for a, d in ((0.1, 0.0), (0.5, 0.1))]
+
+
+def test_claims_are_paired_per_seed_against_the_better_baseline() -> None:
+    (r,) = rp.check_claims(_grid(), _rows())
+    assert r.baseline == "base2" and r.cell == {"alpha": 0.1}
+    assert [round(d, 10) for _, d in sorted(r.differences.items())] == [4.0, 1.0, 4.0]
+    assert r.mean == pytest.approx(3.0)
+    assert r.upper - r.mean == pytest.approx(4.303 * 3 ** 0.5 / 3 ** 0.5, abs=1e-9)  # sd of (4, 1, 4) is √3
+    assert r.clearing == 2 and r.verdict == "holds on average only (fragile)"
+
+
+def test_the_page_is_rendered_from_the_measurements_and_keeps_hand_written_text(tmp_path: Path) -> None:
+    data = {"command": "hetfed bench toy", "date": "2026-01-01", "machine": "2 CPU cores", "wall_seconds": 60.0,
+            "load": [0.5, 0.7], "rows": _rows(), "bytes_references": {}}
+    text = rp.render(_grid(), data)
+    assert "| New | 79.33 ± 6.03 [91] |" in text  # mean ± std of 85, 73, 80 and the paper's number
+    assert "### alpha = 0.5" in text and "**holds on average only (fragile)**" in text
+    page = tmp_path / "toy.md"
+    rp.write_page(page, "Toy", text)
+    page.write_text("# Toy\n\nIntro by hand.\n\n" + page.read_text().split("\n", 2)[2] + "\n## Notes\n\nKept.\n")
+    rp.write_page(page, "Toy", "NEW TABLES")
+    body = page.read_text()
+    assert "Intro by hand." in body and "## Notes\n\nKept." in body and "NEW TABLES" in body
+    assert "79.33" not in body
+
+
+@pytest.mark.e2e
+def test_a_small_grid_runs_real_federations_and_reports(tmp_path: Path) -> None:
+    grid = rp.Grid(
+        name="tiny", title="Tiny", paper="-", results=str(tmp_path / "tiny.md"), seeds=(0,), rounds=3,
+        data={"dataset": "digits", "partition": "iid", "clients": 2},
+        methods=(rp.Method("local", "Local", "local", models=("mlp",)),
+                 rp.Method("fedavg", "FedAvg", "fedavg", models=("mlp",), config={"local_steps": 2})),
+        figures=(rp.GridFigure("acc", "acc", "final_test_accuracy"),
+                 rp.GridFigure("pooled", "pooled", "pooled:test_accuracy"),
+                 rp.GridFigure("bytes", "bytes / round", "bytes_per_round", percent=False)),
+        claims=(rp.Claim("FedAvg is no worse than Local by 100 points", "fedavg", "acc", ("local",), -100.0),),
+        throughput=True,
+    )
+    rows = [rp.run_federation(grid, m, {}, 0, tmp_path / "runs") for m in grid.methods]
+    for row in rows:
+        assert 0.0 <= row["figures"]["acc"] <= 1.0
+        assert row["figures"]["pooled"] == pytest.approx(row["figures"]["acc"])  # both weight by test examples
+        assert row["throughput"]["rounds_per_second"] > 0
+    assert rows[1]["figures"]["bytes"] > 10 * rows[0]["figures"]["bytes"]  # FedAvg ships the model
+    (claim,) = rp.check_claims(grid, rows)
+    assert claim.verdict in ("holds", "holds on average only (fragile)")
+    data = {"command": "test", "date": "today", "machine": "here", "wall_seconds": 1.0, "load": [0.0, 0.0],
+            "rows": rows, "bytes_references": {}}
+    json.dumps(data)  # the measurements are plain JSON
+    assert "| FedAvg |" in rp.render(grid, data)

@@ -1,0 +1,132 @@
+"""The one training loop: objectives stepped in order on every batch, gradient hooks, eval mode, batch draws."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hetfed.client.training import (
+    Batch,
+    DeviceData,
+    Forward,
+    Objective,
+    cross_entropy,
+    epoch_batches,
+    eval_mode,
+    evaluate,
+    fit,
+    sampled_batches,
+)
+from hetfed.wire.specs import TrainConfig
+
+
+def data(n: int = 6) -> DeviceData:
+    g = torch.Generator().manual_seed(0)
+    return DeviceData(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.arange(n) % 2)
+
+
+def linear(weight: float) -> nn.Linear:
+    m = nn.Linear(3, 2, bias=False).double()
+    with torch.no_grad():
+        m.weight.fill_(weight)
+    return m
+
+
+def test_two_objectives_step_in_order_on_the_same_batch() -> None:
+    """A global and a personal model on one batch: each gets exactly its own plain SGD step, in order."""
+    d = data()
+    a, b = linear(0.1), linear(-0.2)
+    seen: list[str] = []
+
+    def marker(name: str):  # type: ignore[no-untyped-def]
+        def term(batch: Batch, out: Forward) -> torch.Tensor:
+            seen.append(name)
+            return out.logits.sum() * 0.0
+        return term
+
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.5)
+    batch = Batch(d.x, d.y)
+    ref_a, ref_b = linear(0.1), linear(-0.2)
+    result = fit([Objective(a, opt_a, [cross_entropy, marker("a")]), Objective(b, opt_b, [cross_entropy, marker("b")])],
+                 [batch])
+    assert seen == ["a", "b"] and result.steps == 1 and len(result.losses) == 2
+    # The same step by hand, in float64.
+    for model, ref in ((a, ref_a), (b, ref_b)):
+        loss = nn.functional.cross_entropy(ref(batch.x), batch.y)
+        loss.backward()
+        with torch.no_grad():
+            want = ref.weight - 0.5 * ref.weight.grad
+        torch.testing.assert_close(model.weight, want, rtol=0, atol=1e-15)
+    with torch.no_grad():  # the loss recorded is the one the step was taken on (before it)
+        assert result.loss == pytest.approx(float(nn.functional.cross_entropy(ref_a(batch.x), batch.y)), abs=0)
+
+
+def test_before_step_sees_and_changes_the_gradient() -> None:
+    d = data()
+    m = linear(0.3)
+    before = m.weight.detach().clone()
+
+    def zero_first_row() -> None:
+        assert m.weight.grad is not None
+        m.weight.grad[0].zero_()
+
+    fit([Objective(m, torch.optim.SGD(m.parameters(), lr=1.0), before_step=zero_first_row)], [Batch(d.x, d.y)])
+    torch.testing.assert_close(m.weight[0], before[0])  # no step where the hook zeroed the gradient
+    assert not torch.equal(m.weight[1], before[1])
+
+
+def test_a_custom_forward_feeds_every_term() -> None:
+    d = data()
+    m = linear(0.1)
+
+    def forward(model: nn.Module, batch: Batch) -> Forward:
+        logits = model(batch.x)
+        return Forward(logits, {"z": logits * 2})
+
+    got: list[torch.Tensor] = []
+    fit([Objective(m, torch.optim.SGD(m.parameters(), lr=0.0), [cross_entropy, lambda b, o: got.append(o["z"]) or
+                                                                 o["z"].sum() * 0], forward)], [Batch(d.x, d.y)])
+    assert len(got) == 1 and got[0].shape == (6, 2)
+    with pytest.raises(KeyError, match="produced no 'mu'"):
+        Forward(torch.zeros(1))["mu"]
+
+
+def test_epoch_batches_cover_each_epoch_once_or_take_exactly_the_steps() -> None:
+    d = DeviceData(torch.arange(10.0)[:, None], torch.arange(10))
+    epochs = list(epoch_batches(d, TrainConfig(local_epochs=2, batch_size=4), np.random.default_rng(0)))
+    assert [len(b.y) for b in epochs] == [4, 4, 2, 4, 4, 2]
+    assert sorted(torch.cat([b.y for b in epochs[:3]]).tolist()) == list(range(10))
+    steps = list(epoch_batches(d, TrainConfig(local_steps=7, batch_size=4), np.random.default_rng(0)))
+    assert len(steps) == 7
+    again = list(epoch_batches(d, TrainConfig(local_steps=7, batch_size=4), np.random.default_rng(0)))
+    assert all(torch.equal(a.y, b.y) for a, b in zip(steps, again, strict=True))  # seeded
+
+
+def test_sampled_batches_draw_without_replacement_within_a_batch() -> None:
+    d = DeviceData(torch.arange(10.0)[:, None], torch.arange(10))
+    batches = list(sampled_batches(d, 4, 5, np.random.default_rng(1)))
+    assert len(batches) == 5 and all(len(set(b.y.tolist())) == 4 for b in batches)
+
+
+def test_eval_mode_restores_each_models_mode_even_on_error() -> None:
+    a, b = nn.Dropout(), nn.Dropout()
+    b.eval()
+    with eval_mode(a, b):
+        assert not a.training and not b.training
+    assert a.training and not b.training
+    with pytest.raises(RuntimeError), eval_mode(a):
+        raise RuntimeError("boom")
+    assert a.training
+
+
+def test_evaluate_with_a_custom_prediction() -> None:
+    d = DeviceData(torch.zeros(4, 3), torch.tensor([0, 1, 1, 1]))
+    m = nn.Linear(3, 2)
+    # Always predicts class 1 with probability 3/4.
+    probs = torch.tensor([0.25, 0.75]).log()
+    acc, loss = evaluate(m, d, predict=lambda x: probs.expand(len(x), 2))
+    assert acc == 0.75
+    assert loss == pytest.approx((-np.log(0.25) - 3 * np.log(0.75)) / 4, rel=1e-6)

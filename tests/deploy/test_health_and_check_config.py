@@ -1,0 +1,96 @@
+"""``hetfed health`` (the image's own check), the plaintext health listener under mTLS, and ``--check-config``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetfed.aggregator.org_ledger import OrganizationLedger
+from hetfed.cli import main as hetfed_main
+from hetfed.cli.certs import make_federation_certs
+from hetfed.wire.traffic import KindCount, TrafficBreakdown
+from tests.conftest import free_port, run_config
+
+REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def test_health_listener_answers_plaintext_while_grpc_needs_a_certificate(
+    tmp_path: Path, aggregator: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under mTLS: the kubelet-style plaintext probe is SERVING, the gRPC port refuses it, the operator sees Status."""
+    certs = make_federation_certs(tmp_path / "certs", ["a", "b", "hetfed-operator"])
+    tls = certs.aggregator_tls()
+    health_port = free_port()
+    agg = aggregator(run_config(id="demo"), health_listen=f"127.0.0.1:{health_port}",
+                     tls={"cert": tls.cert, "key": tls.key, "ca": tls.ca}, operators=["hetfed-operator"])
+    assert hetfed_main(["health", f"127.0.0.1:{health_port}"]) == 0
+    assert capsys.readouterr().out == f"127.0.0.1:{health_port} hetfed.v1.Aggregator: SERVING\n"
+    assert hetfed_main(["health", f"127.0.0.1:{agg.port}", "--timeout", "3"]) == 1
+    assert "health check failed: UNAVAILABLE" in capsys.readouterr().err
+    op_cert, op_key = certs.organizations["hetfed-operator"]
+    assert hetfed_main(["health", f"localhost:{agg.port}", "--status", "--tls-cert", str(op_cert),
+                        "--tls-key", str(op_key), "--tls-ca", str(certs.ca)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"localhost:{agg.port} hetfed.v1.Aggregator: SERVING",
+        "run demo (fedavg): train, round 1 of 2, 2 organizations",
+    ]
+    # A graceful stop flips the listener to NOT_SERVING before the gRPC port drains.
+    agg._health.enter_graceful_shutdown()
+    assert hetfed_main(["health", f"127.0.0.1:{health_port}"]) == 1
+    assert "NOT_SERVING" in capsys.readouterr().out
+
+
+def test_health_of_nothing_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    """No server at the address: exit 1 and the gRPC status."""
+    assert hetfed_main(["health", f"127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
+    assert "health check failed: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_check_config_accepts_the_examples_and_starts_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/examples pass; the summary names runs, organization, partition and model."""
+    assert hetfed_main(["aggregator", "--config", str(REPO_EXAMPLES / "aggregator.toml"), "--check-config"]) == 0
+    out = capsys.readouterr().out
+    assert "aggregator config OK: listen 0.0.0.0:50051 (plaintext); runs mnist-fedavg (fedavg, 3 organizations, 20 rounds)" in out
+    assert hetfed_main(["client", "--config", str(REPO_EXAMPLES / "client.toml"), "--check-config"]) == 0
+    assert "client config OK: organization hospital-a in run mnist-fedavg" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "message"),
+    [
+        ("aggregator", '[[runs]]\nid = "r"\nalgorithm = "fedavg"\norganizations = ["a"]\nrounds = 1.5\n',
+         "runs[0].rounds: expected an integer, got 1.5"),
+        ("aggregator", '[[runs]]\nid = "r"\nalgorithm = "fedavgg"\norganizations = ["a"]\n', "fedavgg"),
+        ("client", 'organization = "a"\nrun = "r"\n[data]\ndatset = "mnist5k"\n',
+         "unknown field 'datset' (did you mean 'dataset'?)"),
+        ("client", 'organization = "a"\nrun = "r"\n[model]\nname = "lenett"\n',
+         "model.name 'lenett' is not an available architecture"),
+    ],
+    ids=["ill-typed", "unknown-algorithm", "misspelled", "unknown-model"],
+)
+def test_check_config_refuses_bad_files_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, text: str, message: str
+) -> None:
+    """A bad file exits 2 with the field's path."""
+    f = tmp_path / f"{kind}.toml"
+    f.write_text(text)
+    assert hetfed_main([kind, "--config", str(f), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfed {kind}: error:") and message in err and err.count("\n") == 1, err
+
+
+def test_organization_ledger_counts_and_round_trips() -> None:
+    """Bytes per direction, the last accepted round, a checkpoint round trip, one status entry per organization."""
+    ledger = OrganizationLedger()
+    ledger.count("a", "up", TrafficBreakdown({"model_weights": KindCount(100, 1, 3), "envelope": KindCount(7, 1)}))
+    ledger.count("a", "down", TrafficBreakdown({"envelope": KindCount(12, 1)}))
+    ledger.pushed("a", 2)
+    ledger.pushed("a", 1)  # a replayed older round never moves it back
+    restored = OrganizationLedger.from_json(ledger.to_json())
+    assert restored.to_json() == {"a": [2, 107, 12]}
+    assert [(o.organization, o.joined, o.last_round_pushed, o.bytes_up, o.bytes_down)
+            for o in restored.statuses(["a", "b"], joined={"a"})] == [("a", True, 2, 107, 12), ("b", False, -1, 0, 0)]
+    assert OrganizationLedger.from_json(None).to_json() == {}
