@@ -24,13 +24,14 @@ from hetfed.client.models import (
     state_arrays,
 )
 
-LOCAL_MODELS = ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn"]
-DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn": 128}
+LOCAL_MODELS = ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "linear"]
+DEFAULT_DIMS = {"mlp": 64, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn": 128, "linear": 20}
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_models() -> None:
-    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "resnet18", "mobilenet_v2"]
+    assert available_models() == ["mlp", "lenet", "lenet_wide", "fedgen_cnn", "cnn", "linear", "resnet18",
+                                  "mobilenet_v2"]
 
 
 @pytest.mark.parametrize("name", LOCAL_MODELS)
@@ -54,6 +55,18 @@ def test_mlp_on_tabular_input_and_custom_latent() -> None:
     assert model.embed(torch.randn(3, 60)).shape == (3, 20)
     # Flatten -> Linear(60, 200) -> ReLU -> Linear(200, 20) -> ReLU, then head Linear(20, 10)
     assert count_parameters(model) == 60 * 200 + 200 + 200 * 20 + 20 + 20 * 10 + 10
+
+
+def test_linear_is_the_ditto_papers_synthetic_network() -> None:
+    model = build_model("linear", (60,), 10)
+    # Linear(60, 20) -> Linear(20, 10) with nothing in between: the logits are an affine map of x.
+    assert [type(m) for m in model.encoder] == [nn.Flatten, nn.Linear]
+    assert count_parameters(model) == 60 * 20 + 20 + 20 * 10 + 10
+    x = torch.randn(4, 60)
+    w = model.head.weight @ model.encoder[1].weight
+    b = model.head.weight @ model.encoder[1].bias + model.head.bias
+    torch.testing.assert_close(model(x), x @ w.T + b)
+    torch.testing.assert_close(model.embed(x), model.encoder[1](x))
 
 
 def test_fedgen_cnn_matches_fedgen_mnist_config() -> None:

@@ -28,6 +28,8 @@ MODELS: dict[str, ModelEntry] = {
     "fedgen_cnn": ModelEntry("hetfed.client.models:fedgen_cnn", 32,
                              "FedGen's MNIST CNN (two stride-2 3x3 convolutions with BatchNorm)"),
     "cnn": ModelEntry("hetfed.client.models:cnn", 128, "two 3x3 convolutions (32, 64) with max-pooling"),
+    "linear": ModelEntry("hetfed.client.models:linear", 20,
+                         "one Linear(in, d_e), no activation: with the head, the Ditto paper's Synthetic network"),
     "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",
                            vision=True),
     "mobilenet_v2": ModelEntry("hetfed.client.models:mobilenet_v2", 128,
