@@ -79,6 +79,20 @@ def _parse_sets(items: Sequence[str], algorithms: Sequence[str]) -> dict[str, di
     return {k: v for k, v in out.items() if v}
 
 
+def _parse_data(items: Sequence[str]) -> dict[str, Any]:
+    """``--data FIELD=VALUE`` (VALUE as JSON, else a string) into DataConfig fields."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--data expects FIELD=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from hetfed.cli.localrun import LocalRunOptions, run_local
 
@@ -106,6 +120,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         tls=args.tls,
         metrics_linger=args.metrics_linger,
         report=not args.no_report,
+        data=_parse_data(args.data or []),
     )
     return run_local(opts)
 
@@ -216,6 +231,9 @@ def _add_run(sub: Any) -> None:
                    "equal share per label held (default proportional)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable")
+    r.add_argument("--data", action="append", metavar="FIELD=VALUE",
+                   help="set a further data config field for every organization (VALUE is JSON), e.g. "
+                   "synthetic_alpha=0; repeatable (docs/configuration.md lists the fields)")
     r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None, help="local epochs per round (default 2)")
     r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help="learning rate (default 0.01)")
     r.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")

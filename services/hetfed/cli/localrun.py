@@ -82,6 +82,14 @@ class LocalRunOptions:
     metrics_linger: float = 0.0
     # Write report.png and report.md (hetfed.cli.report) next to results.json.
     report: bool = True
+    # --data: further DataConfig fields for every organization (for example synthetic_alpha), beyond those the
+    # options above set.
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+# DataConfig fields the options above own (a --data entry may not set them).
+_OWN_DATA_FIELDS = ("dataset", "partition", "alpha", "num_clients", "client_index", "seed", "public_fraction",
+                    "test_split", "train_on_public")
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ def _data_mapping(opts: LocalRunOptions, partition: str, index: int) -> dict[str
         data["test_split"] = opts.test_split
     if opts.train_on_public:
         data["train_on_public"] = True
+    data.update(opts.data)
     return data
 
 
@@ -166,6 +175,11 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     if partition not in entry.partitions:
         raise ConfigError(f"dataset {opts.dataset!r} has no partition {partition!r}; it offers "
                           f"{', '.join(entry.partitions)}")
+    owned = sorted(set(opts.data) & set(_OWN_DATA_FIELDS))
+    if owned:
+        raise ConfigError(f"--data may not set {', '.join(owned)}: use its own option")
+    if opts.data:
+        from_mapping(DataConfig, _data_mapping(opts, partition, 0), "--data")
     try:
         DataConfig(**_data_mapping(opts, partition, 0))
     except ValueError as exc:
@@ -587,6 +601,7 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
         from hetfed.client.data import PARTITIONS
 
         detail = "".join(f", {k}={getattr(o, k)}" for k in PARTITIONS[p.partition].parameters)
+        detail += "".join(f", {k}={v}" for k, v in o.data.items())
         rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
         say(f"hetfed run: {', '.join(o.algorithms)} with {o.clients} organizations on {o.dataset} "
             f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
