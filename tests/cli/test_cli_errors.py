@@ -24,6 +24,10 @@ BAD = [
     (["--algorithm", "fedprox", "--set", "fedprox.muu=1"], "unknown field 'muu' (did you mean 'mu'?)"),
     (["--set", "fedcma.lambda1=1"], "--set names algorithm 'fedcma', which is not among fedavg, local"),
     (["--models", "lenet,resnet"], "unknown model 'resnet'"),
+    (["--dataset", "synthetic", "--data", "synthetic_alpha=-1"], "data.synthetic_alpha must be >= 0, got -1"),
+    (["--data", "seed=3"], "--data may not set seed: use its own option"),
+    (["--algorithm", "ditto", "--set", "ditto.mu=1"], "mu = 1 needs a measure (cosine, mkmmd or mmdd)"),
+    (["--algorithm", "ditto_mkmmd", "--set", "refit_every=0"], "refit_every must be -1 (every step, on its batch)"),
 ]
 
 
@@ -58,4 +62,4 @@ def test_an_unknown_benchmark_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "bench", "nope"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-    assert "unknown benchmark 'nope'; available: fedcma, fedh2l" in proc.stderr
+    assert "unknown benchmark 'nope'; available: ditto, fedcma, fedh2l" in proc.stderr

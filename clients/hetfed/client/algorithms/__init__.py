@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.ditto import DittoClient
 from hetfed.client.algorithms.fedavg import FedAvgClient
 from hetfed.client.algorithms.fedavg_head import HeadFedAvgClient
 from hetfed.client.algorithms.fedcma import FedCMAClient
@@ -18,6 +19,11 @@ CLIENT_HALVES: dict[str, type[ClientHalf]] = {  # type: ignore[type-arg]
     "fedavg_head": HeadFedAvgClient,
     "fedcma": FedCMAClient,
     "fedh2l": FedH2LClient,
+    # One client half for Ditto and its named variants (they differ in their configs' defaults only).
+    "ditto": DittoClient,
+    "ditto_cos": DittoClient,
+    "ditto_mkmmd": DittoClient,
+    "ditto_mmdd": DittoClient,
 }
 
 

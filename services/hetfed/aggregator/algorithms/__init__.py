@@ -17,6 +17,11 @@ SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "fedavg_head": HeadFedAvgServer,
     "fedcma": FedCMAServer,
     "fedh2l": FedH2LServer,
+    # Ditto and its variants: the global model is averaged exactly as FedAvg's; the personal model never leaves.
+    "ditto": FedAvgServer,
+    "ditto_cos": FedAvgServer,
+    "ditto_mkmmd": FedAvgServer,
+    "ditto_mmdd": FedAvgServer,
 }
 
 

@@ -5,3 +5,7 @@ model w_L (never sent) trained on cross-entropy + (λ/2)·‖w_L − w̄‖² + 
 is one of the drift measures of :mod:`hetfed.client.algorithms.ditto.losses`: MK-MMD (§3.3), MMD-D (§3.4) or
 the cosine baseline.
 """
+
+from hetfed.client.algorithms.ditto.client import DittoClient
+
+__all__ = ["DittoClient"]

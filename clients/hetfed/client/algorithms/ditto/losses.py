@@ -34,8 +34,10 @@ __all__ = [
     "MkMmdLoss",
     "MmdDLoss",
     "RefitSchedule",
+    "add_proximal_gradient",
     "choose_kernel_weights",
     "forward_with_features",
+    "forward_with_layers",
     "gather_features",
     "mkmmd_covariance",
     "mkmmd_estimates",
@@ -587,34 +589,53 @@ def named_layer(model: nn.Module, layer: str) -> nn.Module:
     return modules[layer]
 
 
+def forward_with_layers(
+    model: nn.Module, layers: Sequence[str], x: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the model's output on x, each named layer's output flattened to (B, −1)) from one forward pass.
+
+    ``""`` means a SplitModel's encoder output: features = ``model.embed(x)``, output = ``model.head`` of them.
+    Other names are ``named_modules`` names whose outputs forward hooks catch; each must run once per pass.
+    """
+    named = [layer for layer in layers if layer != ""]
+    modules = {layer: named_layer(model, layer) for layer in named}
+    caught: dict[str, list[torch.Tensor]] = {layer: [] for layer in named}
+    handles = []
+    for layer, module in modules.items():
+        def hook(_m: nn.Module, _i: object, o: torch.Tensor, layer: str = layer) -> None:
+            caught[layer].append(o)
+
+        handles.append(module.register_forward_hook(hook))
+    feats: dict[str, torch.Tensor] = {}
+    try:
+        if "" in layers:
+            embed = getattr(model, "embed", None)
+            head = getattr(model, "head", None)
+            if not callable(embed) or not isinstance(head, nn.Module):
+                raise ValueError("feature layer '' needs a model with embed(x) and a head (hetfed's SplitModel)")
+            z = embed(x)
+            out: torch.Tensor = head(z)
+            feats[""] = z.flatten(1)
+        else:
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    for layer in named:
+        got = caught[layer]
+        if len(got) != 1 or not isinstance(got[0], torch.Tensor):
+            raise ValueError(f"layer {layer!r} must produce one tensor per forward pass, it produced {len(got)}")
+        feats[layer] = got[0].flatten(1)
+    return out, {layer: feats[layer] for layer in layers}
+
+
 def forward_with_features(model: nn.Module, layer: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the model's output on x, the named layer's output flattened to (B, −1)) from one forward pass.
 
-    ``layer == ""`` means a SplitModel's encoder output: features = ``model.embed(x)``, output = ``model.head``
-    of them. Otherwise a forward hook on the named module catches its output; it must run once per pass.
+    ``layer == ""`` means a SplitModel's encoder output (see :func:`forward_with_layers`).
     """
-    if layer == "":
-        embed = getattr(model, "embed", None)
-        head = getattr(model, "head", None)
-        if not callable(embed) or not isinstance(head, nn.Module):
-            raise ValueError("feature layer '' needs a model with embed(x) and a head (hetfed's SplitModel)")
-        z = embed(x)
-        out: torch.Tensor = head(z)
-        return out, z.flatten(1)
-    module = named_layer(model, layer)
-    caught: list[torch.Tensor] = []
-
-    def hook(_m: nn.Module, _i: object, o: torch.Tensor) -> None:
-        caught.append(o)
-
-    handle = module.register_forward_hook(hook)
-    try:
-        out = model(x)
-    finally:
-        handle.remove()
-    if len(caught) != 1 or not isinstance(caught[0], torch.Tensor):
-        raise ValueError(f"layer {layer!r} must produce one tensor per forward pass, it produced {len(caught)}")
-    return out, caught[0].flatten(1)
+    out, feats = forward_with_layers(model, (layer,), x)
+    return out, feats[layer]
 
 
 @torch.no_grad()
@@ -673,3 +694,26 @@ class RefitSchedule:
     def due(self, step: int) -> bool:
         """Whether a periodic refit on gathered features comes before local step ``step`` (0-based in the round)."""
         return not self.per_step and step % self.every == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Ditto's weight penalty, as a gradient
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def add_proximal_gradient(params: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], lam: float) -> None:
+    """Add the gradient of (λ/2)·Σ‖p − r‖², that is λ·(p − r), to each parameter's ``.grad`` in place.
+
+    Ditto's weight penalty toward the frozen global weights w̄, applied between the backward pass and the
+    optimiser step: the same update as autograd through the penalty, at a fraction of the cost on small models.
+    A parameter without a gradient gets λ·(p − r) as its gradient.
+    """
+    if lam == 0:
+        return
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    torch._foreach_add_(grads, torch._foreach_sub([p.detach() for p in params], list(reference)), alpha=float(lam))
