@@ -237,6 +237,32 @@ def test_qp_matches_a_general_solver_on_random_cases() -> None:
         assert float(np.abs(mu[beta > 1e-12]).max(initial=0.0)) <= 1e-8 * scale
 
 
+def test_a_warm_start_gives_the_cold_starts_solution() -> None:
+    rng = np.random.default_rng(7)
+    eps = 1e-3
+    for case in range(24):
+        d, q = _random_qp_case(rng, case)
+        cold = solve_kernel_qp(d, q, eps)
+        for warm in (cold > 0, np.ones(d.size, bool), rng.random(d.size) < 0.5, np.zeros(d.size, bool)):
+            np.testing.assert_allclose(solve_kernel_qp(d, q, eps, warm=warm), cold, rtol=1e-9, atol=1e-12)
+
+
+def test_refit_and_forward_is_refit_then_forward() -> None:
+    torch.manual_seed(4)
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 5, dtype=torch.float64)
+    one, two = MkMmdLoss(), MkMmdLoss()
+    xa = x.clone().requires_grad_(True)
+    xb = x.clone().requires_grad_(True)
+    one.refit(xa.detach(), y)
+    separate = one(xa, y)
+    fused = two.refit_and_forward(xb, y)
+    assert torch.equal(one.beta, two.beta) and one.last_refit == two.last_refit
+    assert torch.equal(separate, fused)
+    separate.backward()
+    fused.backward()
+    assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
+
+
 def test_nonnegative_qp_solves_the_bound_constrained_problem() -> None:
     a = np.array([[2.0, 1.0], [1.0, 2.0]])
     np.testing.assert_allclose(nonnegative_qp(a, np.array([1.0, 1.0])), [1 / 3, 1 / 3], rtol=1e-14)

@@ -84,14 +84,24 @@ class LayerDrift:
         return self.measure in ("mkmmd", "mmdd")
 
     def refit(self, local: torch.Tensor, reference: torch.Tensor) -> None:
-        """Refit the kernel on two same-size, gradient-free feature samples."""
-        if local.shape[0] < 2:
+        """Refit the kernel on two same-size, gradient-free feature samples (nothing to refit for the cosine)."""
+        if not self.adaptive or local.shape[0] < 2:
             return
         if isinstance(self.module, MkMmdLoss):
             self.module.refit(local, reference)
         elif isinstance(self.module, MmdDLoss):
             self.module.train_kernel(local, reference)
         self.refits += 1
+
+    def refit_and_measure(self, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """Refit on this batch's features (gradient-free), then D on them: the every-step schedule."""
+        if self.adaptive and local.shape[0] < 2:
+            return local.new_zeros(())
+        if isinstance(self.module, MkMmdLoss):  # the pair statistics computed once for both
+            self.refits += 1
+            return self.module.refit_and_forward(local, reference)
+        self.refit(local.detach(), reference)
+        return self(local, reference)
 
     def __call__(self, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         """D(local, reference); zero for an MMD on a batch of fewer than 2 rows (no unbiased estimate)."""
@@ -175,12 +185,11 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
                 sample = self.refit_sample(rng)
                 for layer, d in drifts.items():
                     d.refit(*sample[layer])
-            elif self.schedule.per_step:
-                for layer, d in drifts.items():
-                    d.refit(locals_[layer].detach(), refs[layer])
             step[0] += 1
-            total = sum((d(locals_[layer], refs[layer]) for layer, d in drifts.items()),
-                        start=locals_[self.layers[0]].new_zeros(()))
+            total = locals_[self.layers[0]].new_zeros(())
+            for layer, d in drifts.items():
+                f_local, f_ref = locals_[layer], refs[layer]
+                total = total + (d.refit_and_measure(f_local, f_ref) if self.schedule.per_step else d(f_local, f_ref))
             return mu * total
 
         return term

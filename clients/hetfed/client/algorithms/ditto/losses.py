@@ -190,12 +190,15 @@ def _solve_passive(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndar
     return s
 
 
-def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter: int | None = None) -> np.ndarray:
+def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter: int | None = None,
+                   warm: np.ndarray | None = None) -> np.ndarray:
     """argmin_z ½·zᵀAz − bᵀz subject to z ≥ 0, for a symmetric positive definite A (exact active-set method).
 
     Lawson and Hanson's NNLS active-set iteration written on the normal equations (Bro and de Jong's form): it
     ends in finitely many steps at the point satisfying the KKT conditions Az − b ≥ 0 on z = 0 and Az = b on
-    z > 0, up to ``tol`` on the gradient (scale b to order one first).
+    z > 0, up to ``tol`` on the gradient (scale b to order one first). ``warm`` (a boolean mask, for example the
+    support of the previous solution) is tried as the starting passive set: when the system restricted to it has
+    a positive solution the iteration starts there (often already optimal), else it starts from z = 0.
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
@@ -209,6 +212,11 @@ def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter
     passive = np.zeros(n, dtype=bool)
     excluded = np.zeros(n, dtype=bool)  # indices that rounding kept from entering at the current z
     w = b.copy()
+    if warm is not None and np.shape(warm) == (n,) and np.any(warm):
+        start = np.asarray(warm, dtype=bool)
+        s = _solve_passive(a, b, start)
+        if np.all(s[start] > 0.0):  # a feasible point optimal on its support: the iteration's invariant holds
+            z, passive, w = s, start.copy(), b - a @ s
     for _ in range(limit):
         candidates = ~passive & ~excluded
         if not candidates.any():
@@ -241,7 +249,8 @@ def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter
     raise KernelQpError(f"nonnegative_qp did not converge in {limit} iterations")
 
 
-def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD_QP_EPSILON) -> np.ndarray:
+def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD_QP_EPSILON,
+                    warm: np.ndarray | None = None) -> np.ndarray:
     """argmin_β βᵀ(Q̂ + εI)β subject to β ≥ 0 and d̂ᵀβ = 1 (§3.3), solved exactly.
 
     With A = Q̂ + εI positive definite, if z solves min_{z ≥ 0} ½zᵀAz − d̂ᵀz then β = z/(d̂ᵀz) satisfies the KKT
@@ -262,7 +271,7 @@ def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD
         np.linalg.cholesky(a)
     except np.linalg.LinAlgError as exc:
         raise KernelQpError(f"Q̂ + εI is not positive definite: {exc}") from exc
-    z = nonnegative_qp(a, d / float(d.max()))  # β is invariant to the scale of d̂
+    z = nonnegative_qp(a, d / float(d.max()), warm=warm)  # β is invariant to the scale of d̂
     t = float(d @ z)
     if not (t > 0.0 and math.isfinite(t)):
         raise KernelQpError(f"the kernel QP produced d̂ᵀz = {t}")
@@ -276,7 +285,8 @@ def choose_kernel_weights(
 
     Some d̂_j > 0: the QP's β, then β ← clamp(β, 0)/Σβ. No d̂_j > 0: the one kernel maximising d̂_j/σ̂_j with
     σ̂_j = sqrt(Q̂_jj + ε) (Gretton et al.'s suggestion, §3.3; ε keeps 0/0 away when both samples coincide). The
-    QP fails or the data are not finite: ``previous`` is kept.
+    QP fails or the data are not finite: ``previous`` is kept. The QP starts from ``previous``'s support (the
+    solution does not depend on it).
     """
     d = np.asarray(d_hat, dtype=np.float64).reshape(-1)
     q = np.asarray(q_hat, dtype=np.float64)
@@ -289,7 +299,7 @@ def choose_kernel_weights(
         beta[int(np.argmax(d / sigma))] = 1.0
         return beta, "single_kernel"
     try:
-        beta = solve_kernel_qp(d, q, epsilon)
+        beta = solve_kernel_qp(d, q, epsilon, warm=prev > 0)
     except KernelQpError:
         return prev, "kept"
     beta = np.clip(beta, 0.0, None)
@@ -371,12 +381,27 @@ class MkMmdLoss(nn.Module):
     def refit(self, x: torch.Tensor, y: torch.Tensor) -> RefitOutcome:
         """Recompute β from two samples (QP, else the single-kernel fallback, else keep β); says which happened."""
         d_hat, q_hat = self.statistics(x, y)
+        return self._set_beta(d_hat, q_hat)
+
+    @torch.no_grad()
+    def _set_beta(self, d_hat: torch.Tensor, q_hat: torch.Tensor) -> RefitOutcome:
         beta, how = choose_kernel_weights(
             d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon
         )
         self.beta.copy_(torch.as_tensor(beta, dtype=self.beta.dtype))
         self.last_refit = how
         return how
+
+    def refit_and_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Refit β on these samples, then Σ_j β_j·d̂_j(x, y): :meth:`refit` and :meth:`forward` on the same batch
+        (MK-MMD₋₁) with the pair statistics computed once; the same values as the two calls."""
+        xf, yf = self._prepare(x, y)
+        h = pair_statistics(xf, yf, self.gammas, self.bandwidth_form)
+        d_hat = mkmmd_estimates(h, self.estimator)
+        with torch.no_grad():
+            h0, d0 = h.detach(), d_hat.detach()
+            self._set_beta(d0, mkmmd_covariance(h0, d0, self.estimator))
+        return (self.beta.detach() * d_hat).sum().to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
