@@ -143,3 +143,24 @@ def test_a_small_grid_runs_real_federations_and_reports(tmp_path: Path) -> None:
             "rows": rows, "bytes_references": {}}
     json.dumps(data)  # the measurements are plain JSON
     assert "| FedAvg |" in rp.render(grid, data)
+
+
+def test_resume_keeps_measured_federations_and_runs_only_the_missing(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    grid = rp.load_grid("fedh2l")
+    # Every federation of the selection is already measured, plus one of another method and seed: nothing runs,
+    # and the page and measurements keep all of them.
+    measured = [{"method": m, "cell": {}, "seed": s, "wall_seconds": 1.0, "rounds": 3,
+                 "figures": {f.key: 0.5 for f in grid.figures}, "throughput": {}}
+                for m, s in (("fedh2l", 0), ("ind", 0), ("agg", 7))]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "rows.json").write_text(json.dumps(measured))
+    out = tmp_path / "page.md"
+    code = rp.main("fedh2l", ["--seeds", "0", "--methods", "fedh2l,ind", "--workdir", str(work), "--no-bytes",
+                              "--resume", "--page", str(out), "--json", str(tmp_path / "m.json")])
+    assert code == 0
+    assert "resuming: 3 federations already measured" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["method"], r["seed"]) for r in saved["rows"]] == [("fedh2l", 0), ("ind", 0), ("agg", 7)]
+    assert "| FedH2L |" in out.read_text()

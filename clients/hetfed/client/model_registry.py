@@ -37,6 +37,8 @@ MODELS: dict[str, ModelEntry] = {
                              "BatchNorm and max-pooling, Linear(1600, d_e), no activation on z"),
     "rmnist_cnn_k5": ModelEntry("hetfed.client.models:rmnist_cnn_k5", 64,
                                 "rmnist_cnn with DIVA/DIRT's 5x5 convolutions (Linear(1024, d_e))"),
+    "linear": ModelEntry("hetfed.client.models:linear", 20,
+                         "one Linear(in, d_e), no activation: with the head, the Ditto paper's Synthetic network"),
     "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",
                            vision=True),
     "mobilenet_v2": ModelEntry("hetfed.client.models:mobilenet_v2", 128,

@@ -92,6 +92,19 @@ def mlp1(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Mod
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), latent_dim), _latent_activation(bounded))
 
 
+def linear(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """One linear layer from the flattened input to d_e, no activation (a sigmoid only when bounded).
+
+    With the SplitModel's head Linear(d_e, K) this is the Ditto+MMD paper's Synthetic network,
+    Linear(60, 20) → Linear(20, 10) (its reference code has no activation between the two layers), and the
+    latent z (the encoder's output) is that network's first layer.
+    """
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(math.prod(input_shape), latent_dim)]
+    if bounded:
+        layers.append(nn.Sigmoid())
+    return nn.Sequential(*layers)
+
+
 def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
     c, _, _ = _image_shape("lenet", input_shape, min_side=4)

@@ -233,9 +233,9 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable")
     r.add_argument("--data", action="append", metavar="FIELD=VALUE",
-                   help="set a data field (VALUE is JSON), for example target_domain=5 (the held-out domain of a "
-                   "leave-one-domain-out partition) or permute_labels=true (each organization's labels permuted); "
-                   "repeatable; fields: docs/configuration.md [data]")
+                   help="set a data field for every organization (VALUE is JSON), for example synthetic_alpha=0, "
+                   "target_domain=5 (the held-out domain of a leave-one-domain-out partition) or permute_labels=true "
+                   "(each organization's labels permuted); repeatable; fields: docs/configuration.md [data]")
     r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None, help="local epochs per round (default 2)")
     r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help="learning rate (default 0.01)")
     r.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")

@@ -586,6 +586,9 @@ def main(name: str, argv: list[str]) -> int:
     p.add_argument("--page", default=grid.results, help="the results page to render (default %(default)s)")
     p.add_argument("--no-bytes", action="store_true", help="skip the reference byte-count federations")
     p.add_argument("--report-only", action="store_true", help="render the page from the saved measurements")
+    p.add_argument("--resume", action="store_true",
+                   help="keep every federation already measured in the workdir's rows.json (same method, cell and "
+                   "seed; any method or seed) and run only the missing ones")
     args = p.parse_args(argv)
     json_path = Path(args.json or Path(args.page).with_suffix(".json"))
     if args.report_only:
@@ -599,12 +602,17 @@ def main(name: str, argv: list[str]) -> int:
     cells = grid.cells() or [{}]
     print(f"hetfed bench {name}: {len(cells) * len(seeds) * len(methods)} federations", flush=True)
     started, load0 = time.monotonic(), os.getloadavg()[0]
-    rows = []
+    saved = root / "rows.json"
+    rows: list[dict[str, Any]] = json.loads(saved.read_text()) if args.resume and saved.exists() else []
+    if rows:
+        print(f"  resuming: {len(rows)} federations already measured in {saved}", flush=True)
     for cell in cells:
         for seed in seeds:
             for method in methods:
+                if any(r["method"] == method.id and r["cell"] == cell and r["seed"] == seed for r in rows):
+                    continue
                 rows.append(run_federation(grid, method, cell, seed, root, args.rounds))
-                (root / "rows.json").write_text(json.dumps(rows, indent=1))
+                saved.write_text(json.dumps(rows, indent=1))
     refs = {} if args.no_bytes else {r.label: run_bytes_reference(grid, r, root) for r in grid.bytes_references}
     data = {
         "command": " ".join(["hetfed", "bench", name, *argv]),

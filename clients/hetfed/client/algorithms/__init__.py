@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.ditto import DittoClient
 from hetfed.client.algorithms.fedavg import FedAvgClient
 from hetfed.client.algorithms.fedavg_body import FedAvgBodyClient
 from hetfed.client.algorithms.fedavg_head import HeadFedAvgClient
@@ -27,6 +28,11 @@ CLIENT_HALVES: dict[str, type[ClientHalf]] = {  # type: ignore[type-arg]
     "fedcmi": FedSRClient,
     "fedavg_body": FedAvgBodyClient,
     "simfed": SimFedClient,
+    # One client half for Ditto and its named variants (they differ in their configs' defaults only).
+    "ditto": DittoClient,
+    "ditto_cos": DittoClient,
+    "ditto_mkmmd": DittoClient,
+    "ditto_mmdd": DittoClient,
 }
 
 

@@ -7,7 +7,18 @@ are registered under the same name in their own packages; this package imports n
 
 from __future__ import annotations
 
-from hetfed.wire.specs import fedavg, fedavg_body, fedavg_head, fedcma, fedh2l, fedprox, fedsr, local, simfed
+from hetfed.wire.specs import (
+    ditto,
+    fedavg,
+    fedavg_body,
+    fedavg_head,
+    fedcma,
+    fedh2l,
+    fedprox,
+    fedsr,
+    local,
+    simfed,
+)
 from hetfed.wire.specs.base import (
     ANY_DATASET,
     AlgorithmSpec,
@@ -34,6 +45,10 @@ SPECS: dict[str, AlgorithmSpec] = {
         fedsr.FEDCMI,
         fedavg_body.SPEC,
         simfed.SPEC,
+        ditto.SPEC,
+        ditto.COS_SPEC,
+        ditto.MKMMD_SPEC,
+        ditto.MMDD_SPEC,
     )
 }
 

@@ -24,6 +24,11 @@ SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "fedcmi": FedAvgServer,
     "fedavg_body": FedAvgServer,  # FedAvg of the body: the clients send only their encoders
     "simfed": SimFedServer,
+    # Ditto and its variants: the global model is averaged exactly as FedAvg's; the personal model never leaves.
+    "ditto": FedAvgServer,
+    "ditto_cos": FedAvgServer,
+    "ditto_mkmmd": FedAvgServer,
+    "ditto_mmdd": FedAvgServer,
 }
 
 
