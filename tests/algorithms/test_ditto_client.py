@@ -250,3 +250,40 @@ def test_variants_differ_only_in_their_defaults() -> None:
         assert spec.upload == SPECS["fedavg"].upload and spec.download == SPECS["fedavg"].download
         assert spec.docs == "algorithms/ditto.md"
         assert [f.key for f in spec.figures] == ["global"]
+
+
+def test_keep_optimizer_state_carries_both_models_momentum_across_rounds() -> None:
+    kept, fresh = (_half(lam=0.1, momentum=0.9, local_steps=2, keep_optimizer_state=keep) for keep in (True, False))
+    for half in (kept, fresh):
+        half.train(1, 4, NO_PAYLOADS)
+    # Round 1 is the same either way (both optimisers start empty).
+    for a, b in zip([*kept.ctx.model.parameters(), *kept.personal.parameters()],
+                    [*fresh.ctx.model.parameters(), *fresh.personal.parameters()], strict=True):
+        assert torch.equal(a, b)
+    global_opt, personal_opt = kept.optimizer(), kept._personal_optimizer
+    assert personal_opt is not None and personal_opt is not global_opt
+    assert all("momentum_buffer" in personal_opt.state[p] for p in kept.personal.parameters())
+    received = _perturbed_global(kept)
+    for half in (kept, fresh):
+        half.train(2, 5, Received([received], frozenset()))
+    assert kept.optimizer() is global_opt and kept._personal_optimizer is personal_opt
+    assert fresh.optimizer() is not fresh.optimizer()
+    # The carried momentum moves both models differently from a fresh optimiser's first steps.
+    for a, b in ((kept.ctx.model, fresh.ctx.model), (kept.personal, fresh.personal)):
+        assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_evaluation_every_k_rounds_resends_the_last_figures_with_this_rounds_losses() -> None:
+    half = _half(lam=0.1, eval_every=2)
+    ups = [half.train(r, r, NO_PAYLOADS)[1] for r in (1, 2, 3)]
+    metrics = [m for m in ups if isinstance(m, EvalMetrics)]
+    assert len(metrics) == 3
+    first, second, third = metrics
+    assert [m.extra["evaluated_round"] for m in metrics] == [1.0, 1.0, 3.0]
+    assert second.test_accuracy == first.test_accuracy
+    assert second.extra["global_model_test_accuracy"] == first.extra["global_model_test_accuracy"]
+    assert second.train_loss != first.train_loss
+    assert second.extra["global_train_loss"] != first.extra["global_train_loss"]
+    from hetfed.client.training import evaluate
+
+    assert third.test_accuracy == evaluate(half.personal, half.ctx.test)[0]

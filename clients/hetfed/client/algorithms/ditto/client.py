@@ -11,6 +11,7 @@ same update as autograd through the penalty). Upload: w_G's ModelWeights and the
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 
@@ -130,6 +131,8 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
                 named_layer(self.personal, layer)  # a clear error naming the model's layers
         self.schedule = RefitSchedule(self.config.refit_every, self.config.refit_batches)
         self.drifts: dict[str, LayerDrift] = {}
+        # w_L's optimiser, kept across rounds with keep_optimizer_state (w_G's is the base class's).
+        self._personal_optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ the personal objective
     @property
@@ -208,7 +211,9 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         def penalty() -> None:
             add_proximal_gradient(params, reference, lam)
 
-        return Objective(self.personal, make_optimizer(params, self.config), terms, forward,
+        if self._personal_optimizer is None or not self.config.keep_optimizer_state:
+            self._personal_optimizer = make_optimizer(params, self.config)
+        return Objective(self.personal, self._personal_optimizer, terms, forward,
                          before_step=penalty if lam > 0 else None)
 
     # ------------------------------------------------------------------ hooks
@@ -221,12 +226,20 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         ctx = self.ctx
         self.load(received)
         self.reference.load_state_dict(ctx.model.state_dict())  # θ̄ ← w̄, copied in place (stays frozen)
-        global_before = self.global_accuracy()
-        global_objective = Objective(ctx.model, make_optimizer(trainable(ctx.model), self.config), [self.classification()])
+        measured = self._last_eval is None or (round_ - 1) % self.config.eval_every == 0
+        global_before = self.global_accuracy() if measured else 0.0
+        global_objective = Objective(ctx.model, self.optimizer(), [self.classification()])
         result = fit([global_objective, self.personal_objective(round_seed)],
                      epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
-        extra = {"global_model_test_accuracy": global_before, "global_train_loss": result.losses[0]}
-        metrics = ctx.metrics(result.losses[1], evaluated_round=round_, extra=extra, model=self.personal)
+        losses = {"global_train_loss": result.losses[0]}
+        if measured:
+            extra = {"global_model_test_accuracy": global_before, **losses}
+            self._last_eval = ctx.metrics(result.losses[1], evaluated_round=round_, extra=extra, model=self.personal)
+            metrics = self._last_eval
+        else:  # eval_every: resend the last evaluation's figures (its evaluated_round says when) with this round's losses
+            assert self._last_eval is not None
+            metrics = dataclasses.replace(self._last_eval, train_loss=result.losses[1],
+                                          extra={**self._last_eval.extra, **losses})
         return [model_weights(ctx.model, len(ctx.train)), metrics]
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
