@@ -25,7 +25,7 @@ from hetfed.cli.localrun import (
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.v1 import tensor_pb2 as tpb
-from tests.conftest import wait_until
+from tests.conftest import load_benchmark, wait_until
 from tests.e2e.test_fedh2l import Recorder, _fields, _runtime
 
 pytestmark = pytest.mark.e2e
@@ -146,6 +146,14 @@ def test_the_checkpoint_holds_the_similarity_matrix_for_the_picture(federation: 
     z = np.stack([arrays[f"z/{o}"].reshape(-1).astype(np.float64) for o in order])
     unit = z / np.linalg.norm(z, axis=1, keepdims=True)
     np.testing.assert_allclose(sigma - np.diag(np.diag(sigma)), unit @ unit.T - np.eye(CLIENTS), atol=1e-9)
+    # The picture script reads the same σ in the same order and draws it.
+    script = load_benchmark("simfed_similarity")
+    drawn, drawn_order, _, meta = script.load_similarity(federation["state"].parent, "simfed")
+    assert drawn_order == order and meta["half"]["closed_round"] == ROUNDS
+    np.testing.assert_array_equal(drawn, sigma)
+    out = federation["state"].parent / "similarity.png"
+    script.draw(drawn, drawn_order, 0.9, "σ", out)
+    assert out.read_bytes().startswith(b"\x89PNG")
 
 
 def _npz_org(root: Path, classes: int, seed: int) -> Path:
