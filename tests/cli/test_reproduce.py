@@ -24,6 +24,17 @@ def test_every_declared_grid_loads_and_names_real_algorithms() -> None:
         assert grid.results.startswith("docs/results/"), name
 
 
+def test_every_federation_of_every_grid_passes_hetfed_runs_validation() -> None:
+    from hetfed.cli.localrun import plan
+
+    for name in rp.grids():
+        grid = rp.load_grid(name)
+        for cell in grid.cells() or [{}]:
+            for m in grid.methods:
+                p = plan(rp.federation_options(grid, m, cell, grid.seeds[0], artifacts=False))
+                assert [r.spec.name for r in p.runs] == [m.algorithm], (name, m.id)
+
+
 def test_a_grid_refuses_claims_on_unknown_methods() -> None:
     with pytest.raises(ValueError, match="unknown method 'nobody'"):
         rp.Grid(name="g", title="t", paper="p", results="r.md", seeds=(0,), rounds=1,
