@@ -115,35 +115,49 @@ def _init_factors(
             layer.mask.copy_(torch.from_numpy(mu.astype(np.float32)))
 
 
-class FactorizedLinear(nn.Module):
+class _Factors(nn.Module):
+    """What both factorised layers hold: u (rows), v (columns), an optional mask μ [rows, columns] and an
+    optional bias, with their factor matrix u × v ⊕ μ."""
+
+    def _make_factors(self, rows: int, cols: int, outputs: int, *, bias: bool, mask: bool) -> None:
+        self.u = nn.Parameter(torch.zeros(rows))
+        self.v = nn.Parameter(torch.zeros(cols))
+        self.mask: nn.Parameter | None
+        if mask:
+            self.mask = nn.Parameter(torch.zeros(rows, cols))
+        else:
+            self.register_parameter("mask", None)
+        self.bias: nn.Parameter | None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(outputs))
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def mask_shape(self) -> tuple[int, ...]:
+        """Shape of μ: (I, O) for a dense layer, (I·F_h, O·F_w) for a convolution."""
+        return (self.u.numel(), self.v.numel())
+
+    def factor_matrix(self) -> torch.Tensor:
+        """u × v ⊕ μ as a [rows, columns] matrix (the paper's W, before π for a convolution)."""
+        m = torch.outer(self.u, self.v)
+        return m if self.mask is None else m + self.mask
+
+    def _take_bias(self, layer: nn.Linear | nn.Conv2d) -> None:
+        """Copy the replaced layer's bias, if both have one."""
+        with torch.no_grad():
+            if layer.bias is not None and self.bias is not None:
+                self.bias.copy_(layer.bias.detach().to(torch.float32))
+
+
+class FactorizedLinear(_Factors):
     """A dense layer whose weight is W = u vᵀ + μ (eq. 5, paper orientation [I, O]); y = x W + b."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, mask: bool = True) -> None:
         super().__init__()
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        self.u = nn.Parameter(torch.zeros(self.in_features))
-        self.v = nn.Parameter(torch.zeros(self.out_features))
-        self.mask: nn.Parameter | None
-        if mask:
-            self.mask = nn.Parameter(torch.zeros(self.in_features, self.out_features))
-        else:
-            self.register_parameter("mask", None)
-        self.bias: nn.Parameter | None
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_features))
-        else:
-            self.register_parameter("bias", None)
-
-    @property
-    def mask_shape(self) -> tuple[int, ...]:
-        """Shape of μ: (I, O)."""
-        return (self.in_features, self.out_features)
-
-    def factor_matrix(self) -> torch.Tensor:
-        """u × v ⊕ μ as an [I, O] matrix (the paper's W)."""
-        w = torch.outer(self.u, self.v)
-        return w if self.mask is None else w + self.mask
+        self._make_factors(self.in_features, self.out_features, self.out_features, bias=bias, mask=mask)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in nn.Linear's layout [O, I]."""
@@ -160,9 +174,7 @@ class FactorizedLinear(nn.Module):
         """Replace ``layer``: same shape and bias; u, v, μ drawn to match its weight's variance (see _init_factors)."""
         out = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, mask=mask)
         _init_factors(out, layer.weight, rng, mask_density)
-        with torch.no_grad():
-            if layer.bias is not None and out.bias is not None:
-                out.bias.copy_(layer.bias.detach().to(torch.float32))
+        out._take_bias(layer)
         return out.to(device=layer.weight.device)
 
     def extra_repr(self) -> str:
@@ -173,7 +185,7 @@ class FactorizedLinear(nn.Module):
         )
 
 
-class FactorizedConv2d(nn.Module):
+class FactorizedConv2d(_Factors):
     """A 2-D convolution whose kernel is W = π(u′ × v′ ⊕ μ′) (eq. 6), π as in the module docstring."""
 
     def __init__(
@@ -200,30 +212,9 @@ class FactorizedConv2d(nn.Module):
         self.dilation = dilation
         self.groups = int(groups)
         fh, fw = self.kernel_size
-        self._rows = (self.in_channels // self.groups) * fh  # I·F_h
-        self._cols = self.out_channels * fw  # O·F_w
-        self.u = nn.Parameter(torch.zeros(self._rows))
-        self.v = nn.Parameter(torch.zeros(self._cols))
-        self.mask: nn.Parameter | None
-        if mask:
-            self.mask = nn.Parameter(torch.zeros(self._rows, self._cols))
-        else:
-            self.register_parameter("mask", None)
-        self.bias: nn.Parameter | None
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_channels))
-        else:
-            self.register_parameter("bias", None)
-
-    @property
-    def mask_shape(self) -> tuple[int, ...]:
-        """Shape of μ′: (I·F_h, O·F_w)."""
-        return (self._rows, self._cols)
-
-    def factor_matrix(self) -> torch.Tensor:
-        """u′ × v′ ⊕ μ′ as an [I·F_h, O·F_w] matrix."""
-        m = torch.outer(self.u, self.v)
-        return m if self.mask is None else m + self.mask
+        # u′ has I·F_h entries, v′ has O·F_w.
+        self._make_factors((self.in_channels // self.groups) * fh, self.out_channels * fw, self.out_channels,
+                           bias=bias, mask=mask)
 
     def dense_weight(self) -> torch.Tensor:
         """π of the factor matrix: the kernel in nn.Conv2d's layout [O, I/groups, F_h, F_w]."""
@@ -259,9 +250,7 @@ class FactorizedConv2d(nn.Module):
             mask=mask,
         )
         _init_factors(out, layer.weight, rng, mask_density)
-        with torch.no_grad():
-            if layer.bias is not None and out.bias is not None:
-                out.bias.copy_(layer.bias.detach().to(torch.float32))
+        out._take_bias(layer)
         return out.to(device=layer.weight.device)
 
     def extra_repr(self) -> str:
