@@ -50,25 +50,25 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     fed = LocalFederation(workdir)
     secrets: list[bytes] = []  # every state w_L and the kernel held after a round's training
     shared: list[bytes] = []  # and w_G's, which must go up
-    original = algorithms.make_client_half
+    original = algorithms.client_half_type
 
-    def recorded_half(spec: Any, ctx: Any) -> Any:
-        half = original(spec, ctx)
-        train = half.train
+    def recorded_type(spec: Any) -> Any:
+        """The runtime's half class, remembering w_L, the kernel and w_G after every round's training."""
+        base = original(spec)
 
-        def train_and_remember(round_: int, round_seed: int, received: Any) -> Any:
-            upload = train(round_, round_seed, received)
-            for p in half.personal.parameters():
-                secrets.extend(_bytes(p))
-            for drift in half.drifts.values():
-                for p in drift.module.parameters():
+        class Recorded(base):  # type: ignore[misc,valid-type]
+            def train(self, round_: int, round_seed: int, received: Any) -> Any:
+                upload = super().train(round_, round_seed, received)
+                for p in self.personal.parameters():
                     secrets.extend(_bytes(p))
-            for p in half.ctx.model.parameters():
-                shared.extend(_bytes(p))
-            return upload
+                for drift in self.drifts.values():
+                    for p in drift.module.parameters():
+                        secrets.extend(_bytes(p))
+                for p in self.ctx.model.parameters():
+                    shared.extend(_bytes(p))
+                return upload
 
-        half.train = train_and_remember
-        return half
+        return Recorded
 
     try:
         fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
@@ -79,7 +79,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         recorder = Recorder()
         rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(algorithms, "make_client_half", recorded_half)
+            mp.setattr(algorithms, "client_half_type", recorded_type)
             rt.run()
         status = wait_until(lambda: (s := fed.status()) and all(r.finished for r in s) and s, timeout=120,
                             what="both runs to finish")
