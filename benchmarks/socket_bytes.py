@@ -40,7 +40,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetfed.cli.localrun import LocalFederation, LocalRunOptions, aggregator_config, client_config
+from hetfed.cli.localrun import LocalFederation, LocalRunOptions, aggregator_config, client_config, plan
 from hetfed.wire.messages import RunStatus
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -289,13 +289,14 @@ def measure(opts: LocalRunOptions, workdir: Path, timeout: float = 600.0) -> dic
     """Run one federation of ``opts.algorithms[0]`` behind the relay; returns counted and socket bytes."""
     (algorithm,) = opts.algorithms
     run_id = algorithm.replace("_", "-")
+    clients = plan(opts).clients  # the user's, else the partition's
     fed = LocalFederation(workdir)
     relay: CountingRelay | None = None
     started = time.monotonic()
     try:
         fed.start_aggregator(aggregator_config(opts, str(workdir / "state")))
         relay = CountingRelay(fed.port).start()
-        for i in range(opts.clients):
+        for i in range(clients):
             fed.start_client(f"client-{run_id}-org-{i}", client_config(opts, run_id, i, relay.port))
         deadline = time.monotonic() + timeout
         while True:
@@ -314,7 +315,7 @@ def measure(opts: LocalRunOptions, workdir: Path, timeout: float = 600.0) -> dic
         up, down = relay.totals()
         return {
             "algorithm": algorithm,
-            "clients": opts.clients,
+            "clients": clients,
             "rounds": opts.rounds,
             "dataset": opts.dataset,
             "model": ",".join(opts.models),

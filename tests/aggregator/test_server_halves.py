@@ -61,6 +61,29 @@ def test_fedavg_server_round() -> None:
     np.testing.assert_array_equal(other.payloads_for(TRAIN, 3, "b")[0].tensors["w"], [2.5, 5.0, 7.5])  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("name", "weighting", "want"), [
+    ("fedavg", "examples", [2.5, 5.0, 7.5]),  # (1·w_a + 3·w_b) / 4
+    ("fedavg", "uniform", [2.0, 4.0, 6.0]),  # (w_a + w_b) / 2
+    ("fedsr", "uniform", [2.0, 4.0, 6.0]),
+])
+def test_fedavg_weighting_by_examples_or_uniform(name: str, weighting: str, want: list[float]) -> None:
+    config = get_spec(name).config(weighting=weighting)
+    half = half_of(name, config)
+    half.accumulate(TRAIN, "a", Received([ModelWeights({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1)]))
+    half.accumulate(TRAIN, "b", Received([ModelWeights({"w": np.array([3.0, 6.0, 9.0], np.float32)}, 3)]))
+    half.close_round(TRAIN, 1)
+    np.testing.assert_array_equal(half.payloads_for(TRAIN, 2, "a")[0].tensors["w"], want)  # type: ignore[attr-defined]
+
+
+def test_fedsr_and_its_variants_average_uniformly_by_default() -> None:
+    assert [get_spec(n).config().weighting for n in ("fedavg", "fedsr", "fedl2r", "fedcmi")] == [
+        "examples", "uniform", "uniform", "uniform"]
+    half = half_of("fedsr", get_spec("fedsr").config())
+    with pytest.raises(WireError) as err:  # a bad example count is refused even when it does not weigh
+        half.validate(TRAIN, "a", Received([ModelWeights({"w": np.ones(3, np.float32)}, 0)]))
+    assert err.value.reason == "invalid_value"
+
+
 def test_fedavg_rejects_zero_weight() -> None:
     half = half_of("fedprox", FedProxConfig())
     with pytest.raises(WireError) as err:

@@ -24,6 +24,14 @@ BAD = [
     (["--algorithm", "fedprox", "--set", "fedprox.muu=1"], "unknown field 'muu' (did you mean 'mu'?)"),
     (["--set", "fedcma.lambda1=1"], "--set names algorithm 'fedcma', which is not among fedavg, local"),
     (["--models", "lenet,resnet"], "unknown model 'resnet'"),
+    (["--data", "target_domian=1"], "unknown data field 'target_domian' (did you mean 'target_domain'?)"),
+    (["--data", "num_clients=3"], "--data num_clients: set it with --clients"),
+    (["--algorithm", "fedsr", "--data", "target_domain=6"], "data.target_domain must be <= data.num_clients (5)"),
+    (["--algorithm", "fedsr", "--set", "probabilistic=false"], "alpha_cmi = 0.0005 needs probabilistic = true"),
+    (["--dataset", "synthetic", "--data", "synthetic_alpha=-1"], "data.synthetic_alpha must be >= 0, got -1"),
+    (["--data", "seed=3"], "--data seed: set it with --seed"),
+    (["--algorithm", "ditto", "--set", "ditto.mu=1"], "mu = 1.0 needs a measure (cosine, mkmmd or mmdd)"),
+    (["--algorithm", "ditto_mkmmd", "--set", "refit_every=0"], "refit_every must be -1 (every step, on its batch)"),
 ]
 
 
@@ -58,4 +66,4 @@ def test_an_unknown_benchmark_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "bench", "nope"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-    assert "unknown benchmark 'nope'; available: fedcma, fedh2l" in proc.stderr
+    assert "unknown benchmark 'nope'; available: ditto, fedcma, fedh2l" in proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,6 +22,17 @@ def test_every_declared_grid_loads_and_names_real_algorithms() -> None:
         for m in grid.methods:
             assert m.algorithm in SPECS, (name, m.algorithm)
         assert grid.results.startswith("docs/results/"), name
+
+
+def test_every_federation_of_every_grid_passes_hetfed_runs_validation() -> None:
+    from hetfed.cli.localrun import plan
+
+    for name in rp.grids():
+        grid = rp.load_grid(name)
+        for cell in grid.cells() or [{}]:
+            for m in grid.methods:
+                p = plan(rp.federation_options(grid, m, cell, grid.seeds[0], artifacts=False))
+                assert [r.spec.name for r in p.runs] == [m.algorithm], (name, m.id)
 
 
 def test_a_grid_refuses_claims_on_unknown_methods() -> None:
@@ -69,6 +81,39 @@ def test_claims_are_paired_per_seed_against_the_better_baseline() -> None:
     assert r.clearing == 2 and r.verdict == "holds on average only (fragile)"
 
 
+def test_a_claim_averaged_over_cells_pairs_each_seeds_mean_difference() -> None:
+    grid = _grid()
+    averaged = rp.Claim("New beats base on average over alpha", "new", "acc", ("base1", "base2"), 2.0,
+                        where={"alpha": [0.1, 0.5]}, average_cells=True)
+    rows = _rows()
+    for r in rows:  # make alpha 0.5 differ: New gains 2 more points there on every seed
+        if r["method"] == "new" and r["cell"] == {"alpha": 0.5}:
+            r["figures"]["acc"] += 0.02
+    (r,) = rp.check_claims(dataclasses.replace(grid, claims=(averaged,)), rows)
+    assert r.cell == {"alpha": "mean of 0.1, 0.5"} and r.baseline == "base2"
+    # Per seed: alpha 0.1 gives (4, 1, 4), alpha 0.5 gives (6, 3, 6): the means are (5, 2, 5).
+    assert [round(d, 10) for _, d in sorted(r.differences.items())] == [5.0, 2.0, 5.0]
+    assert r.mean == pytest.approx(4.0) and r.clearing == 3
+
+
+def test_a_data_axis_sets_a_data_field_and_the_mean_over_cells_is_tabulated() -> None:
+    grid = rp.Grid(name="g", title="t", paper="p", results="r.md", seeds=(0, 1, 2), rounds=1,
+                   data={"dataset": "mnist5k", "partition": "rotated_lodo"},
+                   methods=(rp.Method("base1", "Base 1", "local"), rp.Method("base2", "Base 2", "local"),
+                            rp.Method("new", "New", "fedavg")),
+                   figures=(rp.GridFigure("acc", "acc", "final_test_accuracy"),),
+                   axes=(rp.Axis("data.target_domain", (0, 5)),), mean_over_cells=True,
+                   paper_values=(rp.PaperValue("new", "acc", 90.5, {"data.target_domain": "mean of 0, 5"}),))
+    opts = rp.federation_options(grid, grid.methods[2], {"data.target_domain": 5}, 1, artifacts=False)
+    assert opts.data == {"target_domain": 5} and opts.partition == "rotated_lodo" and opts.seed == 1
+    rows = [{**r, "cell": {"data.target_domain": 0 if r["cell"]["alpha"] == 0.1 else 5}} for r in _rows()]
+    text = rp.render(grid, {"command": "c", "date": "d", "machine": "m", "wall_seconds": 1.0, "load": [0.0, 0.0],
+                            "rows": rows, "bytes_references": {}})
+    assert "### data.target_domain = mean of 0, 5" in text
+    # New: (85, 73, 80) and (75, 63, 70) per seed, means 80, 68, 75 -> 74.33 ± 6.03, beside the paper's number.
+    assert "| New | 74.33 ± 6.03 [90.5] |" in text
+
+
 def test_the_page_is_rendered_from_the_measurements_and_keeps_hand_written_text(tmp_path: Path) -> None:
     data = {"command": "hetfed bench toy", "date": "2026-01-01", "machine": "2 CPU cores", "wall_seconds": 60.0,
             "load": [0.5, 0.7], "rows": _rows(), "bytes_references": {}}
@@ -109,3 +154,24 @@ def test_a_small_grid_runs_real_federations_and_reports(tmp_path: Path) -> None:
             "rows": rows, "bytes_references": {}}
     json.dumps(data)  # the measurements are plain JSON
     assert "| FedAvg |" in rp.render(grid, data)
+
+
+def test_resume_keeps_measured_federations_and_runs_only_the_missing(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    grid = rp.load_grid("fedh2l")
+    # Every federation of the selection is already measured, plus one of another method and seed: nothing runs,
+    # and the page and measurements keep all of them.
+    measured = [{"method": m, "cell": {}, "seed": s, "wall_seconds": 1.0, "rounds": 3,
+                 "figures": {f.key: 0.5 for f in grid.figures}, "throughput": {}}
+                for m, s in (("fedh2l", 0), ("ind", 0), ("agg", 7))]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "rows.json").write_text(json.dumps(measured))
+    out = tmp_path / "page.md"
+    code = rp.main("fedh2l", ["--seeds", "0", "--methods", "fedh2l,ind", "--workdir", str(work), "--no-bytes",
+                              "--resume", "--page", str(out), "--json", str(tmp_path / "m.json")])
+    assert code == 0
+    assert "resuming: 3 federations already measured" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["method"], r["seed"]) for r in saved["rows"]] == [("fedh2l", 0), ("ind", 0), ("agg", 7)]
+    assert "| FedH2L |" in out.read_text()

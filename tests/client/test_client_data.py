@@ -348,6 +348,21 @@ def test_npz_domain_partition(tmp_path: Path) -> None:
     np.testing.assert_array_equal(data.test.x[:, 0], [3, 9])
 
 
+def test_npz_declares_the_organizations_domain(tmp_path: Path) -> None:
+    x = np.zeros((6, 3), dtype=np.float32)
+    y = np.array([0, 1, 0, 1, 0, 1])
+    for domain, expected in ((np.full(6, 3), 3), (np.array([3, 3, 3, 3, 3, 2]), -1), (None, -1)):
+        arrays = {"x": x, "y": y} if domain is None else {"x": x, "y": y, "domain": domain}
+        _write(tmp_path / "train.npz", **arrays)
+        data = load_client_data(DataConfig(dataset="npz", partition="natural", path=str(tmp_path)))
+        assert data.domain == expected, domain
+    # Under the domain partition organization i holds domain i.
+    _write(tmp_path / "train.npz", x=x, y=y, domain=np.array([0, 1, 0, 1, 0, 1]))
+    data = load_client_data(DataConfig(dataset="npz", partition="domain", path=str(tmp_path), num_clients=2,
+                                       client_index=1))
+    assert data.domain == 1
+
+
 def test_npz_domain_partition_needs_domain_array(tmp_path: Path) -> None:
     _write(tmp_path / "train.npz", x=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
     cfg = DataConfig(dataset="npz", partition="domain", path=str(tmp_path), num_clients=1)

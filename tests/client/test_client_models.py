@@ -24,14 +24,16 @@ from hetfed.client.models import (
     state_arrays,
 )
 
-LOCAL_MODELS = ["mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn"]
-DEFAULT_DIMS = {"mlp": 64, "mlp1": 256, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn_small": 60, "cnn": 128}
+LOCAL_MODELS = ["mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "linear"]
+DEFAULT_DIMS = {"mlp": 64, "mlp1": 256, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn_small": 60, "cnn": 128,
+                "linear": 20}
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_models() -> None:
     assert available_models() == [
-        "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "resnet18", "mobilenet_v2"
+        "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "rmnist_cnn", "rmnist_cnn_k5",
+        "linear", "resnet18", "mobilenet_v2",
     ]
 
 
@@ -56,6 +58,18 @@ def test_mlp_on_tabular_input_and_custom_latent() -> None:
     assert model.embed(torch.randn(3, 60)).shape == (3, 20)
     # Flatten -> Linear(60, 200) -> ReLU -> Linear(200, 20) -> ReLU, then head Linear(20, 10)
     assert count_parameters(model) == 60 * 200 + 200 + 200 * 20 + 20 + 20 * 10 + 10
+
+
+def test_linear_is_the_ditto_papers_synthetic_network() -> None:
+    model = build_model("linear", (60,), 10)
+    # Linear(60, 20) -> Linear(20, 10) with nothing in between: the logits are an affine map of x.
+    assert [type(m) for m in model.encoder] == [nn.Flatten, nn.Linear]
+    assert count_parameters(model) == 60 * 20 + 20 + 20 * 10 + 10
+    x = torch.randn(4, 60)
+    w = model.head.weight @ model.encoder[1].weight
+    b = model.head.weight @ model.encoder[1].bias + model.head.bias
+    torch.testing.assert_close(model(x), x @ w.T + b)
+    torch.testing.assert_close(model.embed(x), model.encoder[1](x))
 
 
 def test_fedgen_cnn_matches_fedgen_mnist_config() -> None:
@@ -118,7 +132,8 @@ def test_weights_identical_in_a_fresh_process() -> None:
 
 
 def test_unknown_model_lists_available_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, cnn_small, cnn, resnet18"):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, "
+                       "cnn_small, cnn, rmnist_cnn, rmnist_cnn_k5, linear, resnet18"):
         build_model("vgg", (1, 28, 28), 10)
 
 

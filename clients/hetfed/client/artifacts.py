@@ -1,8 +1,8 @@
 """Local artifacts a client writes for its own operator when ``output_dir`` is set; nothing here is sent.
 
 A snapshot ``<tag>.npz`` holds the model's state (``state/<name>`` arrays, no pickle) and the latents
-z of a probe set (``probe_z``, ``probe_y``): the shared ``global_test`` set when the data has one, else
-the organization's own test set. ``meta.json`` names the architecture so the model can be rebuilt.
+z of a probe set (``probe_z``, ``probe_y``): the set the data names as its probe (a held-out target
+domain, say), else the shared ``global_test`` set when the data has one, else the organization's own test set. ``meta.json`` names the architecture so the model can be rebuilt.
 The runtime writes ``round-1`` (after the first round's training, before anything learned from other
 organizations has reached the model) and ``final`` (after the evaluate phase). Local runs draw the
 gauss4 picture from these, and the Fed-CMA benchmark trains its latent client discriminator on them.
@@ -35,7 +35,7 @@ def write_snapshot(output_dir: str | Path, tag: str, model: SplitModel, data: Cl
     """Write ``<output_dir>/<tag>.npz`` (model state and probe latents) and ``meta.json``; returns the npz path."""
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    probe = data.global_test if data.global_test is not None else data.test
+    probe_name, probe = data.probe_set()
     device = next(model.parameters()).device
     z = embed(model, torch.as_tensor(probe.x, device=device))
     arrays = {STATE_PREFIX + k: v for k, v in state_arrays(model).items()}
@@ -51,7 +51,7 @@ def write_snapshot(output_dir: str | Path, tag: str, model: SplitModel, data: Cl
         "latent_dim": model.latent_dim,
         "num_classes": model.num_classes,
         "input_shape": list(data.input_shape),
-        "probe": "global_test" if data.global_test is not None else "test",
+        "probe": probe_name,
         "data": data.name,
     }
     (root / "meta.json").write_text(json.dumps(meta, indent=1))

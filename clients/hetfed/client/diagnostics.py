@@ -1,7 +1,7 @@
 """Diagnostics computed from organizations' local snapshots (never from anything on the wire).
 
-Used by local runs and benchmarks: the gauss4 picture of latent spaces and decision boundaries, and the
-latent client-discriminator of Fed-CMA's evaluation. torch and matplotlib are imported when they run.
+Used by local runs and benchmarks: the gauss4 picture of latent spaces and decision boundaries, the
+latent client-discriminator of Fed-CMA's evaluation, and the majority-class baseline of label-skewed data. torch and matplotlib are imported when they run.
 """
 
 from __future__ import annotations
@@ -60,9 +60,31 @@ def latent_discriminator(workdir: Path, summary: dict[str, Any], seed: int) -> f
     return discriminator_accuracy(latents, seed)
 
 
-# Figures a reproduction computes from the clients' local snapshots, by name (``diagnostic:<name>`` in a grid).
+def majority_class(workdir: Path, summary: dict[str, Any], seed: int) -> float:
+    """The accuracy of each organization predicting its own most frequent training class on its own test set,
+    averaged uniformly over organizations: what a model learns without learning anything from the inputs.
+
+    Read from the organizations' data configs in the run's work directory (``client-<run>-org-<i>.json``).
+    """
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.wire.config import from_mapping
+
+    configs = sorted(workdir.glob(f"client-{summary['run']}-org-*.json"))
+    if not configs:
+        raise FileNotFoundError(f"no client configs of run {summary['run']!r} in {workdir}")
+    rates = []
+    for path in configs:
+        data = load_client_data(from_mapping(DataConfig, json.loads(path.read_text())["data"], str(path)))
+        top = int(np.bincount(data.train.y, minlength=data.num_classes).argmax())
+        rates.append(float(np.mean(data.test.y == top)) if len(data.test.y) else 0.0)
+    return float(np.mean(rates))
+
+
+# Figures a reproduction computes from the clients' local snapshots or data, by name (``diagnostic:<name>`` in a
+# grid).
 DIAGNOSTICS: dict[str, Callable[[Path, dict[str, Any], int], float]] = {
     "latent_discriminator": latent_discriminator,
+    "majority_class": majority_class,
 }
 
 

@@ -32,6 +32,13 @@ MODELS: dict[str, ModelEntry] = {
     "cnn_small": ModelEntry("hetfed.client.models:cnn_small", 60,
                             "two 3x3 convolutions (16, 32) with max-pooling, d_e = 60 (100k parameters on 28x28)"),
     "cnn": ModelEntry("hetfed.client.models:cnn", 128, "two 3x3 convolutions (32, 64) with max-pooling"),
+    "rmnist_cnn": ModelEntry("hetfed.client.models:rmnist_cnn", 64,
+                             "Rotated MNIST network of DIVA/DIRT/FedSR: two bias-free 3x3 convolutions (32, 64) with "
+                             "BatchNorm and max-pooling, Linear(1600, d_e), no activation on z"),
+    "rmnist_cnn_k5": ModelEntry("hetfed.client.models:rmnist_cnn_k5", 64,
+                                "rmnist_cnn with DIVA/DIRT's 5x5 convolutions (Linear(1024, d_e))"),
+    "linear": ModelEntry("hetfed.client.models:linear", 20,
+                         "one Linear(in, d_e), no activation: with the head, the Ditto paper's Synthetic network"),
     "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",
                            vision=True),
     "mobilenet_v2": ModelEntry("hetfed.client.models:mobilenet_v2", 128,

@@ -115,10 +115,10 @@ class ClientRuntime:
     def _run(self) -> list[tuple[int, EvalMetrics]]:
         import torch
 
-        from hetfed.client.algorithms import ClientContext, make_client_half
+        from hetfed.client.algorithms import ClientContext, client_half_type
         from hetfed.client.artifacts import write_snapshot
         from hetfed.client.data import load_client_data
-        from hetfed.client.models import SplitModel, build_model
+        from hetfed.client.models import SplitModel
 
         cfg = self.config
         if cfg.threads:
@@ -136,13 +136,17 @@ class ClientRuntime:
         # A run with one latent space (its config names latent_dim) sets the width unless the model config does.
         latent = cfg.model.latent_dim or int(getattr(config, "latent_dim", 0)) or None
 
+        half_type = client_half_type(spec)
+
         def build() -> SplitModel:
-            # The run's seed fixes the initial weights, the same in every organization.
-            return build_model(cfg.model.name, data.input_shape, data.num_classes, seed=int(joined.seed),
-                               latent_dim=latent, bounded_latent=spec.bounded_latent).to(device)
+            # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
+            # builds the architecture (most as registered, some wrapped in what the algorithm needs).
+            return half_type.make_model(cfg.model.name, data.input_shape, data.num_classes, seed=int(joined.seed),
+                                        latent_dim=latent, bounded_latent=spec.bounded_latent,
+                                        config=config).to(device)
 
         ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build)
-        half = make_client_half(spec, ctx)
+        half = half_type(ctx)
         if joined.declare_required:
             self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
                              num_train_examples=len(data.train))

@@ -84,6 +84,20 @@ def _parse_sets(items: Sequence[str], algorithms: Sequence[str]) -> dict[str, di
     return {k: v for k, v in out.items() if v}
 
 
+def _parse_data(items: Sequence[str]) -> dict[str, Any]:
+    """``--data FIELD=VALUE`` (VALUE as JSON, else a string) into data fields (validated by the run's plan)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--data expects FIELD=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from hetfed.cli.localrun import LocalRunOptions, run_local
 
@@ -105,6 +119,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         test_split=args.test_split,
         train={k: v for k, v in knobs.items() if v is not None},
         extra_algorithm_config=_parse_sets(args.set or [], algorithms),
+        data=_parse_data(args.data or []),
         wire_dtype=args.wire_dtype,
         output=args.output,
         timeout=args.timeout,
@@ -196,7 +211,8 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--algorithm", type=_algorithms(list(SPECS)), default=list(DEFAULT_COMPARISON), metavar="A[,A...]",
                    help=f"comma-separated algorithms (default {','.join(DEFAULT_COMPARISON)}): "
                    + _listing({k: s.summary.split(":")[0].split(".")[0] for k, s in SPECS.items()}))
-    r.add_argument("--clients", type=_positive(int, "--clients"), default=4, help="organizations per algorithm (default 4)")
+    r.add_argument("--clients", type=_positive(int, "--clients"), default=None,
+                   help="organizations per algorithm (default: the partition's, else 4)")
     r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None,
                    help="training rounds (default: the algorithm's for the dataset, else 10)")
     r.add_argument("--dataset", type=_choice("dataset", builtin), default=DEFAULT_DATASET, metavar="NAME",
@@ -221,6 +237,10 @@ def _add_run(sub: Any) -> None:
                    "equal share per label held (default proportional)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable")
+    r.add_argument("--data", action="append", metavar="FIELD=VALUE",
+                   help="set a data field for every organization (VALUE is JSON), for example synthetic_alpha=0, "
+                   "target_domain=5 (the held-out domain of a leave-one-domain-out partition) or permute_labels=true "
+                   "(each organization's labels permuted); repeatable; fields: docs/configuration.md [data]")
     r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None, help="local epochs per round (default 2)")
     r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help="learning rate (default 0.01)")
     r.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")

@@ -44,6 +44,13 @@ BASE = LocalDefaults(rounds=10, models=("lenet",),
                      config={"local_epochs": 2, "lr": 0.01, "momentum": 0.9, "batch_size": 32})
 # Training knobs the command line sets for every run (--local-epochs, --lr, --momentum, --batch-size).
 TRAIN_KNOBS = ("local_epochs", "lr", "momentum", "batch_size")
+# Organizations when neither the user nor the partition says.
+DEFAULT_CLIENTS = 4
+# Data fields set by their own options, so not through ``data`` (--data FIELD=VALUE): field -> option.
+DATA_OPTIONS = {"dataset": "set it with --dataset", "partition": "set it with --partition", "alpha": "set it with --alpha",
+                "num_clients": "set it with --clients", "client_index": "it is set per organization",
+                "seed": "set it with --seed", "public_fraction": "set it with --public-fraction",
+                "test_split": "set it with --test-split", "train_on_public": "it is a benchmark method's option"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ class LocalRunOptions:
     """What the user asked ``hetfed run`` for; ``None`` (or empty) leaves the choice to the defaults."""
 
     algorithms: tuple[str, ...] = DEFAULT_COMPARISON
-    clients: int = 4
+    # None: the partition's number of organizations, else DEFAULT_CLIENTS.
+    clients: int | None = None
     rounds: int | None = None
     dataset: str = DEFAULT_DATASET
     partition: str | None = None
@@ -83,6 +91,8 @@ class LocalRunOptions:
     metrics_linger: float = 0.0
     # Write report.png and report.md (hetfed.cli.report) next to results.json.
     report: bool = True
+    # Further data fields (DataConfig's, for example a held-out target domain): --data FIELD=VALUE.
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class LocalPlan:
     partition: str
     runs: tuple[RunPlan, ...]
     picture: str
+    clients: int = DEFAULT_CLIENTS
 
 
 def run_id_of(algorithm: str) -> str:
@@ -113,9 +124,10 @@ def run_id_of(algorithm: str) -> str:
     return algorithm.replace("_", "-")
 
 
-def _data_mapping(opts: LocalRunOptions, partition: str, index: int) -> dict[str, Any]:
+def _data_mapping(opts: LocalRunOptions, partition: str, clients: int, index: int) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha, "num_clients": opts.clients,
+        **opts.data,
+        "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha, "num_clients": clients,
         "client_index": index, "seed": opts.seed, "public_fraction": opts.public_fraction,
     }
     if opts.test_split != "proportional":
@@ -127,11 +139,21 @@ def _data_mapping(opts: LocalRunOptions, partition: str, index: int) -> dict[str
 
 def plan(opts: LocalRunOptions) -> LocalPlan:
     """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
-    from hetfed.client.data import DATASETS, DataConfig, load_seed_set
+    from hetfed.client.data import DATASETS, PARTITIONS, DataConfig, load_seed_set
     from hetfed.client.model_registry import MODELS
 
-    if opts.clients < 1:
+    if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    for name in opts.data:
+        if name in DATA_OPTIONS:
+            raise ConfigError(f"--data {name}: {DATA_OPTIONS[name]}")
+        if name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known - set(DATA_OPTIONS)), n=1)
+            raise ConfigError(f"--data: unknown data field {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f"; data fields: {', '.join(sorted(known - set(DATA_OPTIONS)))}")
     if not opts.algorithms:
         raise ConfigError("--algorithm names no algorithm")
     if len(set(opts.algorithms)) != len(opts.algorithms):
@@ -167,11 +189,11 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     if partition not in entry.partitions:
         raise ConfigError(f"dataset {opts.dataset!r} has no partition {partition!r}; it offers "
                           f"{', '.join(entry.partitions)}")
+    clients = opts.clients if opts.clients is not None else PARTITIONS[partition].clients or DEFAULT_CLIENTS
     try:
-        DataConfig(**_data_mapping(opts, partition, 0))
-    except ValueError as exc:
+        seed_cfg = DataConfig(**_data_mapping(opts, partition, clients, 0))
+    except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
-    seed_cfg = DataConfig(**_data_mapping(opts, partition, 0))
     runs = []
     for spec in specs:
         d = layered[spec.name]
@@ -206,12 +228,12 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             seeds = load_seed_set(seed_cfg)
             assert seeds is not None
             seed_set = {"id": seeds.id, "sha256": seeds.sha256, "size": len(seeds),
-                        "parts": {f"org-{d}": list(r) for d, r in seeds.ranges().items() if d < opts.clients}}
+                        "parts": {f"org-{d}": list(r) for d, r in seeds.ranges().items() if d < clients}}
         rounds = opts.rounds if opts.rounds is not None else int(d.rounds or 10)
         if rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {rounds}")
         runs.append(RunPlan(run_id_of(spec.name), spec, rounds, tuple(models), latent, config, seed_set))
-    return LocalPlan(opts, partition, tuple(runs), entry.picture)
+    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients)
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -333,7 +355,7 @@ def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: Tl
         run: dict[str, Any] = {
             "id": r.run_id,
             "algorithm": r.spec.name,
-            "organizations": [f"org-{i}" for i in range(p.opts.clients)],
+            "organizations": [f"org-{i}" for i in range(p.clients)],
             "rounds": r.rounds,
             "round_deadline_seconds": 600.0,
             "seed": p.opts.seed,
@@ -368,7 +390,7 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
         "aggregator": f"127.0.0.1:{port}",
         "device": "auto",
         "threads": 1,
-        "data": _data_mapping(p.opts, p.partition, index),
+        "data": _data_mapping(p.opts, p.partition, p.clients, index),
         "model": {"name": r.models[index % len(r.models)], "latent_dim": r.latent_dim or 0},
         "retry": {"give_up_after_seconds": 120.0},
     }
@@ -512,9 +534,7 @@ def model_bytes(plan: LocalPlan, model: str, latent_dim: int | None) -> int:
     from hetfed.client.data import DataConfig, load_client_data
     from hetfed.client.models import build_model
 
-    o = plan.opts
-    data = load_client_data(DataConfig(dataset=o.dataset, partition=plan.partition,  # type: ignore[arg-type]
-                                       num_clients=o.clients, seed=o.seed, public_fraction=o.public_fraction))
+    data = load_client_data(DataConfig(**_data_mapping(plan.opts, plan.partition, plan.clients, 0)))
     m = build_model(model, data.input_shape, data.num_classes, latent_dim=latent_dim)
     return sum(v.numel() * 4 for v in m.state_dict().values() if v.is_floating_point())
 
@@ -539,16 +559,16 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
 
     p = opts if isinstance(opts, LocalPlan) else plan(opts)
     o = p.opts
-    certs = _make_certs(o, workdir) if o.tls else None
+    certs = _make_certs(p.clients, workdir) if o.tls else None
     fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None,
-                          warm=[_data_mapping(o, p.partition, 0)])
+                          warm=[_data_mapping(o, p.partition, p.clients, 0)])
     started = time.monotonic()
     state = workdir / "state"
     if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
         shutil.rmtree(state)
     try:
         fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
-        names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(o.clients)}
+        names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(p.clients)}
         scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
         for (run_id, i), name in names.items():
             client_tls = certs.client_tls(f"org-{i}") if certs else None
@@ -578,11 +598,11 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
         fed.stop()
 
 
-def _make_certs(opts: LocalRunOptions, workdir: Path) -> FederationCerts:
+def _make_certs(clients: int, workdir: Path) -> FederationCerts:
     """A fresh CA and certificates for this local federation (and the orchestrator) in ``workdir/certs``."""
     from hetfed.cli.certs import make_federation_certs
 
-    orgs = [f"org-{i}" for i in range(opts.clients)]
+    orgs = [f"org-{i}" for i in range(clients)]
     # Absolute paths: the processes run with the work directory as their current directory.
     return make_federation_certs((workdir / "certs").resolve(), [*orgs, OPERATOR_ORGANIZATION], force=True)
 
@@ -604,11 +624,12 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
 
     o = p.opts
     if not o.quiet:
-        from hetfed.client.data import PARTITIONS
+        from hetfed.client.data import PARTITIONS, DataConfig
 
-        detail = "".join(f", {k}={getattr(o, k)}" for k in PARTITIONS[p.partition].parameters)
+        data = DataConfig(**_data_mapping(o, p.partition, p.clients, 0))
+        detail = "".join(f", {k}={getattr(data, k)}" for k in PARTITIONS[p.partition].parameters)
         rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
-        say(f"hetfed run: {', '.join(o.algorithms)} with {o.clients} organizations on {o.dataset} "
+        say(f"hetfed run: {', '.join(o.algorithms)} with {p.clients} organizations on {o.dataset} "
             f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
     results = federate(p, workdir)
     print_table(TABLE_HEAD, table_rows(results))
@@ -620,7 +641,7 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
             if png is not None:
                 say(f"{r['algorithm']}: {png}")
     if o.output:
-        out = {"options": to_mapping(o), "runs": results}
+        out = {"options": to_mapping(dataclasses.replace(o, clients=p.clients)), "runs": results}
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
         say(f"per-round results: {workdir / 'results.json'}")
         if o.report:

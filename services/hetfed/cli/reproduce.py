@@ -56,11 +56,11 @@ class Method:
 
 @dataclass(frozen=True)
 class Axis:
-    """A setting the grid varies: a LocalRunOptions field (``alpha``) or an algorithm config field
-    (``config.mu``), over these values."""
+    """A setting the grid varies: a LocalRunOptions field (``alpha``), an algorithm config field
+    (``config.mu``) or a data field (``data.target_domain``), over these values."""
 
     name: str
-    values: tuple[float | int | str, ...]
+    values: tuple[int | float | str, ...]  # int first: a whole number stays an int (a domain index)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,11 @@ class PaperValue:
 
 @dataclass(frozen=True)
 class Claim:
-    """method's figure − the better baseline's figure ≥ margin (points for percentages), paired by seed."""
+    """method's figure − the better baseline's figure ≥ margin (points for percentages), paired by seed.
+
+    Checked in every cell ``where`` selects (a list value selects any of its values), or, with
+    ``average_cells``, once over all of them: each seed's difference is then its mean over those cells.
+    """
 
     text: str
     method: str
@@ -102,6 +106,7 @@ class Claim:
     margin: float
     baseline_figure: str = ""
     where: dict[str, Any] = field(default_factory=dict)
+    average_cells: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,11 @@ class Grid:
     bytes_references: tuple[BytesReference, ...] = ()
     # Report iterations per second and the share of CPU and wall time outside training.
     throughput: bool = False
+    # Also tabulate every method's figures averaged over all cells (per seed, then mean ± std over seeds).
+    mean_over_cells: bool = False
+    # Clients write their local snapshots (model state, probe latents) into each federation's directory
+    # (always when a figure is a diagnostic); pictures are drawn from them afterwards.
+    artifacts: bool = False
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -182,16 +192,19 @@ def load_grid(name: str) -> Grid:
 
 # ================================================================================================ measuring
 def _matches(cell: Mapping[str, Any], where: Mapping[str, Any]) -> bool:
-    return all(cell.get(k) == v for k, v in where.items())
+    return all(cell.get(k) in v if isinstance(v, list | tuple) else cell.get(k) == v for k, v in where.items())
 
 
-def _options(grid: Grid, method: Method, cell: Mapping[str, Any], seed: int, artifacts: bool,
-             rounds: int | None) -> LocalRunOptions:
+def federation_options(grid: Grid, method: Method, cell: Mapping[str, Any], seed: int, *, artifacts: bool,
+                       rounds: int | None = None) -> LocalRunOptions:
+    """The ``hetfed run`` options of one federation of the grid (``rounds``: instead of the grid's)."""
     config = dict(method.config)
     settings: dict[str, Any] = {**grid.data, **method.options}
     for name, value in cell.items():
         if name.startswith("config."):
             config[name.removeprefix("config.")] = value
+        elif name.startswith("data."):
+            settings["data"] = {**settings.get("data", {}), name.removeprefix("data."): value}
         else:
             settings[name] = value
     return LocalRunOptions(
@@ -286,16 +299,21 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
     return None if value is None else float(value)
 
 
+def federation_dir(root: Path, method: Method, cell: Mapping[str, Any], seed: int) -> Path:
+    """Where one federation of a grid runs (its logs and, with artifacts, its clients' snapshots)."""
+    return root / "-".join([method.id, *(f"{k}{v}" for k, v in cell.items()), f"s{seed}"]).replace("/", "_")
+
+
 def run_federation(grid: Grid, method: Method, cell: Mapping[str, Any], seed: int, root: Path,
                    rounds: int | None = None) -> dict[str, Any]:
     """One federation of the grid; returns its row of measurements."""
-    tag = "-".join([method.id, *(f"{k}{v}" for k, v in cell.items()), f"s{seed}"]).replace("/", "_")
-    workdir = root / tag
+    workdir = federation_dir(root, method, cell, seed)
     workdir.mkdir(parents=True, exist_ok=True)
-    artifacts = any(f.source.startswith("diagnostic:") for f in grid.figures)
+    artifacts = grid.artifacts or any(f.source.startswith("diagnostic:") for f in grid.figures)
     probe = _CpuProbe()
     t0 = time.monotonic()
-    (summary,) = federate(_options(grid, method, cell, seed, artifacts, rounds), workdir, on_status=probe)
+    (summary,) = federate(federation_options(grid, method, cell, seed, artifacts=artifacts, rounds=rounds),
+                          workdir, on_status=probe)
     wall = time.monotonic() - t0
     figures = {f.key: figure_value(f, summary, workdir, seed) for f in grid.figures}
     row = {"method": method.id, "cell": dict(cell), "seed": seed, "wall_seconds": wall,
@@ -315,7 +333,8 @@ def run_bytes_reference(grid: Grid, ref: BytesReference, root: Path) -> float:
     cell = grid.cells()[0] if grid.axes else {}
     workdir = root / f"bytes-{ref.algorithm}-{'_'.join(ref.models) or 'default'}"
     workdir.mkdir(parents=True, exist_ok=True)
-    (summary,) = federate(_options(grid, method, cell, grid.seeds[0], False, ref.rounds), workdir)
+    (summary,) = federate(federation_options(grid, method, cell, grid.seeds[0], artifacts=False, rounds=ref.rounds),
+                          workdir)
     return steady_bytes(summary)
 
 
@@ -363,17 +382,36 @@ def _values(rows: Sequence[Mapping[str, Any]], method: str, figure: str, cell: M
             if r["method"] == method and r["cell"] == dict(cell) and r["figures"].get(figure) is not None}
 
 
+def _averaged(rows: Sequence[Mapping[str, Any]], method: str, figure: str,
+              cells: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Per seed, the mean of a method's figure over ``cells`` (seeds measured in every one of them)."""
+    per_cell = [_values(rows, method, figure, c) for c in cells]
+    seeds = set.intersection(*(set(v) for v in per_cell)) if per_cell else set()
+    return {s: statistics.fmean(v[s] for v in per_cell) for s in sorted(seeds)}
+
+
+def _averaged_name(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The label of a group of cells: each axis that varies among them as 'mean of a, b'."""
+    out: dict[str, Any] = {}
+    for k in cells[0] if cells else ():
+        values = list(dict.fromkeys(c[k] for c in cells))
+        out[k] = values[0] if len(values) == 1 else "mean of " + ", ".join(map(str, values))
+    return out
+
+
 def check_claims(grid: Grid, rows: Sequence[Mapping[str, Any]]) -> list[ClaimResult]:
-    """Every claim on every cell it applies to, paired by seed against the baseline with the higher mean."""
+    """Every claim on every cell it applies to (or on their average), paired by seed against the baseline
+    with the higher mean."""
     out = []
     scale = {f.key: 100.0 if f.percent else 1.0 for f in grid.figures}
     for claim in grid.claims:
-        for cell in grid.cells() or [{}]:
-            if not _matches(cell, claim.where):
-                continue
-            mine = _values(rows, claim.method, claim.figure, cell)
+        cells = [c for c in grid.cells() or [{}] if _matches(c, claim.where)]
+        groups: list[tuple[dict[str, Any], list[dict[str, Any]]]] = (
+            [(_averaged_name(cells), cells)] if claim.average_cells and cells else [(c, [c]) for c in cells])
+        for cell, members in groups:
+            mine = _averaged(rows, claim.method, claim.figure, members)
             bfig = claim.baseline_figure or claim.figure
-            candidates = {b: _values(rows, b, bfig, cell) for b in claim.baselines}
+            candidates = {b: _averaged(rows, b, bfig, members) for b in claim.baselines}
             candidates = {b: v for b, v in candidates.items() if v}
             if not mine or not candidates:
                 continue
@@ -430,7 +468,11 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
     for m in grid.methods:
         lines.append(f"| {m.label} | " + " | ".join(_settings(grid, m)) + " |")
     lines.append("")
-    for cell in grid.cells() or [{}]:
+    groups: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [(c, [c]) for c in grid.cells() or [{}]]
+    if grid.mean_over_cells and len(grid.cells()) > 1:
+        # Per seed, the mean over every cell; a paper value for it names the group (e.g. "mean of 0, 5").
+        groups.append((_averaged_name(grid.cells()), grid.cells()))
+    for cell, members in groups:
         if grid.axes:
             lines += [f"### {_cell_name(cell)}", ""]
         lines += ["| method | " + " | ".join(f.label for f in grid.figures) + " |",
@@ -438,7 +480,7 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
         for m in grid.methods:
             cols = []
             for f in grid.figures:
-                values = list(_values(rows, m.id, f.key, cell).values())
+                values = list(_averaged(rows, m.id, f.key, members).values())
                 paper = next((p.value for p in grid.paper_values
                               if p.method == m.id and p.figure == f.key and _matches(cell, p.where)), None)
                 cols.append(_mean_std(values, f.percent) + (f" [{paper:g}]" if paper is not None else ""))
@@ -544,6 +586,9 @@ def main(name: str, argv: list[str]) -> int:
     p.add_argument("--page", default=grid.results, help="the results page to render (default %(default)s)")
     p.add_argument("--no-bytes", action="store_true", help="skip the reference byte-count federations")
     p.add_argument("--report-only", action="store_true", help="render the page from the saved measurements")
+    p.add_argument("--resume", action="store_true",
+                   help="keep every federation already measured in the workdir's rows.json (same method, cell and "
+                   "seed; any method or seed) and run only the missing ones")
     args = p.parse_args(argv)
     json_path = Path(args.json or Path(args.page).with_suffix(".json"))
     if args.report_only:
@@ -557,12 +602,17 @@ def main(name: str, argv: list[str]) -> int:
     cells = grid.cells() or [{}]
     print(f"hetfed bench {name}: {len(cells) * len(seeds) * len(methods)} federations", flush=True)
     started, load0 = time.monotonic(), os.getloadavg()[0]
-    rows = []
+    saved = root / "rows.json"
+    rows: list[dict[str, Any]] = json.loads(saved.read_text()) if args.resume and saved.exists() else []
+    if rows:
+        print(f"  resuming: {len(rows)} federations already measured in {saved}", flush=True)
     for cell in cells:
         for seed in seeds:
             for method in methods:
+                if any(r["method"] == method.id and r["cell"] == cell and r["seed"] == seed for r in rows):
+                    continue
                 rows.append(run_federation(grid, method, cell, seed, root, args.rounds))
-                (root / "rows.json").write_text(json.dumps(rows, indent=1))
+                saved.write_text(json.dumps(rows, indent=1))
     refs = {} if args.no_bytes else {r.label: run_bytes_reference(grid, r, root) for r in grid.bytes_references}
     data = {
         "command": " ".join(["hetfed", "bench", name, *argv]),

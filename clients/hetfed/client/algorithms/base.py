@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hetfed.client.data import ClientData
-from hetfed.client.models import SplitModel
+from hetfed.client.models import SplitModel, build_model
 from hetfed.client.training import DeviceData, evaluate
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
@@ -76,6 +76,14 @@ class ClientHalf(Generic[C]):
     def __init__(self, ctx: ClientContext[C]) -> None:
         self.ctx = ctx
         self.config: C = ctx.config
+
+    @classmethod
+    def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
+                   latent_dim: int | None, bounded_latent: bool, config: C) -> SplitModel:
+        """The organization's model on CPU, initial weights fixed by ``seed`` (the runtime calls it through the
+        half's class before the half exists); default: the registered architecture ``name`` as it is."""
+        return build_model(name, input_shape, num_classes, seed=seed, latent_dim=latent_dim,
+                           bounded_latent=bounded_latent)
 
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
         """Tensors this client will upload every round (declared at Join, checked by the aggregator)."""

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
-from hetfed.client.algorithms.base import C, ClientHalf
+from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.training import (
+    Batch,
+    Forward,
     LossTerm,
     Objective,
     cross_entropy,
     epoch_batches,
     fit,
     make_optimizer,
+    plain_forward,
     trainable,
 )
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
 from hetfed.wire.specs.fedavg import FedAvgConfig
+
+C = TypeVar("C", bound=FedAvgConfig)
 
 
 def shared_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,6 +49,22 @@ def model_weights(model: torch.nn.Module, num_examples: int) -> ModelWeights:
 class ModelAveragingClient(ClientHalf[C], Generic[C]):
     """Load the global model, evaluate it, train it on the local objective, upload it."""
 
+    def __init__(self, ctx: ClientContext[C]) -> None:
+        super().__init__(ctx)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._last_eval: EvalMetrics | None = None
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This round's optimiser over the trainable parameters: a fresh one every round, or the same one
+        throughout with ``keep_optimizer_state`` (its momentum carries over)."""
+        if self._optimizer is None or not self.config.keep_optimizer_state:
+            self._optimizer = make_optimizer(self.parameters(), self.config)
+        return self._optimizer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What the local optimiser updates (the model's trainable parameters)."""
+        return trainable(self.ctx.model)
+
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
         """Every floating state entry of the model."""
         return [DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, k, v.cpu().numpy(), wire_dtype)
@@ -59,20 +80,34 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         """The local objective's terms (FedAvg: cross-entropy)."""
         return [cross_entropy]
 
+    def forward(self, model: torch.nn.Module, batch: Batch) -> Forward:
+        """The training forward pass (FedAvg: the logits)."""
+        return plain_forward(model, batch)
+
+    def measure(self, evaluated_round: int) -> EvalMetrics:
+        """The model's metrics on every held-out set (FedAvg: predicted from its logits)."""
+        return self.ctx.metrics(0.0, evaluated_round=evaluated_round)
+
+    def upload(self) -> ModelWeights:
+        """The trained model's shared state."""
+        return model_weights(self.ctx.model, len(self.ctx.train))
+
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Evaluate the received global model, then train on it and upload the result."""
         ctx = self.ctx
         self.load(received)
-        before = ctx.metrics(0.0, evaluated_round=round_ - 1)
+        if self._last_eval is None or (round_ - 1) % self.config.eval_every == 0:
+            self._last_eval = self.measure(round_ - 1)
+        before = self._last_eval
         terms = self.terms()
-        opt = make_optimizer(trainable(ctx.model), self.config)
-        result = fit([Objective(ctx.model, opt, terms)], epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
-        return [model_weights(ctx.model, len(ctx.train)), dataclasses.replace(before, train_loss=result.loss)]
+        result = fit([Objective(ctx.model, self.optimizer(), terms, self.forward)],
+                     epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
+        return [self.upload(), dataclasses.replace(before, train_loss=result.loss)]
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The final global model."""
         self.load(received)
-        return self.ctx.metrics(0.0, evaluated_round=round_ - 1)
+        return self.measure(round_ - 1)
 
 
 class FedAvgClient(ModelAveragingClient[FedAvgConfig]):

@@ -28,6 +28,7 @@ from hetfed.client.data.partitions import (
     split_like,
     stratified_holdout,
 )
+from hetfed.client.data.permuted import label_permutation, permute_labels, permuted
 from hetfed.client.data.registry import DATASETS, DEFAULT_DATASET, PARTITIONS, resolve
 from hetfed.client.data.seedset import SeedSet
 from hetfed.client.data.synthetic import generate_synthetic
@@ -50,9 +51,12 @@ __all__ = [
     "domain_partition",
     "generate_synthetic",
     "iid_partition",
+    "label_permutation",
     "load_client_data",
     "load_npz_dir",
     "load_seed_set",
+    "permute_labels",
+    "permuted",
     "split_like",
     "stratified_holdout",
 ]
@@ -61,7 +65,7 @@ __all__ = [
 def load_client_data(cfg: DataConfig) -> ClientData:
     """This organization's train set, own test set and further held-out sets, as ``cfg`` describes."""
     data: ClientData = resolve(DATASETS[cfg.dataset].partitions[cfg.partition].loader)(cfg)
-    return data
+    return permuted(data, cfg.seed, cfg.client_index) if cfg.permute_labels else data
 
 
 def load_seed_set(cfg: DataConfig) -> SeedSet | None:

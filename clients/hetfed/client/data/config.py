@@ -32,6 +32,12 @@ class DataConfig:
     public_fraction: float = 0.1
     train_on_public: bool = False
     seed_set_path: str | None = None
+    # Partition "rotated_lodo" (leave one domain out, see hetfed.client.data.rotated_lodo): the domain held out
+    # of training (rotated by 15° × target_domain, 0 .. num_clients), evaluated by every organization.
+    target_domain: int = 0
+    # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
+    # organization's labels go through its own permutation drawn from (seed, client_index).
+    permute_labels: bool = False
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, tuple(DATASETS))
@@ -70,6 +76,20 @@ class DataConfig:
                 f"works with dataset {' or '.join(repr(d) for d in with_it)}"
                 + (f" {PARTITIONS[self.partition].requirement}" if PARTITIONS[self.partition].requirement else "")
             )
+        check_int("data.target_domain", self.target_domain, minimum=0)
+        if self.partition == "rotated_lodo":
+            if self.target_domain > self.num_clients:
+                raise ValueError(f"data.target_domain must be <= data.num_clients ({self.num_clients}): partition "
+                                 f"'rotated_lodo' has num_clients + 1 domains, got {self.target_domain}")
+        elif self.target_domain != 0:
+            raise ValueError(f"data.target_domain is only used with partition 'rotated_lodo', got "
+                             f"{self.target_domain} with partition {self.partition!r}")
+        if not isinstance(self.permute_labels, bool):
+            raise ValueError(f"data.permute_labels must be true or false, got {self.permute_labels!r}")
+        if self.permute_labels and not PARTITIONS[self.partition].permutable:
+            allowed = sorted(p for p, info in PARTITIONS.items() if info.permutable)
+            raise ValueError(f"data.permute_labels works with partition {' or '.join(map(repr, allowed))}, "
+                             f"got partition {self.partition!r}")
         if (self.train_on_public or self.seed_set_path) and not supported[self.partition].seed_set:
             with_seeds = sorted(p for p, e in supported.items() if e.seed_set)
             raise ValueError("data.train_on_public and data.seed_set_path need a partition with a shared seed set "

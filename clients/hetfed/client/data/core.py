@@ -87,6 +87,9 @@ class ClientData:
     domain: int = -1
     # Further named held-out sets (for example a held-out target domain), evaluated as ``<name>_accuracy``.
     extra_eval: dict[str, ArrayDataset] = field(default_factory=dict)
+    # The held-out set whose latents local snapshots record (a name of ``eval_sets()`` or "test"; empty:
+    # ``global_test`` when present, else ``test``).
+    probe: str = ""
 
     @property
     def seed_set(self) -> tuple[str, str] | None:
@@ -97,6 +100,15 @@ class ClientData:
         """Every held-out set besides the own test set, by name (reported as ``<name>_accuracy``)."""
         out = {"global_test": self.global_test, "cross_test": self.cross_test, **self.extra_eval}
         return {k: v for k, v in out.items() if v is not None}
+
+    def probe_set(self) -> tuple[str, ArrayDataset]:
+        """(name, set) of the held-out images local snapshots embed (see ``probe``)."""
+        if self.probe:
+            sets = {"test": self.test, **self.eval_sets()}
+            if self.probe not in sets:
+                raise ValueError(f"probe set {self.probe!r} is not among this organization's sets ({', '.join(sets)})")
+            return self.probe, sets[self.probe]
+        return ("global_test", self.global_test) if self.global_test is not None else ("test", self.test)
 
 
 def as_labels(labels: np.ndarray, what: str = "labels") -> np.ndarray:

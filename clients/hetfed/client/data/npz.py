@@ -49,8 +49,10 @@ def load_npz(cfg: DataConfig) -> ClientData:
             assert test.domain is not None
             test = test.subset(domain_partition(test.domain, cfg.num_clients)[i])
         name = f"npz[{root.name}, domain {i}]"
+        domain = i
     else:
         name = f"npz[{root.name}]"
+        domain = declared_domain(train)
     if test is None:
         keep, hold = stratified_holdout(train.y, HOLDOUT_FRACTION, (cfg.seed, STREAM_HOLDOUT, i))
         train, test = train.subset(keep), train.subset(hold)
@@ -61,7 +63,17 @@ def load_npz(cfg: DataConfig) -> ClientData:
         num_classes=num_classes,
         input_shape=train.input_shape,
         name=name,
+        domain=domain,
     )
+
+
+def declared_domain(train: ArrayDataset) -> int:
+    """The organization's domain when its train.npz declares one: a ``domain`` array holding a single value
+    (-1 when there is no such array or it mixes domains)."""
+    if train.domain is None or train.domain.size == 0:
+        return -1
+    values = np.unique(train.domain)
+    return int(values[0]) if values.size == 1 else -1
 
 
 def _read_npz(file: Path) -> ArrayDataset:

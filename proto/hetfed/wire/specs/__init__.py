@@ -7,7 +7,18 @@ are registered under the same name in their own packages; this package imports n
 
 from __future__ import annotations
 
-from hetfed.wire.specs import fedavg, fedavg_head, fedcma, fedh2l, fedprox, local
+from hetfed.wire.specs import (
+    ditto,
+    fedavg,
+    fedavg_body,
+    fedavg_head,
+    fedcma,
+    fedh2l,
+    fedprox,
+    fedsr,
+    local,
+    simfed,
+)
 from hetfed.wire.specs.base import (
     ANY_DATASET,
     AlgorithmSpec,
@@ -29,6 +40,15 @@ SPECS: dict[str, AlgorithmSpec] = {
         fedavg_head.SPEC,
         fedcma.SPEC,
         fedh2l.SPEC,
+        fedsr.SPEC,
+        fedsr.FEDL2R,
+        fedsr.FEDCMI,
+        fedavg_body.SPEC,
+        simfed.SPEC,
+        ditto.SPEC,
+        ditto.COS_SPEC,
+        ditto.MKMMD_SPEC,
+        ditto.MMDD_SPEC,
     )
 }
 

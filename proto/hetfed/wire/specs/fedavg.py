@@ -29,7 +29,24 @@ class AveragingConfig(TrainConfig):
 
 @dataclass(frozen=True)
 class FedAvgConfig(AveragingConfig):
-    """FedAvg: the server averages whole models weighted by example counts."""
+    """FedAvg: the server averages whole models weighted by example counts (or uniformly)."""
+
+    # "examples": weight each organization's model by its number of training examples (McMahan et al.);
+    # "uniform": every organization counts the same (the leave-one-domain-out papers' FedAvg over source domains).
+    # The trimmed mean is unweighted whatever this says.
+    weighting: Literal["examples", "uniform"] = "examples"
+    # Keep each organization's optimiser state (SGD momentum) from round to round instead of starting a fresh
+    # optimiser every round (what reference implementations that never rebuild their optimiser do).
+    keep_optimizer_state: bool = False
+    # Evaluate the received model every this many rounds (rounds in between resend the last evaluation's
+    # figures, whose ``evaluated_round`` says when it was taken); the final model is always evaluated.
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
+        check(self.weighting in ("examples", "uniform"),
+              f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
 
 
 SPEC = AlgorithmSpec(

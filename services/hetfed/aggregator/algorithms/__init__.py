@@ -8,6 +8,7 @@ from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer
 from hetfed.aggregator.algorithms.fedh2l import FedH2LServer
 from hetfed.aggregator.algorithms.local import LocalServer
+from hetfed.aggregator.algorithms.simfed import SimFedServer
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig
 
 SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
@@ -17,6 +18,17 @@ SERVER_HALVES: dict[str, type[ServerHalf]] = {  # type: ignore[type-arg]
     "fedavg_head": HeadFedAvgServer,
     "fedcma": FedCMAServer,
     "fedh2l": FedH2LServer,
+    # FedSR and its one-term variants: FedAvg of the whole model (uniform weights by their config's default)
+    "fedsr": FedAvgServer,
+    "fedl2r": FedAvgServer,
+    "fedcmi": FedAvgServer,
+    "fedavg_body": FedAvgServer,  # FedAvg of the body: the clients send only their encoders
+    "simfed": SimFedServer,
+    # Ditto and its variants: the global model is averaged exactly as FedAvg's; the personal model never leaves.
+    "ditto": FedAvgServer,
+    "ditto_cos": FedAvgServer,
+    "ditto_mkmmd": FedAvgServer,
+    "ditto_mmdd": FedAvgServer,
 }
 
 

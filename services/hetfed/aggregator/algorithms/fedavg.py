@@ -69,10 +69,18 @@ class AveragingServer(ServerHalf[A], Generic[A]):
 class FedAvgServer(AveragingServer[FedAvgConfig]):
     """FedAvg: average whole models (FedProx shares it: its difference is in the client objective)."""
 
-    def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
-        """The model's tensors and example count."""
+    def validate(self, phase: Phase, organization: str, update: Received) -> None:
+        """The example count must be positive, whichever weighting the run uses."""
         mw = update.maybe(ModelWeights)
-        return None if mw is None else (mw.tensors, mw.num_examples)
+        if mw is not None and mw.num_examples <= 0:
+            raise WireError("invalid_value", f"num_examples must be > 0, got {mw.num_examples}")
+
+    def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
+        """The model's tensors and their weight: the example count, or 1 under uniform weighting."""
+        mw = update.maybe(ModelWeights)
+        if mw is None:
+            return None
+        return mw.tensors, 1 if self.config.weighting == "uniform" else mw.num_examples
 
     def payload(self, arrays: dict[str, np.ndarray]) -> Payload:
         """The global model."""

@@ -1,0 +1,70 @@
+"""CPU seconds of one local epoch of Ditto's real client half, per variant, against FedAvg's (one organization).
+
+Builds each algorithm's client half exactly as the client runtime does (the registries, a ClientContext on
+Synthetic(0.5, 0.5) data, the `linear` model) and times one round of `local_epochs = 1` in this process on one
+thread, with the paper's batch 10: what each constraint adds to the local work, without processes or gRPC. The
+reproduction (`hetfed bench ditto`) measures the same over real processes.
+
+    nice -n 5 python benchmarks/ditto_round_cost.py [--variants ditto,ditto_mmdd_s5] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from hetfed.client.algorithms import ClientContext, make_client_half
+from hetfed.client.data import DataConfig, load_client_data
+from hetfed.client.models import build_model
+from hetfed.wire.payloads import Received
+from hetfed.wire.specs import get_spec
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fedavg": ("fedavg", {}),
+    "ditto": ("ditto", {"lam": 0.01}),
+    "ditto_cos": ("ditto_cos", {}),
+    "ditto_mkmmd20_s5": ("ditto_mkmmd", {"refit_batches": 5}),
+    "ditto_mkmmd-1": ("ditto_mkmmd", {"refit_every": -1}),
+    "ditto_mmdd_s5": ("ditto_mmdd", {"refit_batches": 5}),
+    "ditto_mkmmd20_s50": ("ditto_mkmmd", {"refit_batches": 50}),
+    "ditto_mmdd_s50": ("ditto_mmdd", {"refit_batches": 50}),
+}
+
+
+def epoch_cost(algorithm: str, config: dict[str, Any], seed: int = 100) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one round of one local epoch of ``algorithm``'s client half."""
+    spec = get_spec(algorithm)
+    data = load_client_data(DataConfig(dataset="synthetic", partition="natural", num_clients=8, client_index=0,
+                                       seed=seed))
+    cfg = spec.config(local_epochs=1, batch_size=10, lr=0.001, momentum=0.9, weight_decay=0.001, **config)
+
+    def build() -> torch.nn.Module:
+        return build_model("linear", data.input_shape, data.num_classes, seed=seed)
+
+    ctx = ClientContext("org-0", build(), data, torch.device("cpu"), cfg, seed, build_model=build)  # type: ignore[arg-type]
+    half = make_client_half(spec, ctx)
+    cpu, wall = time.process_time(), time.perf_counter()
+    half.train(1, 1, Received([], frozenset()))
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def main() -> None:
+    """Print each variant's CPU seconds per local epoch (the best of --repeat)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--repeat", type=int, default=2, help="rounds timed per variant; the least CPU time is shown")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    epoch_cost("ditto", {})  # warm up torch's first-call costs
+    print(f"{'variant':<20} {'CPU s / epoch':>14} {'wall s':>8}")
+    for name in args.variants.split(","):
+        algorithm, config = VARIANTS[name]
+        cpu, wall = min(epoch_cost(algorithm, config) for _ in range(args.repeat))
+        print(f"{name:<20} {cpu:>14.2f} {wall:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""FedAvg of the body: every encoder weight is averaged, the classifier head stays with its organization.
+
+The paper of SimFed (004, §5.1) compares with FedAvg this way under permuted labels ("the classifier layers
+are not aggregated"): organizations that name their classes differently share a feature extractor only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetfed.wire.specs import fedavg
+from hetfed.wire.specs.fedavg import FedAvgConfig
+
+
+@dataclass(frozen=True)
+class FedAvgBodyConfig(FedAvgConfig):
+    """FedAvg of everything but the head: the server averages the encoders, heads stay local."""
+
+
+SPEC = fedavg.SPEC.derive(
+    name="fedavg_body",
+    summary="FedAvg of the body: encoders averaged, classifier heads kept local (FedPer style).",
+    config_type=FedAvgBodyConfig,
+)

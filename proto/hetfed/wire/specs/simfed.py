@@ -1,0 +1,86 @@
+"""SimFed (similarity-matched knowledge reflection with factorised layers, paper 004): the spec and its config.
+
+Every organization's encoder is factorised (W = u × v ⊕ μ per layer, μ a sparse mask kept sparse by an L1
+term); after local training it uploads its factors (u, v and the mask entries above a threshold) and its
+embeddings of criteria inputs derived from the run seed. The aggregator matches organizations by the
+cosine similarity of those embeddings and sends each one its own reflection of the similar organizations'
+factors (eq. 8). Heads, dense weights and the criteria inputs never leave an organization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
+from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, TrainConfig
+
+
+@dataclass(frozen=True)
+class SimFedConfig(TrainConfig):
+    """SimFed: similarity threshold τ, reflection scale α, mask sparsity λ₁, and how masks travel.
+
+    The training defaults are the paper's (§5.1): SGD, lr 5e-2, weight decay 1e-4, batch 128.
+    """
+
+    lr: float = 0.05
+    weight_decay: float = 1e-4
+    batch_size: int = 128
+    # τ: organization j is in k's similarity set J_k when σ_kj = cos(z_N,k, z_N,j) ≥ τ (k always is).
+    tau: float = 0.9
+    # α: reflection weights softmax_{j∈J_k}(α·σ_kj) (eq. 8).
+    alpha: float = 30.0
+    # λ₁: weight of the mask sparsity term λ₁·Σ‖μ‖₁ in the local objective (eq. 7).
+    lambda1: float = 1e-4
+    # Mask entries with |μ| ≤ mask_threshold are not sent (the rest travel as indices and values).
+    mask_threshold: float = 3e-3
+    # Share of each mask's entries that start non-zero (0: μ = 0 and every layer starts at rank 1).
+    mask_init_density: float = 0.1
+    # False: W = u × v only (the paper's "w/o masks" ablation, Table 4).
+    masks: bool = True
+    # After a download the client trains from the received factors (Algorithm 1); mask entries it did not
+    # send are then zero. True: it adds its unsent (sub-threshold) entries back to the received mask.
+    keep_unsent_mask: bool = False
+    # Number B of criteria inputs x_N ~ N(0, 1) (the paper uses one).
+    criteria_inputs: int = 1
+    # "similarity": J_k and softmax weights from σ; "random": k plus random_partners organizations drawn
+    # anew each round with equal weights (the paper's "random matching" ablation, Table 3).
+    matching: Literal["similarity", "random"] = "similarity"
+    random_partners: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(-1.0 <= self.tau <= 1.0, f"tau must lie in [-1, 1], got {self.tau}")
+        check(0.0 <= self.alpha < 1e6, f"alpha must lie in [0, 1e6), got {self.alpha}")
+        check(self.lambda1 >= 0.0, f"lambda1 must be >= 0, got {self.lambda1}")
+        check(self.mask_threshold >= 0.0, f"mask_threshold must be >= 0, got {self.mask_threshold}")
+        check(0.0 <= self.mask_init_density <= 1.0,
+              f"mask_init_density must lie in [0, 1], got {self.mask_init_density}")
+        check(1 <= self.criteria_inputs <= 1024, f"criteria_inputs must lie in [1, 1024], got {self.criteria_inputs}")
+        check(self.matching in ("similarity", "random"),
+              f"matching must be 'similarity' or 'random', got {self.matching!r}")
+        check(self.random_partners >= 0, f"random_partners must be >= 0, got {self.random_partners}")
+
+
+SPEC = AlgorithmSpec(
+    name="simfed",
+    summary="SimFed: factorised encoders (u × v ⊕ sparse mask); organizations matched by the similarity of their "
+    "embeddings of shared random inputs receive personalised reflections of each other's factors; heads stay local.",
+    config_type=SimFedConfig,
+    upload=frozenset({K.FACTORIZED_WEIGHTS, K.CRITERIA_EMBEDDINGS, K.EVAL_METRICS}),
+    required_upload=frozenset({K.FACTORIZED_WEIGHTS, K.CRITERIA_EMBEDDINGS, K.EVAL_METRICS}),
+    download=frozenset({K.FACTORIZED_WEIGHTS}),
+    model_private=True,
+    figures=(
+        Figure("mask_density", "mask density", "mask_density",
+               "share of the mask entries an organization sent in its last upload"),
+    ),
+    local_defaults={
+        # The paper's SGD (no momentum, lr 5e-2, batch 128); 5 local epochs per round so that 20 rounds train
+        # MNIST-5k's small organizations about as far as the tuning runs needed (docs/algorithms/simfed.md).
+        ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20,
+                                   config={"local_epochs": 5, "lr": 0.05, "momentum": 0.0, "batch_size": 128}),
+    },
+    docs="algorithms/simfed.md",
+)

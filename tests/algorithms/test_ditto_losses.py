@@ -1,0 +1,502 @@
+"""Ditto's drift measures (MK-MMD, MMD-D, cosine) against hand-computed and float64 loop references."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import optimize
+from torch import nn
+from torch.nn import functional as F
+
+from hetfed.client.algorithms.ditto.losses import (
+    KERNEL_DTYPE,
+    CosineDrift,
+    KernelQpError,
+    MkMmdLoss,
+    MmdDLoss,
+    RefitSchedule,
+    choose_kernel_weights,
+    forward_with_features,
+    gather_features,
+    mkmmd_covariance,
+    mkmmd_estimates,
+    mmd2_unbiased,
+    mmd2_variance,
+    nonnegative_qp,
+    pair_statistics,
+    paper_gammas,
+    solve_kernel_qp,
+)
+from hetfed.client.models import SplitModel
+
+# --------------------------------------------------------------------------------------------------
+# float64 loop references
+# --------------------------------------------------------------------------------------------------
+
+
+def _k(a: np.ndarray, b: np.ndarray, gamma: float, form: str) -> float:
+    sq = float(((a - b) ** 2).sum())
+    return math.exp(-gamma * sq) if form == "rate" else math.exp(-sq / gamma)
+
+
+def _pair_h(x: np.ndarray, y: np.ndarray, gamma: float, form: str) -> np.ndarray:
+    n = x.shape[0]
+    h = np.zeros((n, n))
+    for i in range(n):
+        for k in range(n):
+            h[i, k] = (_k(x[i], x[k], gamma, form) + _k(y[i], y[k], gamma, form)
+                       - _k(x[i], y[k], gamma, form) - _k(x[k], y[i], gamma, form))
+    return h
+
+
+def _loop_estimates_and_cov(x: np.ndarray, y: np.ndarray, gammas: list[float], form: str,
+                            estimator: str) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    pairs = [(i, k) for i in range(n) for k in range(n) if estimator == "biased" or i != k]
+    hs = [_pair_h(x, y, g, form) for g in gammas]
+    per_pair = np.array([[h[i, k] for (i, k) in pairs] for h in hs])
+    d_hat = per_pair.mean(axis=1)
+    return d_hat, np.cov(per_pair, ddof=1)
+
+
+def _rows(seed: int, n: int, dim: int, shift: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, dim, generator=g, dtype=torch.float64) + shift
+
+
+# --------------------------------------------------------------------------------------------------
+# MK-MMD: kernels, estimates, Q̂
+# --------------------------------------------------------------------------------------------------
+
+
+def test_paper_gammas_are_the_19_powers_of_two_from_minus_3_5_to_1() -> None:
+    g = paper_gammas()
+    assert g.dtype == torch.float64 and g.numel() == 19
+    assert float(g[0]) == pytest.approx(2.0**-3.5, rel=1e-15) and float(g[-1]) == 2.0
+    assert torch.allclose(g[1:] / g[:-1], torch.full((18,), 2.0**0.25, dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("form", ["rate", "scale"])
+def test_mkmmd_estimates_by_hand_on_two_points(form: str) -> None:
+    # x = {0, 1}, y = {3, 5} on a line; squared distances xx' = 1, yy' = 4, x0y1 = 25, x1y0 = 4, x0y0 = 9, x1y1 = 16.
+    x = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    y = torch.tensor([[3.0], [5.0]], dtype=torch.float64)
+    gammas = torch.tensor([0.5, 2.0], dtype=torch.float64)
+
+    def k(sq: float, g: float) -> float:
+        return math.exp(-g * sq) if form == "rate" else math.exp(-sq / g)
+
+    h = pair_statistics(x, y, gammas, form)
+    for j, g in enumerate(gammas.tolist()):
+        off = k(1, g) + k(4, g) - k(25, g) - k(4, g)  # h(0,1) = h(1,0)
+        diag0, diag1 = 2 - 2 * k(9, g), 2 - 2 * k(16, g)
+        assert float(h[j, 0, 1]) == pytest.approx(off, rel=1e-14, abs=1e-15)
+        assert float(h[j, 1, 0]) == pytest.approx(off, rel=1e-14, abs=1e-15)
+        assert float(mkmmd_estimates(h, "unbiased")[j]) == pytest.approx(off, rel=1e-14, abs=1e-15)
+        want_biased = (2 * off + diag0 + diag1) / 4
+        assert float(mkmmd_estimates(h, "biased")[j]) == pytest.approx(want_biased, rel=1e-14, abs=1e-15)
+
+
+@pytest.mark.parametrize(("estimator", "form"), [("unbiased", "rate"), ("biased", "scale")])
+def test_mkmmd_estimates_and_covariance_match_a_float64_loop(estimator: str, form: str) -> None:
+    x = _rows(1, 6, 3)
+    y = _rows(2, 6, 3, shift=0.4)
+    gammas = [0.25, 1.0, 3.0]
+    want_d, want_q = _loop_estimates_and_cov(x.numpy(), y.numpy(), gammas, form, estimator)
+    h = pair_statistics(x, y, torch.tensor(gammas, dtype=torch.float64), form)
+    d_hat = mkmmd_estimates(h, estimator)
+    q_hat = mkmmd_covariance(h, d_hat, estimator)
+    np.testing.assert_allclose(d_hat.numpy(), want_d, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(q_hat.numpy(), want_q, rtol=1e-12, atol=1e-14)
+
+
+def test_mkmmd_module_normalises_rows_and_weights_kernels_by_beta() -> None:
+    x = _rows(3, 5, 4).float()  # float32 in, float32 out; the maths runs in float64
+    y = _rows(4, 5, 4, shift=0.3).float()
+    loss = MkMmdLoss(normalize_features=True)
+    beta = torch.linspace(1.0, 2.0, 19, dtype=torch.float64)
+    loss.beta.copy_(beta / beta.sum())
+    xn = F.normalize(x.double(), dim=1).numpy()
+    yn = F.normalize(y.double(), dim=1).numpy()
+    want_d, _ = _loop_estimates_and_cov(xn, yn, paper_gammas().tolist(), "rate", "unbiased")
+    got = loss(x, y)
+    assert got.dtype == torch.float32
+    assert float(got) == pytest.approx(float((loss.beta.numpy() * want_d).sum()), rel=1e-6)
+    np.testing.assert_allclose(loss.per_kernel(x, y).detach().numpy(), want_d, rtol=1e-12, atol=1e-14)
+    # without normalisation the raw rows are used
+    raw = MkMmdLoss(normalize_features=False)
+    want_raw, _ = _loop_estimates_and_cov(x.double().numpy(), y.double().numpy(), paper_gammas().tolist(),
+                                          "rate", "unbiased")
+    np.testing.assert_allclose(raw.per_kernel(x, y).detach().numpy(), want_raw, rtol=1e-12, atol=1e-14)
+
+
+def test_mkmmd_rejects_unequal_samples_and_bad_options() -> None:
+    loss = MkMmdLoss()
+    with pytest.raises(ValueError, match="same size"):
+        loss(torch.zeros(4, 3), torch.zeros(5, 3))
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        loss(torch.zeros(1, 3), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="bandwidth_form"):
+        MkMmdLoss(bandwidth_form="width")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="estimator"):
+        MkMmdLoss(estimator="linear")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gammas"):
+        MkMmdLoss(gammas=[1.0, -2.0])
+    with pytest.raises(ValueError, match="epsilon"):
+        MkMmdLoss(epsilon=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel-weight QP
+# --------------------------------------------------------------------------------------------------
+
+
+def test_qp_by_hand_isotropic_diagonal_and_active_constraint() -> None:
+    eps = 1e-3
+    # Q̂ = 0: min ε‖β‖² on d̂ᵀβ = 1 gives β = d̂/‖d̂‖².
+    np.testing.assert_allclose(solve_kernel_qp(np.array([1.0, 2.0]), np.zeros((2, 2)), eps), [0.2, 0.4],
+                               rtol=1e-12)
+    # Q̂ + εI = diag(1, 3), d̂ = (1, 1): β ∝ (1, 1/3), scaled to d̂ᵀβ = 1.
+    q = np.diag([1.0 - eps, 3.0 - eps])
+    np.testing.assert_allclose(solve_kernel_qp(np.ones(2), q, eps), [0.75, 0.25], rtol=1e-12)
+    # Strongly correlated kernels: the unconstrained optimum ∝ A⁻¹d̂ = (0.55, −0.4)/0.19 is infeasible,
+    # the QP puts all weight on kernel 0 (KKT: 2Aβ = (2, 1.8) = 2·d̂ + (0, 0.8), multiplier 0.8 ≥ 0).
+    q = np.array([[1.0, 0.9], [0.9, 1.0]]) - eps * np.eye(2)
+    np.testing.assert_allclose(solve_kernel_qp(np.array([1.0, 0.5]), q, eps), [1.0, 0.0], atol=1e-14)
+    # A negative d̂_j only lowers the constraint: d̂ = (1, −1), Q̂ = 0 gives β = (1, 0).
+    np.testing.assert_allclose(solve_kernel_qp(np.array([1.0, -1.0]), np.zeros((2, 2)), eps), [1.0, 0.0],
+                               atol=1e-14)
+
+
+def _random_qp_case(rng: np.random.Generator, case: int) -> tuple[np.ndarray, np.ndarray]:
+    if case % 2 == 0:  # Q̂ and d̂ from real features at a random shift and width
+        n, dim = int(rng.integers(6, 14)), int(rng.integers(2, 8))
+        x = torch.from_numpy(rng.normal(size=(n, dim)))
+        y = torch.from_numpy(rng.normal(size=(n, dim)) * rng.uniform(0.5, 2.0) + rng.uniform(0.0, 1.0))
+        d_hat, q_hat = MkMmdLoss(normalize_features=bool(case % 4)).statistics(x, y)
+        d, q = d_hat.numpy(), q_hat.numpy()
+        if not (d > 0).any():
+            d = np.abs(d)
+        return d, q
+    k = 19
+    basis = rng.normal(size=(k, int(rng.integers(1, 25))))
+    q = basis @ basis.T * 10.0 ** rng.uniform(-5, 0)  # PSD, often rank-deficient, of varied scale
+    d = rng.normal(size=k) * 10.0 ** rng.uniform(-4, 0)
+    d[int(rng.integers(k))] = abs(d[int(rng.integers(k))]) + 1e-3  # at least one positive entry
+    return d, q
+
+
+def test_qp_matches_a_general_solver_on_random_cases() -> None:
+    rng = np.random.default_rng(20240611)
+    eps = 1e-3
+    for case in range(24):
+        d, q = _random_qp_case(rng, case)
+        a = q + eps * np.eye(d.size)
+        beta = solve_kernel_qp(d, q, eps)
+        # constraints
+        assert beta.min() >= 0.0
+        assert float(d @ beta) == pytest.approx(1.0, abs=1e-9)
+        # a general solver (SLSQP) on the same problem rescaled to order one (β = b/s, s = max d̂_j)
+        s = float(d.max())
+        a1 = a / float(np.abs(a).max())
+
+        def fun(b: np.ndarray, a1: np.ndarray = a1) -> float:
+            return float(b @ a1 @ b)
+
+        def jac(b: np.ndarray, a1: np.ndarray = a1) -> np.ndarray:
+            return 2.0 * a1 @ b
+
+        d1 = d / s
+        cons = [{"type": "eq", "fun": lambda b, d1=d1: d1 @ b - 1.0, "jac": lambda b, d1=d1: d1}]
+        start = np.where(d1 > 0, 1.0, 0.0)
+        start = start / float(d1 @ start)
+        ref = optimize.minimize(fun, start, jac=jac, bounds=[(0.0, None)] * d.size, constraints=cons,
+                                method="SLSQP", options={"ftol": 1e-15, "maxiter": 2000})
+        ref_beta = ref.x / s
+        # SLSQP may stop with "positive directional derivative" at machine precision; its point must be feasible
+        assert ref.success or ref.status == 8, ref.message
+        assert abs(float(d @ ref_beta) - 1.0) < 1e-6 and ref_beta.min() > -1e-6 * float(np.abs(ref_beta).max())
+
+        def objective(b: np.ndarray, a: np.ndarray = a) -> float:
+            return float(b @ a @ b)
+
+        # ours is at least as good as the general solver's point, and the two objectives agree within 1e-6
+        ours, theirs = objective(beta), objective(ref_beta)
+        assert ours <= theirs + 1e-9 * max(1.0, abs(theirs))
+        assert abs(ours - theirs) <= 1e-6 * max(1.0, abs(theirs)), (case, ours, theirs)
+        # and our point satisfies the KKT conditions: 2Aβ − νd̂ = μ ≥ 0 with μ = 0 where β > 0
+        g = 2.0 * a @ beta
+        nu = float(g @ beta)  # since d̂ᵀβ = 1 and μᵀβ = 0
+        mu = g - nu * d
+        scale = max(1.0, float(np.abs(g).max()))
+        assert mu.min() >= -1e-8 * scale
+        assert float(np.abs(mu[beta > 1e-12]).max(initial=0.0)) <= 1e-8 * scale
+
+
+def test_a_warm_start_gives_the_cold_starts_solution() -> None:
+    rng = np.random.default_rng(7)
+    eps = 1e-3
+    for case in range(24):
+        d, q = _random_qp_case(rng, case)
+        cold = solve_kernel_qp(d, q, eps)
+        for warm in (cold > 0, np.ones(d.size, bool), rng.random(d.size) < 0.5, np.zeros(d.size, bool)):
+            np.testing.assert_allclose(solve_kernel_qp(d, q, eps, warm=warm), cold, rtol=1e-9, atol=1e-12)
+
+
+def test_refit_and_forward_is_refit_then_forward() -> None:
+    torch.manual_seed(4)
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 5, dtype=torch.float64)
+    one, two = MkMmdLoss(), MkMmdLoss()
+    xa = x.clone().requires_grad_(True)
+    xb = x.clone().requires_grad_(True)
+    one.refit(xa.detach(), y)
+    separate = one(xa, y)
+    fused = two.refit_and_forward(xb, y)
+    assert torch.equal(one.beta, two.beta) and one.last_refit == two.last_refit
+    assert torch.equal(separate, fused)
+    separate.backward()
+    fused.backward()
+    assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
+
+
+def test_nonnegative_qp_solves_the_bound_constrained_problem() -> None:
+    a = np.array([[2.0, 1.0], [1.0, 2.0]])
+    np.testing.assert_allclose(nonnegative_qp(a, np.array([1.0, 1.0])), [1 / 3, 1 / 3], rtol=1e-14)
+    np.testing.assert_allclose(nonnegative_qp(a, np.array([1.0, -1.0])), [0.5, 0.0], rtol=1e-14)
+    np.testing.assert_allclose(nonnegative_qp(a, np.array([-1.0, -1.0])), [0.0, 0.0])
+    with pytest.raises(KernelQpError, match="non-finite"):
+        nonnegative_qp(a, np.array([np.nan, 1.0]))
+
+
+def test_fallback_single_kernel_when_no_estimate_is_positive() -> None:
+    d = np.array([-1.0, -0.5, -0.2])
+    q = np.diag([4.0, 0.25, 1e-4])
+    # d̂_j/sqrt(Q̂_jj + ε): −0.49994, −0.99800, −6.0302: kernel 0 (argmax d̂ alone would pick kernel 2)
+    beta, how = choose_kernel_weights(d, q, np.full(3, 1 / 3), 1e-3)
+    assert how == "single_kernel"
+    np.testing.assert_array_equal(beta, [1.0, 0.0, 0.0])
+    with pytest.raises(KernelQpError, match="no d̂_j is positive"):
+        solve_kernel_qp(d, q)
+
+
+def test_fallback_keeps_previous_beta_when_the_qp_fails() -> None:
+    prev = np.array([0.2, 0.3, 0.5])
+    d = np.array([1.0, 0.5, 0.1])
+    beta, how = choose_kernel_weights(d, np.full((3, 3), np.nan), prev)
+    assert how == "kept"
+    np.testing.assert_array_equal(beta, prev)
+    not_psd = -np.eye(3)  # Q̂ + εI is not positive definite: the QP refuses
+    beta, how = choose_kernel_weights(d, not_psd, prev)
+    assert how == "kept"
+    np.testing.assert_array_equal(beta, prev)
+    beta, how = choose_kernel_weights(d, np.zeros((3, 3)), prev)
+    assert how == "qp" and beta.sum() == pytest.approx(1.0, abs=1e-15)
+    np.testing.assert_allclose(beta, d / d.sum(), rtol=1e-12)  # Q̂ = 0: β ∝ d̂, then normalised to Σβ = 1
+
+
+def test_refit_outcomes_on_the_module() -> None:
+    loss = MkMmdLoss()
+    x = _rows(5, 8, 4)
+    assert loss.refit(x, x.clone()) == "single_kernel"  # identical samples: every d̂_j is 0
+    assert float(loss.beta.sum()) == 1.0 and int((loss.beta > 0).sum()) == 1
+    y = _rows(6, 8, 4, shift=1.0)
+    assert loss.refit(x, y) == "qp"
+    assert loss.last_refit == "qp"
+    assert float(loss.beta.sum()) == pytest.approx(1.0, abs=1e-12) and float(loss.beta.min()) >= 0.0
+    before = loss.beta.clone()
+    bad = y.clone()
+    bad[0, 0] = float("nan")
+    assert loss.refit(x, bad) == "kept"
+    assert torch.equal(loss.beta, before)
+    # β persists through state_dict
+    other = MkMmdLoss()
+    other.load_state_dict(loss.state_dict())
+    assert torch.equal(other.beta, before)
+
+
+# --------------------------------------------------------------------------------------------------
+# MMD-D
+# --------------------------------------------------------------------------------------------------
+
+
+def _loop_mmd_and_var(kxx: np.ndarray, kyy: np.ndarray, kxy: np.ndarray) -> tuple[float, float]:
+    n = kxx.shape[0]
+    h = [[kxx[i, j] + kyy[i, j] - kxy[i, j] - kxy[j, i] for j in range(n)] for i in range(n)]
+    mmd = sum(h[i][j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    rows = [sum(h[i]) for i in range(n)]
+    total = sum(rows)
+    var = 4.0 / n**3 * sum(r * r for r in rows) - 4.0 / n**4 * total**2 + 1e-8
+    return mmd, var
+
+
+def test_mmd_estimate_and_variance_by_hand_on_two_points() -> None:
+    kxx = torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    kyy = torch.tensor([[1.0, 0.25], [0.25, 1.0]], dtype=torch.float64)
+    kxy = torch.tensor([[0.5, 0.125], [0.0, 0.5]], dtype=torch.float64)
+    # H = [[1, 0.625], [0.625, 1]]: MMD²_u = (0.625 + 0.625)/2; rows 1.625 each, total 3.25
+    assert float(mmd2_unbiased(kxx, kyy, kxy)) == 0.625
+    want_var = 4 / 8 * (2 * 1.625**2) - 4 / 16 * 3.25**2 + 1e-8
+    assert float(mmd2_variance(kxx, kyy, kxy)) == pytest.approx(want_var, rel=1e-15, abs=1e-18)
+
+
+@pytest.mark.parametrize("form", ["paper", "liu"])
+def test_mmdd_kernel_estimate_and_variance_match_a_float64_loop(form: str) -> None:
+    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
+    x = _rows(7, 6, 3)
+    y = _rows(8, 6, 3, shift=0.5)
+    kxx, kyy, kxy = loss.kernel_matrices(x, y)
+    # the kernel itself, row by row
+    with torch.no_grad():
+        phi = loss.featurizer(torch.cat([x, y])).numpy()
+    z = torch.cat([x, y]).numpy()
+    eps, (s_phi, s_q) = loss.epsilon, loss.sigmas
+    assert eps == pytest.approx(0.2, rel=1e-12) and s_phi == pytest.approx(0.5) and s_q == pytest.approx(4.0)
+
+    def kw(a: int, b: int) -> float:
+        deep = math.exp(-float(((phi[a] - phi[b]) ** 2).sum()) / s_phi)
+        q = math.exp(-float(((z[a] - z[b]) ** 2).sum()) / s_q)
+        return (1 - eps) * deep + eps * q if form == "paper" else ((1 - eps) * deep + eps) * q
+
+    full = np.array([[kw(a, b) for b in range(12)] for a in range(12)])
+    np.testing.assert_allclose(kxx.numpy(), full[:6, :6], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(kyy.numpy(), full[6:, 6:], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(kxy.numpy(), full[:6, 6:], rtol=1e-12, atol=1e-15)
+    want_mmd, want_var = _loop_mmd_and_var(full[:6, :6], full[6:, 6:], full[:6, 6:])
+    assert float(loss(x, y)) == pytest.approx(want_mmd, rel=1e-12, abs=1e-15)
+    mmd2, var = (v.detach() for v in loss.objective(x, y))
+    assert float(mmd2) == pytest.approx(want_mmd, rel=1e-12, abs=1e-15)
+    assert float(var) == pytest.approx(want_var, rel=1e-12, abs=1e-15)
+
+
+def test_mmdd_training_moves_the_kernel_and_its_state_persists() -> None:
+    loss = MmdDLoss(4, sigma_phi_init=1.0, seed=0)
+    x = _rows(9, 40, 4)
+    y = _rows(10, 40, 4, shift=0.8)
+    before = {k: v.clone() for k, v in loss.state_dict().items()}
+    values = loss.train_kernel(x, y, steps=40)
+    assert len(values) == 40 and all(math.isfinite(v) for v in values)
+    assert values[-1] > values[0]  # ascent on MMD²/σ̂
+    after = loss.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in loss.parameters())  # training leaves no stale gradients
+    clone = MmdDLoss(4, sigma_phi_init=1.0, seed=123)
+    clone.load_state_dict(after)
+    assert float(clone(x, y)) == float(loss(x, y))
+    assert loss.train_kernel(x, y, steps=0) == []
+
+
+def test_mmdd_forward_sends_gradients_to_features_only() -> None:
+    loss = MmdDLoss(4, sigma_phi_init=1.0)
+    x = _rows(11, 8, 4).float().requires_grad_(True)
+    y = _rows(12, 8, 4, shift=0.5).float()
+    value = loss(x, y)
+    assert value.dtype == torch.float32
+    value.backward()
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0
+    assert all(p.grad is None for p in loss.parameters())
+
+
+def test_mmdd_rejects_bad_options_and_unequal_samples() -> None:
+    with pytest.raises(ValueError, match="kernel_form"):
+        MmdDLoss(4, kernel_form="product")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epsilon_init"):
+        MmdDLoss(4, epsilon_init=1.0)
+    with pytest.raises(ValueError, match="train_steps"):
+        MmdDLoss(4, train_steps=-1)
+    with pytest.raises(ValueError, match="same size"):
+        MmdDLoss(4)(torch.zeros(5, 4), torch.zeros(6, 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# Cosine and the Ditto local step
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cosine_drift_by_hand() -> None:
+    f_l = torch.tensor([[1.0, 0.0], [1.0, 1.0], [2.0, 0.0]])
+    f_g = torch.tensor([[0.0, 1.0], [2.0, 2.0], [-1.0, 0.0]])
+    # cos = 0, 1, −1: mean 0, so the term is 1
+    assert float(CosineDrift()(f_l, f_g)) == pytest.approx(1.0, abs=1e-7)
+    assert float(CosineDrift()(f_l[:2], f_g[:2])) == pytest.approx(0.5, abs=1e-7)
+    with pytest.raises(ValueError, match="one shape"):
+        CosineDrift()(f_l, f_g[:2])
+
+
+def _split_model(seed: int) -> SplitModel:
+    torch.manual_seed(seed)
+    return SplitModel(nn.Linear(6, 4), latent_dim=4, num_classes=3)
+
+
+@pytest.mark.parametrize("measure", ["cos", "mkmmd", "mmdd"])
+def test_ditto_local_step_reaches_the_local_model_only(measure: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(10, 6)
+    labels = torch.randint(0, 3, (10,))
+    w_global = _split_model(1)  # w_G: trained by its own CE step, never by the local loss
+    received = copy.deepcopy(w_global).requires_grad_(False).eval()  # the frozen copy θ̄ of w̄
+    w_local = copy.deepcopy(w_global)
+    with torch.no_grad():  # a local model that has drifted
+        for p in w_local.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    drift: nn.Module = {"cos": CosineDrift(), "mkmmd": MkMmdLoss(), "mmdd": MmdDLoss(4, sigma_phi_init=1.0)}[measure]
+    lam, mu = 0.1, 1.0
+    logits, f_local = forward_with_features(w_local, "", x)
+    _, f_frozen = forward_with_features(received, "", x)
+    prox = sum((p - r).pow(2).sum() for p, r in zip(w_local.parameters(), received.parameters(), strict=True))
+    term = mu * drift(f_local, f_frozen)
+    loss = F.cross_entropy(logits, labels) + 0.5 * lam * prox + term
+    loss.backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in w_local.parameters())
+    assert all(p.grad is None for p in w_global.parameters())
+    assert all(p.grad is None for p in received.parameters())
+    assert all(p.grad is None for p in drift.parameters())
+    # the drift term alone reaches the encoder (the constrained layer), not the head
+    w_local.zero_grad(set_to_none=True)
+    _, f_local = forward_with_features(w_local, "", x)
+    (mu * drift(f_local, f_frozen)).backward()
+    assert w_local.encoder.weight.grad is not None and float(w_local.encoder.weight.grad.abs().sum()) > 0
+    assert w_local.head.weight.grad is None
+
+
+def test_forward_with_features_by_layer_name_matches_embed() -> None:
+    model = _split_model(2)
+    x = torch.randn(5, 6)
+    out, feats = forward_with_features(model, "encoder", x)
+    out2, feats2 = forward_with_features(model, "", x)
+    assert torch.equal(out, model(x)) and torch.equal(out, out2)
+    assert torch.equal(feats, model.embed(x)) and torch.equal(feats, feats2)
+    with pytest.raises(ValueError, match=r"no layer 'linear_9'.*encoder"):
+        forward_with_features(model, "linear_9", x)
+    with pytest.raises(ValueError, match="embed"):
+        forward_with_features(nn.Sequential(nn.Linear(6, 2)), "", x)
+
+
+def test_gather_features_is_gradient_free_in_eval_mode_and_restores_modes() -> None:
+    local = nn.Sequential(nn.Linear(6, 4), nn.Dropout(0.5), nn.Linear(4, 3)).train()
+    ref = copy.deepcopy(local).eval()
+    batches = [torch.randn(10, 6) for _ in range(5)]
+    f_l, f_r = gather_features(local, ref, "1", batches, max_batches=3)
+    assert f_l.shape == (30, 4) and not f_l.requires_grad
+    assert torch.equal(f_l, f_r)  # eval mode: dropout off, so equal weights give equal features
+    assert local.training and not ref.training
+    with pytest.raises(ValueError, match="max_batches"):
+        gather_features(local, ref, "1", batches, max_batches=0)
+
+
+def test_refit_schedule() -> None:
+    every20 = RefitSchedule(20, 50)
+    assert [s for s in range(45) if every20.due(s)] == [0, 20, 40]
+    each = RefitSchedule(-1, 1)
+    assert each.per_step and not any(each.due(s) for s in range(5))
+    for bad in ({"every": 0}, {"every": -2}, {"batches": 0}, {"every": True}):
+        with pytest.raises(ValueError, match="refit"):
+            RefitSchedule(**bad)  # type: ignore[arg-type]
+
+
+def test_kernel_dtype_is_float64() -> None:
+    assert KERNEL_DTYPE is torch.float64
+    assert MmdDLoss(3).featurizer[0].weight.dtype == torch.float64
