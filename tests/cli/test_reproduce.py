@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,3 +178,39 @@ def test_resume_keeps_measured_federations_and_runs_only_the_missing(tmp_path: P
     saved = json.loads((tmp_path / "m.json").read_text())
     assert [(r["method"], r["seed"]) for r in saved["rows"]] == [("fedh2l", 0), ("ind", 0), ("agg", 7)]
     assert "| FedH2L |" in out.read_text()
+
+
+def test_jobs_run_federations_at_once_and_save_them_in_grid_order(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    both_running = threading.Barrier(2, timeout=30)  # broken (and the test failing) unless two run at once
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake(g: rp.Grid, method: rp.Method, cell: dict[str, Any], seed: int, root: Path,
+             rounds: int | None = None) -> dict[str, Any]:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        both_running.wait()
+        if seed == 0:  # the later seed's federation finishes first: the saved order must not depend on it
+            time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return {"method": method.id, "cell": dict(cell), "seed": seed, "wall_seconds": 0.1, "rounds": 1,
+                "figures": {f.key: 0.5 for f in g.figures}, "throughput": {}}
+
+    monkeypatch.setattr(rp, "run_federation", fake)
+    out = tmp_path / "page.md"
+    code = rp.main("fedh2l", ["--seeds", "0,1", "--methods", "fedh2l", "--workdir", str(tmp_path / "w"),
+                              "--no-bytes", "--jobs", "2", "--page", str(out), "--json", str(tmp_path / "m.json")])
+    assert code == 0 and most[0] == 2
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["method"], r["seed"]) for r in saved["rows"]] == [("fedh2l", 0), ("fedh2l", 1)]
+    assert saved["jobs"] == 2 and "2 federations at once" in out.read_text()
+    assert json.loads((tmp_path / "w" / "rows.json").read_text())  # saved as they finished, for --resume
+
+
+def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        rp.main("fedh2l", ["--jobs", "0"])
+    assert exc.value.code == 2 and "--jobs must be at least 1, got 0" in capsys.readouterr().err
