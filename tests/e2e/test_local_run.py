@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +125,52 @@ def test_a_second_run_into_the_same_output_directory_starts_fresh(tmp_path: Path
     second = hetfed_run(tmp_path, *args)["local"]
     assert [r["round"] for r in second["rounds"]] == [1, 2]  # one training round and the evaluate round, again
     assert second["final_test_accuracy"] == first["final_test_accuracy"]  # and deterministic
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (Linux /proc children lists)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                for child in (task / "children").read_text().split():
+                    if int(child) not in found:
+                        found.add(int(child))
+                        todo.append(int(child))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_sigterm_stops_the_federation_it_started(tmp_path: Path) -> None:
+    """`timeout`, a scheduler or kill send SIGTERM: the aggregator and every client go with `hetfed run`."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--clients", "2",
+                             "--rounds", "100000", "--dataset", "digits", "--model", "mlp", "--output", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"client-fedavg-org-{i}.log").exists()
+                      and "joined run" in (out / f"client-fedavg-org-{i}.log").read_text() for i in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the federation did not start"
+            time.sleep(0.1)
+        started = _descendants(proc.pid)
+        assert len(started) >= 4  # the aggregator, the fork server and two clients at least
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in started):
+            assert time.monotonic() < deadline, f"left running: {[p for p in started if _alive(p)]}"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -304,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stop_federations_and_exit(signum: int, _frame: object) -> None:
+    """SIGTERM to `hetfed run` or `hetfed bench` (a `timeout`, a job scheduler): stop the aggregators and
+    clients it started, then exit with 128 + the signal's number."""
+    from hetfed.cli.localrun import stop_all
+
+    stop_all()
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hetfed`` console script."""
     parser = build_parser()
@@ -312,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["run", *argv])
     _setup_logging(args.verbose)
+    if args.command in ("run", "bench"):
+        signal.signal(signal.SIGTERM, _stop_federations_and_exit)
     try:
         return int(args.func(args))
     except ConfigError as exc:

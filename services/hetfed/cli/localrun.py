@@ -19,7 +19,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,6 +245,20 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
+# Every federation this process has started and not yet stopped: a SIGTERM to `hetfed run` or `hetfed bench`
+# stops them all (``stop_all``), so no aggregator or client process outlives its orchestrator.
+_LIVE: weakref.WeakSet[LocalFederation] = weakref.WeakSet()
+_STOPPING = threading.Event()
+
+
+def stop_all() -> None:
+    """Stop every federation this process started that is still running, and refuse new ones (the CLI's
+    SIGTERM handler)."""
+    _STOPPING.set()
+    for fed in list(_LIVE):
+        fed.stop()
+
+
 class LocalFederation:
     """Starts, watches and stops an aggregator process and its client processes.
 
@@ -263,6 +279,9 @@ class LocalFederation:
         self.port = 0
         self.metrics_port = -1
         self._forks: ForkServer | None = None
+        if _STOPPING.is_set():
+            raise RuntimeError("this process is stopping (SIGTERM): no new federation is started")
+        _LIVE.add(self)
         if fork_clients and hasattr(os, "fork"):
             # Started first, so its imports overlap with the aggregator's start.
             self._forks = ForkServer(self.env, workdir / "forkserver.log", warm)
@@ -331,6 +350,7 @@ class LocalFederation:
 
     def stop(self) -> None:
         """Terminate everything still running (gracefully, then by force), then the fork server."""
+        _LIVE.discard(self)
         procs = [*self.clients.values(), *([self.aggregator] if self.aggregator else [])]
         for p in procs:
             if p.poll() is None:

@@ -629,9 +629,12 @@ def main(name: str, argv: list[str]) -> int:
 
     # Each federation is its own aggregator and client processes (its own fork server, ports and workdir), so
     # several can run at once on a machine with cores to spare; the threads here only wait on them.
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    try:
         for done in [pool.submit(one, t) for t in pending]:
             done.result()
+    finally:  # a failed federation or a SIGTERM: start no further one, wait for those running to end
+        pool.shutdown(wait=True, cancel_futures=True)
     order = {(json.dumps(c, sort_keys=True), s, m.id): i
              for i, (c, s, m) in enumerate((c, s, m) for c in cells for s in seeds for m in methods)}
     rows.sort(key=lambda r: order.get((json.dumps(r["cell"], sort_keys=True), r["seed"], r["method"]), len(order)))
