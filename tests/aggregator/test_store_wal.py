@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.faults import DiskFault, FaultyDisk
-from hetfed.aggregator.store import RunStore, StateError, StorageError, scan_wal
+from hetfed.aggregator.store import RunStore, StateError, StorageError, holder_of, scan_wal
 
 HEADER = 24  # the log's file header
 REC = 70  # a record's header
@@ -340,3 +341,17 @@ def test_a_failed_checkpoint_keeps_the_old_one_and_the_retry_overwrites_the_line
     s.close()
     got = RunStore(tmp_path, "r").recover()
     assert got is not None and got.history == [{"round": 1}, {"round": 2, "try": 2}]
+
+
+def test_a_second_store_on_the_same_run_directory_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    first = RunStore(tmp_path, "r")
+    assert first.recover() is None
+    assert holder_of(tmp_path / "r") == f"pid {os.getpid()}"
+    second = RunStore(tmp_path, "r")
+    with pytest.raises(StateError, match=rf"{tmp_path / 'r'} is in use by another aggregator \(pid {os.getpid()}\)"):
+        second.recover()
+    first.close()
+    assert holder_of(tmp_path / "r") is None
+    third = RunStore(tmp_path, "r")
+    third.recover()  # the lock went with the first store
+    third.close()

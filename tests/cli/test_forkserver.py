@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,10 @@ def test_a_child_can_be_stopped_and_the_server_exits_when_closed(server: ForkSer
     ready = tmp_path / "ready.json"
     child = server.spawn("agg", ["aggregator", "--config", str(cfg), "--ready-file", str(ready)], tmp_path / "a.log",
                          tmp_path, dict(os.environ))
+    deadline = time.monotonic() + 120
+    while not ready.exists():  # serving (a loaded machine may take a while to import and start)
+        assert child.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-2000:]
+        time.sleep(0.05)
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=0.5)  # a serving aggregator keeps running
     assert child.poll() is None

@@ -148,20 +148,21 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
 
 def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
-    k8s_events.start_from_environment()
-    agg = start_aggregator(config)
-    if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"port": agg.port, "metrics_port": agg.metrics_port}))
-        tmp.replace(ready_file)
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)
         done.set()
 
+    # Before anything starts: a SIGTERM during start-up (a pod deleted while restoring) still stops gracefully.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    k8s_events.start_from_environment()
+    agg = start_aggregator(config)
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"port": agg.port, "metrics_port": agg.metrics_port}))
+        tmp.replace(ready_file)
     done.wait()
     agg.stop()
     k8s_events.shutdown()

@@ -28,6 +28,7 @@ Every file operation goes through ``Disk`` (``DISK``), so tests can make any of 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import io
@@ -255,6 +256,21 @@ class Recovered:
     history: list[dict[str, Any]]
 
 
+def holder_of(run_dir: Path) -> str | None:
+    """Who holds the lock of a run's state directory (an aggregator serving it), or None when nobody does."""
+    path = run_dir / "lock"
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)
+    return None
+
+
 class RunStore:
     """One run's directory: ``checkpoint.npz``, ``history.jsonl`` and ``updates.wal``.
 
@@ -279,10 +295,30 @@ class RunStore:
         self._hist_count = 0
         self._hist_dirty = False  # bytes past _hist_size may remain (an uncommitted or failed append)
         self._last_record: dict[str, Any] | None = None
+        self._lock_fd = -1
+
+    def _lock(self) -> None:
+        """Hold an exclusive lock on the run's directory for this store's lifetime: a second aggregator on
+        the same state directory (a stale process, a copy started by hand) would interleave its writes with
+        this one's, so it is refused, naming the holder."""
+        path = self.dir / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StateError(f"{self.dir} is in use by another aggregator ({holder}); stop it first, or give "
+                             "this one another state_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     # ------------------------------------------------------------------------------------------ start-up
     def recover(self) -> Recovered | None:
         """Check and repair the run's files; the durable state, or None for a new run. Raises StateError."""
+        if self._lock_fd < 0:
+            self._lock()
         for stale in self.dir.glob(".checkpoint.npz.tmp*"):
             stale.unlink(missing_ok=True)
         if not self.checkpoint_path.exists():
@@ -600,3 +636,6 @@ class RunStore:
                 with suppress(OSError):
                     self.disk.close(fd)
         self._wal_fd = self._hist_fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the directory's lock
+            self._lock_fd = -1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfed.aggregator.store import holder_of
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
@@ -585,6 +586,10 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
     started = time.monotonic()
     state = workdir / "state"
     if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
+        for run_dir in sorted(p for p in state.iterdir() if p.is_dir()):
+            if (holder := holder_of(run_dir)) is not None:
+                raise ConfigError(f"{run_dir} is in use by an aggregator still running ({holder}): stop it, or "
+                                  "give this run another --output")
         shutil.rmtree(state)
     try:
         fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
