@@ -448,18 +448,26 @@ def _cell_name(cell: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} = {v}" for k, v in cell.items()) or "all"
 
 
+def _how_measured(data: Mapping[str, Any], total: int) -> str:
+    """The header's account of how a grid's federations were run: in one invocation, partly or wholly resumed."""
+    each = "each one aggregator and its client processes over loopback gRPC"
+    ran = data.get("ran", total)
+    if ran == 0:  # every federation came from earlier invocations (--resume): this one's timing says nothing
+        return f"over several invocations (`--resume`; {each}; each federation's time is under Runtime).  "
+    at_once = "one federation at a time" if data.get("jobs", 1) == 1 else f"{data['jobs']} federations at once"
+    when = (f"in {data['wall_seconds'] / 60:.1f} min" if ran == total else
+            f"({ran} of them in the last invocation, {data['wall_seconds'] / 60:.1f} min; the others resumed)")
+    return (f"{when} ({each}, {at_once}; 1-minute load average {data['load'][0]:.1f} at the start, "
+            f"{data['load'][1]:.1f} at the end).  ")
+
+
 def render(grid: Grid, data: Mapping[str, Any]) -> str:
     """The generated part of the results page (markdown) from the saved measurements."""
     rows = data["rows"]
     seeds = sorted({r["seed"] for r in rows})
     lines = [
         f"Command: `{data['command']}`  ",
-        f"Measured {data['date']} on {data['machine']}: {len(rows)} federations"
-        + (f" in {data['wall_seconds'] / 60:.1f} min " if data.get("ran", len(rows)) == len(rows) else
-           f" ({data['ran']} of them in the last invocation, {data['wall_seconds'] / 60:.1f} min; the others resumed) ")
-        + f"(each one aggregator and its client processes over loopback gRPC, "
-        f"{'one federation at a time' if data.get('jobs', 1) == 1 else str(data['jobs']) + ' federations at once'}; "
-        f"1-minute load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at the end).  ",
+        f"Measured {data['date']} on {data['machine']}: {len(rows)} federations " + _how_measured(data, len(rows)),
         f"Seeds reported: {', '.join(map(str, seeds))}"
         + (f"; settings were chosen on seeds {', '.join(map(str, grid.tuning_seeds))}, never on the reported ones"
            if grid.tuning_seeds else "") + ".",
