@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -294,7 +295,9 @@ def test_a_missing_checkpoint_beside_history_or_log_is_refused(tmp_path: Path) -
 
 
 def test_a_missing_checkpoint_with_nothing_else_is_a_new_run(tmp_path: Path) -> None:
-    RunStore(tmp_path, "r").recover()  # a crash before the first checkpoint leaves an empty log
+    crashed = RunStore(tmp_path, "r")
+    crashed.recover()  # a crash before the first checkpoint leaves an empty log
+    crashed.close()  # (the process ends: its files and the directory's lock are released)
     assert RunStore(tmp_path, "r").recover() is None
 
 
@@ -335,7 +338,8 @@ def test_a_failed_checkpoint_keeps_the_old_one_and_the_retry_overwrites_the_line
     with pytest.raises(StorageError, match=r"could not write .*checkpoint.npz"):
         s.close_round({"round": 2, "try": 1}, {"phase": "train", "round": 3}, {"w": np.full(2, 2)})
     assert not list((tmp_path / "r").glob(".checkpoint.npz.tmp*"))
-    interrupted = RunStore(tmp_path, "r").recover()  # had the process died here
+    shutil.copytree(tmp_path / "r", tmp_path / "copy" / "r")  # what a restart would find, had the process died here
+    interrupted = RunStore(tmp_path / "copy", "r").recover()
     assert interrupted is not None and interrupted.history == records(1) and interrupted.meta["round"] == 2
     s.close_round({"round": 2, "try": 2}, {"phase": "train", "round": 3}, {"w": np.full(2, 2)})
     s.close()
