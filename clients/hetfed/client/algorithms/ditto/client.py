@@ -157,7 +157,12 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         """The layer's drift measure, built on first use and kept for the whole run (kernels persist)."""
         if layer not in self.drifts:
             seq = np.random.SeedSequence([self.ctx.seed, _KERNEL_STREAM, zlib.crc32(f"{self.ctx.organization}/{layer}".encode())])
-            self.drifts[layer] = LayerDrift(self.config, width, int(seq.generate_state(1)[0]))
+            drift = LayerDrift(self.config, width, int(seq.generate_state(1)[0]))
+            # On the features' device: MMD-D's deep kernel and MK-MMD's bandwidths and weights are built on the
+            # CPU (a CUDA client failed with "mat1 is on cuda:0, different from other tensors on cpu"). Module.to
+            # keeps the Parameter objects, so the kernel's AdamW, built with them, keeps working.
+            drift.module.to(self.ctx.device)
+            self.drifts[layer] = drift
         return self.drifts[layer]
 
     @torch.no_grad()
