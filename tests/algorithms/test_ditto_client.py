@@ -287,3 +287,14 @@ def test_evaluation_every_k_rounds_resends_the_last_figures_with_this_rounds_los
     from hetfed.client.training import evaluate
 
     assert third.test_accuracy == evaluate(half.personal, half.ctx.test)[0]
+
+
+@pytest.mark.parametrize("name", ["ditto_mmdd", "ditto_mkmmd"])
+def test_drift_kernels_are_built_on_the_clients_device(name: str) -> None:
+    """A CUDA client failed its first refit with the MMD-D kernel left on the CPU; every parameter and buffer of
+    a drift measure must live where the features do (the meta device stands in for a GPU here)."""
+    half = _half(name)
+    half.ctx = dataclasses.replace(half.ctx, device=torch.device("meta"))
+    module = half.drift_for("", 20).module
+    tensors = [*module.parameters(), *module.buffers()]
+    assert tensors and {t.device.type for t in tensors} == {"meta"}
