@@ -173,37 +173,32 @@ def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
     return nn.Sequential(*layers)
 
 
-def cnn_small(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
-    """Two 3x3 convolutions (16, 32 channels) with max-pooling and a linear layer to d_e (about 100k parameters
-    with d_e = 60 on 28x28 images)."""
-    c, _, _ = _image_shape("cnn_small", input_shape, min_side=4)
+def _two_conv(name: str, widths: tuple[int, int], input_shape: tuple[int, ...], latent_dim: int,
+              bounded: bool) -> nn.Module:
+    """Two 3x3 convolutions of ``widths`` channels, each with ReLU and 2x2 max-pooling, then a linear layer to d_e."""
+    c, _, _ = _image_shape(name, input_shape, min_side=4)
     features = nn.Sequential(
-        nn.Conv2d(c, 16, kernel_size=3, padding=1),
+        nn.Conv2d(c, widths[0], kernel_size=3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, kernel_size=3, padding=1),
+        nn.Conv2d(widths[0], widths[1], kernel_size=3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
     )
     flat = _flat_size(features, input_shape)
     return nn.Sequential(*features, nn.Linear(flat, latent_dim), _latent_activation(bounded))
+
+
+def cnn_small(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """Two 3x3 convolutions (16, 32 channels) with max-pooling and a linear layer to d_e (about 100k parameters
+    with d_e = 60 on 28x28 images)."""
+    return _two_conv("cnn_small", (16, 32), input_shape, latent_dim, bounded)
 
 
 def cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """Two 3x3 convolutions (32, 64 channels) with max-pooling and a linear layer to d_e."""
-    c, _, _ = _image_shape("cnn", input_shape, min_side=4)
-    features = nn.Sequential(
-        nn.Conv2d(c, 32, kernel_size=3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, kernel_size=3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-    )
-    flat = _flat_size(features, input_shape)
-    return nn.Sequential(*features, nn.Linear(flat, latent_dim), _latent_activation(bounded))
+    return _two_conv("cnn", (32, 64), input_shape, latent_dim, bounded)
 
 
 # The Rotated MNIST network of DIVA, DIRT and FedSR (§4.2: "two 3x3 convolutional layers and a fully connected
