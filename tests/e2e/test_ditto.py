@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -20,9 +19,8 @@ from hetfed.cli.localrun import (
     summarize_run,
 )
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from tests.conftest import wait_until
-from tests.e2e.test_fedh2l import Recorder, _runtime
+from tests.e2e.recording import run_recorded
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS = 2, 2
@@ -75,16 +73,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         for i in range(CLIENTS):
             fed.start_client(f"fedavg-org-{i}", client_config(OPTS, "fedavg", i, fed.port))
         fed.start_client("ditto-org-1", client_config(OPTS, DITTO, 1, fed.port))
-        rt = _runtime(client_config(OPTS, DITTO, 0, fed.port))
-        recorder = Recorder()
-        rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(algorithms, "client_half_type", recorded_type)
-            rt.run()
+            sent, _ = run_recorded(client_config(OPTS, DITTO, 0, fed.port))
         status = wait_until(lambda: (s := fed.status()) and all(r.finished for r in s) and s, timeout=120,
                             what="both runs to finish")
         fed.wait_clients(timeout=30)
-        yield {"summaries": {s.run_id: summarize_run(s) for s in status}, "sent": recorder.sent,
+        yield {"summaries": {s.run_id: summarize_run(s) for s in status}, "sent": sent,
                "secrets": secrets, "shared": shared}
     finally:
         fed.stop()

@@ -21,45 +21,16 @@ from hetfed.cli.localrun import (
     summarize_run,
 )
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, SeedPosteriors
 from tests.conftest import RawClient, wait_until
+from tests.e2e.recording import client_runtime, run_recorded
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, BATCH, K = 6, 3, 32, 10
 OPTS = LocalRunOptions(algorithms=("fedh2l",), clients=CLIENTS, rounds=ROUNDS, partition="rotated",
                        models=("lenet", "mlp", "fedgen_cnn"),
                        extra_algorithm_config={"fedh2l": {"eval_every": 3}})
-
-
-class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-               grpc.StreamUnaryClientInterceptor):
-    """Keeps every request message a client sends, by RPC method."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Any]] = []
-
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        self.sent.append((details.method, request))
-        return continuation(details, request)
-
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        self.sent.append((details.method, request))
-        return continuation(details, request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
-        items = list(request_iterator)
-        self.sent.append((details.method, items))
-        return continuation(details, iter(items))
-
-
-def _runtime(cfg: dict[str, Any]) -> Any:
-    from hetfed.client.config import ClientConfig
-    from hetfed.client.runtime import ClientRuntime
-    from hetfed.wire.config import from_mapping
-
-    return ClientRuntime(from_mapping(ClientConfig, cfg))
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +42,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
         for i in range(1, CLIENTS):
             fed.start_client(f"org-{i}", client_config(OPTS, "fedh2l", i, fed.port))
-        rt = _runtime(client_config(OPTS, "fedh2l", 0, fed.port))
-        recorder = Recorder()
-        rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
-        reports = rt.run()
+        sent, reports = run_recorded(client_config(OPTS, "fedh2l", 0, fed.port))
         status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
                             timeout=60, what="the run to finish")
         fed.wait_clients(timeout=30)
         with urllib.request.urlopen(f"http://127.0.0.1:{fed.metrics_port}/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
-        yield {"status": status, "summary": summarize_run(status), "sent": recorder.sent, "reports": reports,
+        yield {"status": status, "summary": summarize_run(status), "sent": sent, "reports": reports,
                "metrics": metrics}
     finally:
         fed.stop()
@@ -183,7 +151,7 @@ def test_a_client_with_another_seed_set_is_refused(aggregator: Callable[..., Any
     cfg["data"]["seed_set_path"] = str(tmp_path / "seed.npz")
     cfg["retry"] = {"give_up_after_seconds": 5.0}
     with pytest.raises(ClientError, match=r"FAILED_PRECONDITION.*seed_set_mismatch"):
-        _runtime(cfg).run()
+        client_runtime(cfg).run()
     # The unchanged file is accepted (Join succeeds; the client then waits for peers, so we stop there).
     good.save(tmp_path / "good.npz")
     raw = RawClient(agg.port, "org-0", run="fedh2l")

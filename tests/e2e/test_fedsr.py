@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from google.protobuf import unknown_fields
@@ -21,10 +20,9 @@ from hetfed.cli.localrun import (
 )
 from hetfed.client.data import DataConfig, load_client_data
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.v1 import tensor_pb2 as tpb
 from tests.conftest import wait_until
-from tests.e2e.test_fedh2l import Recorder
+from tests.e2e.recording import run_recorded
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, TARGET, Z, K = 2, 2, 2, 64, 10
@@ -50,24 +48,17 @@ def _model_shapes() -> dict[str, list[int]]:
 
 
 def _federation(tmp_path_factory: pytest.TempPathFactory, shared: bool) -> Iterator[dict[str, Any]]:
-    from hetfed.client.config import ClientConfig
-    from hetfed.client.runtime import ClientRuntime
-    from hetfed.wire.config import from_mapping
-
     opts = _options(shared)
     workdir = tmp_path_factory.mktemp("fedsr-shared" if shared else "fedsr-local")
     fed = LocalFederation(workdir)
     try:
         fed.start_aggregator(aggregator_config(opts, str(workdir / "state")))
         fed.start_client("org-1", client_config(opts, "fedsr", 1, fed.port))
-        rt = ClientRuntime(from_mapping(ClientConfig, client_config(opts, "fedsr", 0, fed.port)))
-        recorder = Recorder()
-        rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
-        rt.run()
+        sent, _ = run_recorded(client_config(opts, "fedsr", 0, fed.port))
         status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
                             timeout=60, what="the run to finish")
         fed.wait_clients(timeout=30)
-        yield {"summary": summarize_run(status), "sent": recorder.sent, "state": workdir / "state"}
+        yield {"summary": summarize_run(status), "sent": sent, "state": workdir / "state"}
     finally:
         fed.stop()
 

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -23,10 +22,10 @@ from hetfed.cli.localrun import (
     summarize_run,
 )
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.v1 import tensor_pb2 as tpb
 from tests.conftest import load_benchmark, wait_until
-from tests.e2e.test_fedh2l import Recorder, _fields, _runtime
+from tests.e2e.recording import run_recorded
+from tests.e2e.test_fedh2l import _fields
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, LATENT = 3, 3, 84  # LeNet's latent width
@@ -44,14 +43,11 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
         for i in range(1, CLIENTS):
             fed.start_client(f"org-{i}", client_config(OPTS, "simfed", i, fed.port))
-        rt = _runtime(client_config(OPTS, "simfed", 0, fed.port))
-        recorder = Recorder()
-        rt.client._stub = agrpc.AggregatorStub(grpc.intercept_channel(rt.client._channel, recorder))
-        reports = rt.run()
+        sent, reports = run_recorded(client_config(OPTS, "simfed", 0, fed.port))
         status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
                             timeout=60, what="the run to finish")
         fed.wait_clients(timeout=30)
-        yield {"summary": summarize_run(status), "sent": recorder.sent, "reports": reports,
+        yield {"summary": summarize_run(status), "sent": sent, "reports": reports,
                "state": workdir / "state" / "simfed"}
     finally:
         fed.stop()
