@@ -11,8 +11,9 @@ Every client is numpy only; nothing simulates the wire.
 
 Measured, while the runs go: round time (from the aggregator's round records, rounds 2.. of each run, which
 start when the previous round closes) against the bytes the round moved (both directions, as the aggregator
-counted them), with a least-squares line; a health check every 50 ms from this process (latency, and how many
-took over 100 ms); the aggregator's thread count and RSS every 0.5 s, first with ``--few`` clients, then with
+counted them), with a least-squares line; a health check every 50 ms from this process, on the health listener
+the kubelet's probes call (``probe_*``) and on the serving port (``health_*``): latency, and how many took
+over 100 ms; the aggregator's thread count and RSS every 0.5 s, first with ``--few`` clients, then with
 all of them. The machine's load average is printed at the start and the end: the figures depend on it. On a
 small machine the client processes compete with the aggregator for the same cores (in a deployment they run
 elsewhere); ``--client-nice 10`` lowers their priority so the aggregator is measured, not the scheduler.
@@ -132,6 +133,8 @@ class Samples:
 
     health: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds) of each check
     health_failures: int = 0
+    probe: list[tuple[float, float]] = field(default_factory=list)  # the same, on the health listener
+    probe_failures: int = 0
     threads: list[tuple[float, int, int]] = field(default_factory=list)  # (time, threads, rss KiB)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -157,8 +160,10 @@ def thread_names(pid: int) -> dict[str, int]:
     return dict(sorted(names.items()))
 
 
-def sample(address: str, pid: int, s: Samples) -> None:
-    """Health-check every 50 ms; read the aggregator's thread count and RSS every 0.5 s."""
+def sample(address: str, pid: int, s: Samples, probe: bool = False) -> None:
+    """Health-check every 50 ms (the serving port, or with ``probe`` the health listener the kubelet's probes
+    call); the serving port's sampler also reads the aggregator's thread count and RSS every 0.5 s."""
+    checks, key = (s.probe, "probe_failures") if probe else (s.health, "health_failures")
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         next_proc = 0.0
@@ -166,11 +171,11 @@ def sample(address: str, pid: int, s: Samples) -> None:
             t0 = time.perf_counter()
             try:
                 stub.Check(health_pb2.HealthCheckRequest(service="hetfed.v1.Aggregator"), timeout=2)
-                s.health.append((time.monotonic(), time.perf_counter() - t0))
+                checks.append((time.monotonic(), time.perf_counter() - t0))
             except grpc.RpcError:
-                s.health_failures += 1
+                setattr(s, key, getattr(s, key) + 1)
             now = time.monotonic()
-            if now >= next_proc:
+            if not probe and now >= next_proc:
                 s.threads.append((now, *proc_status(pid)))
                 next_proc = now + 0.5
             s.stop.wait(max(0.0, 0.05 - (time.perf_counter() - t0)))
@@ -233,11 +238,15 @@ def main(argv: list[str] | None = None) -> int:
              "round_deadline_seconds": 3600.0} for rid, _, n in few_runs + many_runs]
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    port, probe_port = ports
     cfg = {"server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(state),
-                      "worker_threads": args.worker_threads}, "runs": runs}
+                      "health_listen": f"127.0.0.1:{probe_port}", "worker_threads": args.worker_threads},
+           "runs": runs}
     (workdir / "agg.json").write_text(json.dumps(cfg))
     ready = workdir / "ready"
     log = open(workdir / "aggregator.log", "wb")  # noqa: SIM115
@@ -254,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         result["threads_idle"], result["rss_kib_idle"] = proc_status(agg.pid)
         result["thread_names_idle"] = thread_names(agg.pid)
-        sampler = threading.Thread(target=sample, args=(address, agg.pid, samples), daemon=True)
-        sampler.start()
+        samplers = [threading.Thread(target=sample, args=(a, agg.pid, samples, probe), daemon=True)
+                    for a, probe in ((address, False), (f"127.0.0.1:{probe_port}", True))]
+        for sampler in samplers:
+            sampler.start()
         t_few = time.monotonic()
         secs, errors = run_phase(address, few_runs, args.few, 1, args.timeout, args.client_nice)
         t_many = time.monotonic()
@@ -266,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         result["thread_names_after"] = thread_names(agg.pid)
         errors += more
         samples.stop.set()
-        sampler.join(10)
+        for sampler in samplers:
+            sampler.join(10)
         statuses = {s.run_id: s for s in status_of(address, None, timeout=60)}
     finally:
         agg.terminate()
@@ -287,18 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     result["rounds"] = rows
     result["fit"] = fit([r["bytes"] for r in rows], [r["seconds"] for r in rows]) if len(rows) > 2 else {}
 
+    def latency(checks: list[tuple[float, float]], t0: float, t1: float, name: str) -> dict[str, Any]:
+        lat = [x for t, x in checks if t0 <= t <= t1]
+        return {f"{name}_checks": len(lat), f"{name}_max_ms": round(1000 * max(lat), 1) if lat else None,
+                f"{name}_p99_ms": round(1000 * float(np.percentile(lat, 99)), 1) if lat else None,
+                f"{name}_over_100ms": sum(x > 0.1 for x in lat)}
+
     def phase(t0: float, t1: float) -> dict[str, Any]:
-        lat = [x for t, x in samples.health if t0 <= t <= t1]
         th = [(n, r) for t, n, r in samples.threads if t0 <= t <= t1]
-        return {"health_checks": len(lat), "health_max_ms": round(1000 * max(lat), 1) if lat else None,
-                "health_p99_ms": round(1000 * float(np.percentile(lat, 99)), 1) if lat else None,
-                "health_over_100ms": sum(x > 0.1 for x in lat),
+        return {**latency(samples.probe, t0, t1, "probe"), **latency(samples.health, t0, t1, "health"),
                 "threads_min": min(n for n, _ in th) if th else None, "threads_max": max(n for n, _ in th) if th else None,
                 "rss_kib_max": max(r for _, r in th) if th else None}
 
     result["phase_few"] = {"clients": args.few, **phase(t_few, t_many)}
     result["phase_many"] = {"clients": args.clients, **phase(t_many, t_end)}
     result["health_failures"] = samples.health_failures
+    result["probe_failures"] = samples.probe_failures
     result["load_average_end"] = os.getloadavg()
     print(json.dumps(result, indent=2))
     if args.json:

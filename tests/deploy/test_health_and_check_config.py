@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetfed.aggregator.org_ledger import OrganizationLedger
 from hetfed.cli import main as hetfed_main
 from hetfed.cli.certs import make_federation_certs
 from hetfed.wire.traffic import KindCount, TrafficBreakdown
+from hetfed.wire.transport import Health
 from tests.conftest import free_port, run_config
 
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -94,3 +99,71 @@ def test_organization_ledger_counts_and_round_trips() -> None:
     assert [(o.organization, o.joined, o.last_round_pushed, o.bytes_up, o.bytes_down)
             for o in restored.statuses(["a", "b"], joined={"a"})] == [("a", True, 2, 107, 12), ("b", False, -1, 0, 0)]
     assert OrganizationLedger.from_json(None).to_json() == {}
+
+
+def _check(port: int, timeout: float = 2.0) -> tuple[int, float]:
+    """(status, seconds) of one health check of the aggregator service on ``port``."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        grpc.channel_ready_future(ch).result(timeout=10)
+        t0 = time.perf_counter()
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="hetfed.v1.Aggregator"), timeout=timeout)
+        return reply.status, time.perf_counter() - t0
+
+
+def _until(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_health_listener_answers_while_the_serving_loop_is_busy_and_fails_when_it_stalls(
+    aggregator: Callable[..., Any],
+) -> None:
+    """The listener runs on its own loop: a check is answered at once while the serving loop is blocked, and
+    turns NOT_SERVING once the block outlasts ``health_stall_seconds``, SERVING again when the loop runs."""
+    health_port = free_port()
+    agg = aggregator(run_config(id="demo"), health_listen=f"127.0.0.1:{health_port}", health_stall_seconds=1.0)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert _check(health_port)[0] == serving
+    release = threading.Event()
+    blocked = threading.Event()
+
+    def block() -> None:  # runs on the serving loop and holds it
+        blocked.set()
+        release.wait(timeout=30)
+
+    agg._loop.call_soon_threadsafe(block)
+    try:
+        assert blocked.wait(timeout=10)
+        status, seconds = _check(health_port)
+        assert status == serving and seconds < 0.5  # answered while the serving loop is held
+        with pytest.raises(grpc.RpcError) as err:  # the same check on the serving port waits for the loop
+            _check(agg.port, timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _until(lambda: _check(health_port)[0] == not_serving, timeout=10)
+    finally:
+        release.set()
+    _until(lambda: _check(health_port)[0] == serving, timeout=10)
+
+
+def test_health_mirror_and_watchdog_verdict() -> None:
+    """``Health.status`` follows ``alive``; ``on_change`` carries every change; ``adopt`` takes a snapshot."""
+    alive = [True]
+    served = Health(lambda: alive[0])
+    seen: list[tuple[dict[str, int], bool]] = []
+    source = Health()
+    source.on_change.append(lambda statuses, down: seen.append((statuses, down)))
+    source.set("x", health_pb2.HealthCheckResponse.SERVING)
+    served.adopt(*seen[-1])
+    assert served.status("x") == health_pb2.HealthCheckResponse.SERVING
+    assert served.status("y") is None
+    alive[0] = False
+    assert served.status("x") == health_pb2.HealthCheckResponse.NOT_SERVING
+    alive[0] = True
+    source.enter_graceful_shutdown()
+    assert seen[-1] == ({"x": health_pb2.HealthCheckResponse.NOT_SERVING}, True)
+    served.adopt(*seen[-1])
+    served.adopt({"x": health_pb2.HealthCheckResponse.SERVING}, False)  # nothing revives a stopping service
+    assert served.status("x") == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,10 +79,14 @@ class Health:
 
     SERVICE = "grpc.health.v1.Health"
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[], bool] | None = None) -> None:
         self._status: dict[str, int] = {}
         self._changed: asyncio.Event | None = None
         self._shutting_down = False
+        # While ``alive()`` is False every known service answers NOT_SERVING (a watchdog's verdict).
+        self._alive = alive
+        # Called with (statuses, shutting down) after every change, from the thread that made it.
+        self.on_change: list[Callable[[dict[str, int], bool], None]] = []
 
     def set(self, service: str, status: int) -> None:
         """Set a service's status (ignored once shutting down)."""
@@ -97,10 +101,32 @@ class Health:
         self._shutting_down = True
         self._notify()
 
-    def _notify(self) -> None:
+    def adopt(self, statuses: dict[str, int], shutting_down: bool) -> None:
+        """Take another ``Health``'s state (a mirror's end of ``on_change``); safe from any thread, since it
+        only rebinds attributes: the next check sees it. Watch streams learn of it at ``wake_watchers``."""
+        if not self._shutting_down:
+            self._status = dict(statuses)
+            self._shutting_down = shutting_down
+
+    def status(self, service: str) -> int | None:
+        """What a check of ``service`` answers now (None: never set)."""
+        status = self._status.get(service)
+        if status is not None and self._alive is not None and not self._alive():
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return status
+
+    def wake_watchers(self) -> None:
+        """Let Watch streams re-read the status (after the ``alive`` verdict may have changed)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _notify(self) -> None:
+        self.wake_watchers()
+        if self.on_change:
+            snapshot = dict(self._status)
+            for callback in self.on_change:
+                callback(snapshot, self._shutting_down)
 
     @staticmethod
     async def _request(request: bytes, context: grpc.aio.ServicerContext) -> str:  # type: ignore[type-arg]
@@ -113,7 +139,7 @@ class Health:
     async def check(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """The service's status now (NOT_FOUND for a service never set)."""
         service = await self._request(request, context)
-        status = self._status.get(service)
+        status = self.status(service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service[:64]!r}")
         return health_pb2.HealthCheckResponse(status=status).SerializeToString()
@@ -124,7 +150,9 @@ class Health:
         service = await self._request(request, context)
         last = None
         while True:
-            status = self._status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            status = self.status(service)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
                 last = status

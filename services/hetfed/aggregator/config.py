@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,8 @@ class ServerConfig:
     metrics_host: str = "0.0.0.0"
     # A plaintext address serving only the gRPC health service (kubelet probes under mTLS); "" for none.
     health_listen: str = ""
+    # The health listener answers NOT_SERVING once the loop serving the clients has not run for this long.
+    health_stall_seconds: float = 10.0
     state_dir: str = "hetfed-state"
     max_update_bytes: int = 4 << 30
     max_tensor_elements: int = 1 << 31
@@ -144,6 +147,8 @@ class ServerConfig:
         check(self.max_update_bytes > 0, "max_update_bytes must be > 0")
         check(self.max_tensor_elements > 0, "max_tensor_elements must be > 0")
         check(1024 <= self.chunk_bytes <= 16 << 20, "chunk_bytes must be in [1 KiB, 16 MiB]")
+        check(math.isfinite(self.health_stall_seconds) and self.health_stall_seconds > 0,
+              "health_stall_seconds must be a positive number")
         check(self.max_pull_wait_seconds > 0, "max_pull_wait_seconds must be > 0")
         check(self.max_requests_per_second >= 0, "max_requests_per_second must be >= 0")
         check(1 <= self.worker_threads <= 256, "worker_threads must be in [1, 256]")

@@ -23,7 +23,7 @@ from prometheus_client import start_http_server
 
 from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
-from hetfed.aggregator.health_listener import start_health_listener
+from hetfed.aggregator.health_listener import HealthListener, LoopHeartbeat
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
@@ -49,7 +49,8 @@ class RunningAggregator:
     _health: Health
     _ticker: asyncio.Task[None]
     _http: Any | None
-    _health_server: grpc.aio.Server | None = None
+    _health_listener: HealthListener | None = None
+    _heartbeat: asyncio.Task[None] | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -71,6 +72,8 @@ class RunningAggregator:
                 if not self._thread.is_alive():
                     self._loop.close()
                 self.service.close()
+                if self._health_listener is not None:
+                    self._health_listener.stop()
                 if self._http is not None:
                     self._http.shutdown()
                 self._stopped.set()
@@ -80,8 +83,8 @@ class RunningAggregator:
         self.service.stopping()
         self._ticker.cancel()
         await self._server.stop(grace)
-        if self._health_server is not None:
-            await self._health_server.stop(0)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in rest:
             t.cancel()
@@ -114,25 +117,31 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
     thread = threading.Thread(target=loop.run_forever, name="hetfed-grpc", daemon=True)
     thread.start()
 
-    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], grpc.aio.Server | None]:
+    heartbeat = LoopHeartbeat(config.server.health_stall_seconds)
+    listener = HealthListener(config.server.health_listen, heartbeat) if config.server.health_listen else None
+
+    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], asyncio.Task[None]]:
         server, port = make_server(config.server.listen, config.server.tls)
         add_aggregator_handler(server, service)
         health = Health()
+        if listener is not None:
+            health.on_change.append(listener.mirror)
         server.add_generic_rpc_handlers((health.generic_handler(),))
         await server.start()
         for name in ("", SERVICE_NAME):
             health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        health_server = None
-        if config.server.health_listen:
-            health_server = await start_health_listener(config.server.health_listen, health)
-        return server, port, health, asyncio.create_task(_tick(service)), health_server
+        return server, port, health, asyncio.create_task(_tick(service)), asyncio.create_task(heartbeat.beat())
 
     try:
-        server, port, health, ticker, health_server = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout=60)
+        if listener is not None:
+            listener.start()
+        server, port, health, ticker, beat = asyncio.run_coroutine_threadsafe(boot(), loop).result(timeout=60)
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         service.close()
+        if listener is not None:
+            listener.stop()
         raise
     http = None
     metrics_port = -1
@@ -143,7 +152,7 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
         metrics_port = http.server_port
     log.info("aggregator serving on port %d (metrics on %d) with runs %s", port, metrics_port,
              ", ".join(service.runs))
-    return RunningAggregator(port, metrics_port, service, loop, thread, server, health, ticker, http, health_server)
+    return RunningAggregator(port, metrics_port, service, loop, thread, server, health, ticker, http, listener, beat)
 
 
 def serve(config: AggregatorConfig, ready_file: str | None = None) -> None:
