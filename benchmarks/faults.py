@@ -249,12 +249,13 @@ def free_port() -> int:
 class AggregatorProcess:
     """A real ``hetfed aggregator`` process on a fixed port and state directory, started and killed at will."""
 
-    def __init__(self, workdir: Path, runs: list[dict[str, Any]], state_dir: Path | None = None) -> None:
+    def __init__(self, workdir: Path, runs: list[dict[str, Any]], state_dir: Path | None = None,
+                 worker_threads: int = 2) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.state_dir = state_dir or workdir / "state"
         cfg = {"server": {"listen": f"127.0.0.1:{self.port}", "metrics_port": -1, "state_dir": str(self.state_dir),
-                          "worker_threads": 2}, "runs": runs}
+                          "worker_threads": worker_threads}, "runs": runs}
         self.config = workdir / "aggregator.json"
         self.config.write_text(json.dumps(cfg))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -269,15 +270,20 @@ class AggregatorProcess:
         """The log of the current (last) process."""
         return self.workdir / f"aggregator-{self.starts}.log"
 
-    def start(self, crash_at: str = "", timeout: float = 60.0) -> str:
-        """Start; returns "" when it is serving, else why not (its exit code and the end of its log)."""
+    def start(self, crash_at: str = "", timeout: float = 60.0, delay_at: str = "") -> str:
+        """Start; returns "" when it is serving, else why not (its exit code and the end of its log).
+
+        ``crash_at`` and ``delay_at`` arm ``HETFED_CRASH_AT`` and ``HETFED_DELAY_AT`` (crashpoints.py)."""
         self.starts += 1
         ready = self.workdir / "ready"
         ready.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("HETFED_CRASH_AT", None)
+        env.pop("HETFED_DELAY_AT", None)
         if crash_at:
             env["HETFED_CRASH_AT"] = crash_at
+        if delay_at:
+            env["HETFED_DELAY_AT"] = delay_at
         with open(self.log_path(), "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(self.config), "--ready-file",

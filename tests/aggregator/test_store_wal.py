@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.faults import DiskFault, FaultyDisk
-from hetfed.aggregator.store import RunStore, StateError, StorageError, holder_of, scan_wal
+from hetfed.aggregator.store import RunStore, StateError, StorageError, WalTicket, holder_of, scan_wal
 
 HEADER = 24  # the log's file header
 REC = 70  # a record's header
@@ -359,3 +360,101 @@ def test_a_second_store_on_the_same_run_directory_is_refused_naming_the_holder(t
     third = RunStore(tmp_path, "r")
     third.recover()  # the lock went with the first store
     third.close()
+
+
+# ---------------------------------------------------------------------------------- group commit
+
+
+class GatedDisk(FaultyDisk):
+    """Counts the log's fsyncs; once ``arm()``ed, the next one waits for ``gate`` (so appends can arrive while
+    it runs) and fails with EIO when ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.wal_fsyncs = 0
+        self.armed = False
+        self.fail = False
+
+    def arm(self, fail: bool = False) -> None:
+        self.wal_fsyncs, self.armed, self.fail = 0, True, fail
+
+    def fsync(self, fd: int) -> None:
+        if not self._names.get(fd, "").endswith("updates.wal"):
+            return super().fsync(fd)
+        self.wal_fsyncs += 1
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            assert self.gate.wait(timeout=30)
+            if self.fail:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().fsync(fd)
+
+
+def _sync_in_thread(s: RunStore, ticket: WalTicket) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+
+    def go() -> None:
+        try:
+            out.append(s.sync(ticket))
+        except StorageError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, out
+
+
+def test_concurrent_appends_share_one_fsync(tmp_path: Path) -> None:
+    """Records written while an fsync runs wait for the next one, and share it: three records, two fsyncs."""
+    disk = GatedDisk()
+    s = new_run(tmp_path, disk)
+    disk.arm()
+    first = s.append_update(1, "a", b"one")
+    ta, out_a = _sync_in_thread(s, first)
+    assert disk.entered.wait(timeout=10)  # a's fsync is under way (and waits at the gate)
+    tb, out_b = _sync_in_thread(s, s.append_update(1, "b", b"two"))
+    tc, out_c = _sync_in_thread(s, s.append_update(1, "c", b"three"))
+    disk.gate.set()
+    for t in (ta, tb, tc):
+        t.join(timeout=30)
+    assert out_a == out_b == out_c == [True]
+    assert disk.wal_fsyncs == 2  # a's, then one for b and c together
+    s.close()
+    assert opened(tmp_path).updates(1) == [("a", b"one"), ("b", b"two"), ("c", b"three")]
+
+
+def test_a_failed_group_fsync_fails_every_record_it_covered_and_the_log_is_cut_back(tmp_path: Path) -> None:
+    """Both records written before the failed fsync are refused (none acknowledged); after the repair the log
+    is as it was, and a later record is durable."""
+    disk = GatedDisk()
+    s = new_run(tmp_path, disk)
+    s.write_update(1, "z", b"acknowledged before")
+    before = wal(tmp_path).read_bytes()
+    disk.arm(fail=True)
+    a = s.append_update(1, "a", b"one")
+    b = s.append_update(1, "b", b"two")
+    ta, out_a = _sync_in_thread(s, a)
+    tb, out_b = _sync_in_thread(s, b)
+    assert disk.entered.wait(timeout=10)
+    disk.gate.set()
+    for t in (ta, tb):
+        t.join(timeout=30)
+    assert all(isinstance(o[0], StorageError) for o in (out_a, out_b)), (out_a, out_b)
+    s.repair()
+    assert wal(tmp_path).read_bytes() == before
+    assert s.sync(a) is False  # its record is gone: the cut voided the ticket
+    s.write_update(1, "c", b"later")
+    s.close()
+    assert opened(tmp_path).updates(1) == [("c", b"later"), ("z", b"acknowledged before")]
+
+
+def test_a_ticket_of_a_round_cut_from_the_log_is_not_durable(tmp_path: Path) -> None:
+    """The round closed (its records dropped) while a record waited for its fsync: sync says it is gone."""
+    s = new_run(tmp_path)
+    ticket = s.append_update(1, "a", b"one")
+    s.drop_rounds_before(2)
+    assert s.sync(ticket) is False
+    assert s.sync(s.append_update(2, "a", b"two")) is True

@@ -6,6 +6,7 @@ The full campaign (every point, random kills, full disks, damaged files, fuzzing
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def test_the_crash_point_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
         crashpoints._armed()
     monkeypatch.setenv("HETFED_CRASH_AT", "history.synced:3")
     assert crashpoints._armed() == ("history.synced", 3)
-    assert len(set(CRASH_POINTS)) == len(CRASH_POINTS) == 10
+    assert len(set(CRASH_POINTS)) == len(CRASH_POINTS) == 11
 
 
 @pytest.mark.e2e
@@ -85,6 +86,52 @@ def test_killed_after_an_update_is_durable_but_before_it_is_acknowledged(
     mw = codec.payload_from_proto(c.pull(completed=1).payloads[0])
     assert isinstance(mw, ModelWeights)
     np.testing.assert_array_equal(mw.tensors["w"], W * 2.0)
+    agg.stop()
+
+
+@pytest.mark.e2e
+def test_killed_between_a_group_commit_and_its_acknowledgements(
+        tmp_path: Path, raw_client: Callable[..., RawClient]) -> None:
+    """Three updates written while another's fsync runs share the next fsync; the aggregator dies after that
+    fsync, before any of the three is acknowledged. Nothing acknowledged is lost, the three are durable
+    and the round's result is an uninterrupted run's."""
+    orgs = ["a", "b", "c", "d"]
+    agg = faults.AggregatorProcess(tmp_path, [run_config(organizations=orgs)], worker_threads=8)
+    # Every fsync of the log waits 2 s first (a slow disk): b, c and d are written during a's.
+    assert agg.start(crash_at="wal.synced:2", delay_at="wal.syncing:2") == ""
+    clients = {o: raw_client(agg.port, o) for o in orgs}
+    for cl in clients.values():
+        cl.join(DECL)
+    wal = agg.state_dir / "r" / "updates.wal"
+    size = wal.stat().st_size
+    results: dict[str, object] = {}
+
+    def push(org: str, scale: float) -> None:
+        try:
+            results[org] = clients[org].push(1, upd(scale))
+        except grpc.RpcError as err:
+            results[org] = err.code()
+
+    first = threading.Thread(target=push, args=("a", 1.0))
+    first.start()
+    wait_until(lambda: wal.stat().st_size > size, timeout=30, what="a's record written, its fsync under way")
+    rest = [threading.Thread(target=push, args=(o, s)) for o, s in (("b", 2.0), ("c", 3.0), ("d", 6.0))]
+    for t in rest:
+        t.start()
+    for t in [first, *rest]:
+        t.join(timeout=90)
+    wait_until(lambda: agg.exited() is not None, timeout=30, what="the crash")
+    assert agg.exited() == EXIT_CODE
+    acked = {o for o, r in results.items() if isinstance(r, apb.PushUpdateResponse) and r.accepted}
+    assert acked == {"a"}, results  # a's own fsync came first; the group's acknowledgements never went out
+    assert agg.start() == ""
+    # All four records were durable: the restart replays them and closes round 1 from the log alone (the
+    # group's retries find it closed, ``late``, which the client runtime passes over).
+    status = clients["a"].stub.Status(apb.StatusRequest(run_id="r"), timeout=10).runs[0]
+    assert status.round == 2 and status.history[0].clients == 4
+    mw = codec.payload_from_proto(clients["a"].pull(completed=1).payloads[0])
+    assert isinstance(mw, ModelWeights)
+    np.testing.assert_array_equal(mw.tensors["w"], W * 3.0)  # the mean of 1, 2, 3 and 6
     agg.stop()
 
 

@@ -5,16 +5,23 @@
 ``<point>``. Without the variable (always, outside the harness) a crash point costs one comparison.
 ``benchmarks/faults.py`` kills the aggregator at every point below and checks that every restart succeeds
 and that no acknowledged update is lost.
+
+``HETFED_DELAY_AT=<point>:<seconds>`` makes every visit of ``<point>`` wait that long first, as a slow disk
+would (the harness uses it at ``wal.syncing`` so that concurrent pushes pile up behind one fsync and share
+the next: a group commit it can kill).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 # Where the write path can be interrupted, in the order a push and a round close reach them.
 CRASH_POINTS: tuple[str, ...] = (
     "wal.header_written",  # an update's record header is written, its data not yet
     "wal.data_written",  # the whole record is written, not yet fsync'd
+    "wal.syncing",  # an fsync covering every record written so far is about to start (outside the run's lock)
     "wal.synced",  # the record is durable; the push is not yet acknowledged
     "push.acknowledged",  # the reply is built (the process dies before or while sending it)
     "history.written",  # a closing round's history line is written, not yet fsync'd
@@ -37,13 +44,29 @@ def _armed() -> tuple[str, int] | None:
     return point, int(count or 1)
 
 
+def _delay() -> tuple[str, float] | None:
+    spec = os.environ.get("HETFED_DELAY_AT", "")
+    if not spec:
+        return None
+    point, _, seconds = spec.partition(":")
+    if point not in CRASH_POINTS:
+        raise ValueError(f"HETFED_DELAY_AT names {point!r}, not one of {', '.join(CRASH_POINTS)}")
+    delay = float(seconds or "nan")
+    if not (math.isfinite(delay) and 0 < delay <= 60):
+        raise ValueError(f"HETFED_DELAY_AT: the delay must be in (0, 60] seconds, got {seconds!r}")
+    return point, delay
+
+
 _ARMED = _armed()
+_DELAY = _delay()
 _reached = 0
 
 
 def crash_point(name: str) -> None:
     """End the process here when ``HETFED_CRASH_AT`` names this point (and this is its n-th visit)."""
     global _reached
+    if _DELAY is not None and _DELAY[0] == name:
+        time.sleep(_DELAY[1])
     if _ARMED is None or _ARMED[0] != name:
         return
     _reached += 1

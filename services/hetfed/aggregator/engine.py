@@ -208,6 +208,7 @@ class Run:
         self.declared: set[str] = set()  # organizations whose tensor declaration matched the run's schema
         self.examples: dict[str, int] = {}  # organization -> training examples it declared at Join
         self.pushed: dict[str, bytes] = {}  # organization -> SHA-256 of its accepted update this round
+        self._committing: set[str] = set()  # organizations whose logged update is being synced, not yet folded
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
@@ -513,13 +514,33 @@ class Run:
             self._check_round(round_)
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
+            self._check_not_committing(organization)
             if self.half is not half or self._stale:  # a failed close changed the half while this was decoded
                 self._fresh_locked()
                 self.half.validate(phase, organization, received)
             try:
-                self.store.write_update(round_, organization, update.data, digest)
+                ticket = self.store.append_update(round_, organization, update.data, digest)
             except StorageError as exc:
                 self._storage_failed(exc)
+            self._committing.add(organization)
+        # Durable outside the lock: concurrent pushes share one fsync (group commit), and polls, status and
+        # other pushes' checks go on meanwhile. Not folded, not acknowledged until it is on disk.
+        try:
+            durable = self.store.sync(ticket)
+        except StorageError as exc:
+            with self._lock:
+                self._committing.discard(organization)
+                self.store.repair()  # every record past the last durable point is cut: none was acknowledged
+            self._storage_failed(StorageError(self.store.failed_update(organization, round_, exc)))
+        with self._lock:
+            self._committing.discard(organization)
+            self._check_round(round_)  # the round closed while the record was being synced: it was cut
+            if not durable:
+                self._storage_failed(StorageError(self.store.failed_update(
+                    organization, round_, "it was cut back with the records of a failed fsync")))
+            if organization in self.pushed:  # folded by a rebuild from the log while it was synced
+                return self._duplicate_locked(organization, digest)
+            self._fresh_locked()
             self._fold(organization, received, digest)
             reply = PushReply(accepted=True, duplicate=False, round=round_)
             # Counted before the round can close, so both belong to this round's record.
@@ -530,6 +551,11 @@ class Run:
             self._try_close_locked()
             crash_point("push.acknowledged")
             return reply
+
+    def _check_not_committing(self, organization: str) -> None:
+        if organization in self._committing:
+            raise WireError("too_many_streams", f"an update of {organization!r} for round {self.round} is being "
+                                                f"made durable; try again in a moment")
 
     def _check_round(self, round_: int) -> None:
         phase, current = self.phase, self.round

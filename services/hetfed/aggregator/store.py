@@ -12,7 +12,11 @@ A run's directory holds three files:
   header (magic, round, lengths, SHA-256 of the update, a MAC keyed by the file's key over the header and
   the organization) followed by the organization and the update. An update is appended at the end of the
   last good record and fsync'd before it is acknowledged; an append that fails is cut back (truncate, fsync)
-  so the log is exactly as it was, and the caller answers a retryable status.
+  so the log is exactly as it was, and the caller answers a retryable status. Appends are written under the
+  run's lock and made durable outside it with group commit (``append_update``, then ``sync``): one fsync
+  covers every record written before it started, so concurrent pushes share it. A failed fsync leaves every
+  record past the last durable point suspect: each of them is answered with a retryable status and the log
+  is cut back to that point before the next append.
 
 Recovery at start-up: a record cut short at the end of the log (an interrupted append) is cut off. A record
 whose header verifies but whose update fails its SHA-256 is discarded alone: its length is trusted, so the
@@ -38,6 +42,7 @@ import mmap
 import os
 import shutil
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -120,6 +125,15 @@ def _mac(key: bytes, signed: bytes | memoryview, organization: bytes) -> bytes:
     h.update(signed)
     h.update(organization)
     return h.digest()
+
+
+@dataclass(frozen=True)
+class WalTicket:
+    """An appended record's place in the log: durable once the log is synced past ``end`` within the same
+    ``generation`` (a cut of the log starts a new one, voiding the tickets of the records it removed)."""
+
+    generation: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -290,6 +304,12 @@ class RunStore:
         self._wal_size = _FILE_HEADER.size  # the end of the last good record: where the next append goes
         self._wal_dirty = False  # bytes past _wal_size may remain from a failed append
         self._wal_max_round = -1  # the highest round among the logged records
+        # Group commit: _sync guards the fields below and _wal_size; appends hold the run's lock, syncs do not.
+        self._sync = threading.Condition()
+        self._generation = 0  # bumped whenever records are cut from the log
+        self._synced_end = _FILE_HEADER.size  # every byte before it is durable
+        self._syncing = False  # an fsync of the log is under way
+        self._sync_failed = False  # an fsync failed: bytes past _synced_end are suspect until cut back
         self._hist_fd = -1
         self._hist_size = 0  # bytes of the committed lines
         self._hist_count = 0
@@ -462,6 +482,7 @@ class RunStore:
                 if self._wal_size < size:
                     self.disk.truncate(self._wal_fd, self._wal_size)
                     self.disk.fsync(self._wal_fd)
+                self._log_cut(self._wal_size)  # what was read back is on disk
             else:
                 self._rewrite_wal(key or os.urandom(16), records)
         except (OSError, StorageError) as exc:
@@ -482,32 +503,59 @@ class RunStore:
             buf.write(_record_bytes(key, r.round, org, len(r.data), hashlib.sha256(r.data).digest()))
             buf.write(r.data)
         if self._wal_fd >= 0:
+            self._quiesce()
             self.disk.close(self._wal_fd)
             self._wal_fd = -1
         self._atomic_write(self.wal_path, buf.getbuffer(), checkpoint=False)
         self._wal_fd = self.disk.open(self.wal_path)
         self._wal_key = key
-        self._wal_size = buf.getbuffer().nbytes
+        self._log_cut(buf.getbuffer().nbytes)
         self._wal_dirty = False
 
     # ------------------------------------------------------------------------------------------ updates
     def write_update(self, round_: int, organization: str, data: bytes, sha256: bytes | None = None) -> None:
-        """Log an accepted update durably (written and fsync'd) before it is acknowledged.
+        """Log an update durably: ``append_update`` and ``sync`` in one call (for callers without concurrency)."""
+        ticket = self.append_update(round_, organization, data, sha256)
+        try:
+            durable = self.sync(ticket)
+        except StorageError as exc:
+            self.repair()
+            raise StorageError(self.failed_update(organization, round_, exc)) from None
+        if not durable:
+            raise StorageError(f"the log {self.wal_path} was cut before the update of {organization!r} was durable")
 
-        ``sha256`` is the update's SHA-256 when the caller already has it. On failure the log is cut back to
-        where it was and ``StorageError`` is raised: nothing was logged.
+    def failed_update(self, organization: str, round_: int, why: object) -> str:
+        """The message of an update that could not be logged."""
+        return f"could not log the update of {organization!r} for round {round_} in {self.wal_path} ({why})"
+
+    def repair(self) -> None:
+        """After a failed fsync, cut the log back to its last durable point now (call with the run's lock held);
+        a cut that fails itself is logged and retried before the next append."""
+        if not (self._sync_failed or self._wal_dirty):
+            return
+        try:
+            self._cut_wal_back()
+        except OSError as exc:
+            self._wal_dirty = True
+            log.error("%s: could not cut a failed append back (%s); retried before the next append",
+                      self.wal_path, exc.strerror or exc)
+
+    def append_update(self, round_: int, organization: str, data: bytes, sha256: bytes | None = None) -> WalTicket:
+        """Write an accepted update's record at the end of the log; call with the run's lock held.
+
+        The record is not durable yet: ``sync`` its ticket before acknowledging it. ``sha256`` is the update's
+        SHA-256 when the caller already has it. On failure the log is cut back to where it was and
+        ``StorageError`` is raised: nothing was logged.
         """
         org = organization.encode()
         head = _record_bytes(self._wal_key, round_, org, len(data), sha256 or hashlib.sha256(data).digest())
         try:
-            if self._wal_dirty:
+            if self._wal_dirty or self._sync_failed:
                 self._cut_wal_back()
             self.disk.pwrite(self._wal_fd, head, self._wal_size)
             crash_point("wal.header_written")
             self.disk.pwrite(self._wal_fd, data, self._wal_size + len(head))
             crash_point("wal.data_written")
-            self.disk.fsync(self._wal_fd)
-            crash_point("wal.synced")
         except OSError as exc:
             self._wal_dirty = True
             try:
@@ -515,15 +563,82 @@ class RunStore:
             except OSError as again:
                 log.error("%s: could not cut a failed append back (%s); retried before the next append",
                           self.wal_path, again.strerror or again)
-            raise StorageError(f"could not log the update of {organization!r} for round {round_} in "
-                               f"{self.wal_path} ({exc.strerror or exc})") from None
-        self._wal_size += len(head) + len(data)
+            raise StorageError(self.failed_update(organization, round_, exc.strerror or exc)) from None
+        with self._sync:
+            self._wal_size += len(head) + len(data)
+            ticket = WalTicket(self._generation, self._wal_size)
         self._wal_max_round = max(self._wal_max_round, round_)
+        return ticket
+
+    def sync(self, ticket: WalTicket) -> bool:
+        """Make ``ticket``'s record durable (group commit; call it without the run's lock).
+
+        True once it is on disk; False when the log was cut before it was (its round closed meanwhile, or a
+        failed fsync voided it and the log has been cut back since). One fsync at a time covers every record
+        written before it started, so callers that arrive meanwhile wait for the next one and share it.
+        Raises ``StorageError`` when the fsync that should cover the record fails.
+        """
+        while True:
+            with self._sync:
+                while True:
+                    if ticket.generation != self._generation:
+                        return False
+                    if self._synced_end >= ticket.end:
+                        return True
+                    if self._sync_failed:
+                        raise StorageError("an earlier fsync of the log failed")
+                    if not self._syncing:
+                        break
+                    self._sync.wait()
+                self._syncing = True
+                target, generation, fd = self._wal_size, self._generation, self._wal_fd
+            failure: OSError | None = None
+            try:
+                crash_point("wal.syncing")
+                self.disk.fsync(fd)
+            except OSError as exc:
+                failure = exc
+            with self._sync:
+                self._syncing = False
+                if generation == self._generation:
+                    if failure is None:
+                        self._synced_end = max(self._synced_end, target)
+                    else:
+                        self._sync_failed = True
+                self._sync.notify_all()
+            if failure is not None:
+                raise StorageError(f"its fsync failed: {failure.strerror or failure}")
+            crash_point("wal.synced")
 
     def _cut_wal_back(self) -> None:
-        self.disk.truncate(self._wal_fd, self._wal_size)
+        """Cut the log back to its last good record (to the last durable point after a failed fsync)."""
+        with self._sync:
+            while self._syncing:
+                self._sync.wait()
+            keep = self._synced_end if self._sync_failed else self._wal_size
+        self.disk.truncate(self._wal_fd, keep)
         self.disk.fsync(self._wal_fd)
+        with self._sync:
+            if self._sync_failed or keep < self._wal_size:
+                self._generation += 1
+            self._sync_failed = False
+            self._wal_size = self._synced_end = keep
+            self._sync.notify_all()
         self._wal_dirty = False
+
+    def _log_cut(self, size: int) -> None:
+        """The log now ends at ``size`` (rewritten or truncated): a new generation voids the old tickets."""
+        with self._sync:
+            self._generation += 1
+            self._wal_size = self._synced_end = size
+            self._sync_failed = False
+            self._sync.notify_all()
+
+    def _quiesce(self) -> None:
+        """Wait until no fsync of the log is under way (before its descriptor is closed)."""
+        with self._sync:
+            while self._syncing:
+                self._sync.wait()
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
         """Every logged update of a round, in organization order (read from disk: for restores)."""
@@ -555,7 +670,7 @@ class RunStore:
                 # No fsync: should a crash undo the cut, the records name closed rounds and are never replayed.
                 self.disk.truncate(self._wal_fd, _FILE_HEADER.size)
                 crash_point("wal.truncated")
-                self._wal_size = _FILE_HEADER.size
+                self._log_cut(_FILE_HEADER.size)
                 self._wal_dirty = False
                 self._wal_max_round = -1
         except (OSError, StorageError) as exc:
@@ -631,6 +746,7 @@ class RunStore:
 
     def close(self) -> None:
         """Close the files."""
+        self._quiesce()
         for fd in (self._wal_fd, self._hist_fd):
             if fd >= 0:
                 with suppress(OSError):
