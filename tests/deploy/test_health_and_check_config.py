@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +21,7 @@ from hetfed.cli import main as hetfed_main
 from hetfed.cli.certs import make_federation_certs
 from hetfed.wire.traffic import KindCount, TrafficBreakdown
 from hetfed.wire.transport import Health
-from tests.conftest import free_port, run_config
+from tests.conftest import free_port, run_config, wait_until
 
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -148,22 +152,67 @@ def test_health_listener_answers_while_the_serving_loop_is_busy_and_fails_when_i
     _until(lambda: _check(health_port)[0] == serving, timeout=10)
 
 
-def test_health_mirror_and_watchdog_verdict() -> None:
-    """``Health.status`` follows ``alive``; ``on_change`` carries every change; ``adopt`` takes a snapshot."""
-    alive = [True]
-    served = Health(lambda: alive[0])
+def test_health_on_change_carries_every_change() -> None:
+    """The serving ``Health`` tells its listeners of every change, the graceful stop included."""
     seen: list[tuple[dict[str, int], bool]] = []
     source = Health()
     source.on_change.append(lambda statuses, down: seen.append((statuses, down)))
     source.set("x", health_pb2.HealthCheckResponse.SERVING)
-    served.adopt(*seen[-1])
-    assert served.status("x") == health_pb2.HealthCheckResponse.SERVING
-    assert served.status("y") is None
-    alive[0] = False
-    assert served.status("x") == health_pb2.HealthCheckResponse.NOT_SERVING
-    alive[0] = True
+    assert seen == [({"x": health_pb2.HealthCheckResponse.SERVING}, False)]
     source.enter_graceful_shutdown()
     assert seen[-1] == ({"x": health_pb2.HealthCheckResponse.NOT_SERVING}, True)
-    served.adopt(*seen[-1])
-    served.adopt({"x": health_pb2.HealthCheckResponse.SERVING}, False)  # nothing revives a stopping service
-    assert served.status("x") == health_pb2.HealthCheckResponse.NOT_SERVING
+    source.set("x", health_pb2.HealthCheckResponse.SERVING)  # nothing revives a stopping service
+    assert len(seen) == 2 and source.status("x") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_health_listener_refuses_a_taken_port_and_leaves_no_process(aggregator: Callable[..., Any]) -> None:
+    """A listener that cannot bind fails the start with its reason (and its process is gone)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"the health listener on 127.0.0.1:{port} did not start: cannot serve"):
+            aggregator(run_config(id="demo"), health_listen=f"127.0.0.1:{port}")
+    assert not _listener_pids()
+
+
+def _listener_pids() -> list[int]:
+    """Health listener processes that are children of this process."""
+    out = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        children = (task / "children").read_text().split()
+        for pid in children:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"hetfed.aggregator.health_listener" in cmd:
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.e2e
+def test_a_killed_aggregator_leaves_no_health_listener(tmp_path: Path) -> None:
+    """SIGKILL the aggregator process: its listener notices the parent is gone and exits by itself."""
+    port, health_port = free_port(), free_port()
+    cfg = {"server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state"),
+                      "health_listen": f"127.0.0.1:{health_port}"}, "runs": [run_config(id="demo")]}
+    (tmp_path / "agg.json").write_text(json.dumps(cfg))
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
+                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(ready.exists, timeout=60, what="the aggregator to serve")
+        assert _check(health_port)[0] == health_pb2.HealthCheckResponse.SERVING
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        listener = [int(p) for p in children
+                    if b"health_listener" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(listener) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_until(lambda: not Path(f"/proc/{listener[0]}").exists() or
+               Path(f"/proc/{listener[0]}/stat").read_text().split()[2] == "Z", timeout=10,
+               what="the orphaned listener to exit")

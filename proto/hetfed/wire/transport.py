@@ -79,12 +79,10 @@ class Health:
 
     SERVICE = "grpc.health.v1.Health"
 
-    def __init__(self, alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self) -> None:
         self._status: dict[str, int] = {}
         self._changed: asyncio.Event | None = None
         self._shutting_down = False
-        # While ``alive()`` is False every known service answers NOT_SERVING (a watchdog's verdict).
-        self._alive = alive
         # Called with (statuses, shutting down) after every change, from the thread that made it.
         self.on_change: list[Callable[[dict[str, int], bool], None]] = []
 
@@ -101,22 +99,12 @@ class Health:
         self._shutting_down = True
         self._notify()
 
-    def adopt(self, statuses: dict[str, int], shutting_down: bool) -> None:
-        """Take another ``Health``'s state (a mirror's end of ``on_change``); safe from any thread, since it
-        only rebinds attributes: the next check sees it. Watch streams learn of it at ``wake_watchers``."""
-        if not self._shutting_down:
-            self._status = dict(statuses)
-            self._shutting_down = shutting_down
-
     def status(self, service: str) -> int | None:
         """What a check of ``service`` answers now (None: never set)."""
-        status = self._status.get(service)
-        if status is not None and self._alive is not None and not self._alive():
-            return health_pb2.HealthCheckResponse.NOT_SERVING
-        return status
+        return self._status.get(service)
 
     def wake_watchers(self) -> None:
-        """Let Watch streams re-read the status (after the ``alive`` verdict may have changed)."""
+        """Let Watch streams re-read the status (after it may have changed without ``set``)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None

@@ -4,6 +4,8 @@ graceful stop that ends in bounded time.
 The gRPC server runs on one event loop in a thread of its own; blocking work runs in the service's bounded
 worker pool (see ``hetfed.aggregator.service``). Threads: the caller's, the event loop's, gRPC's fixed
 completion-queue pollers, ``server.worker_threads`` workers and the metrics HTTP server's; none per client.
+With ``server.health_listen`` set, the plaintext health listener is a small child process fed by a heartbeat
+of the serving loop (see ``hetfed.aggregator.health_listener``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prometheus_client import start_http_server
 
 from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
-from hetfed.aggregator.health_listener import HealthListener, LoopHeartbeat
+from hetfed.aggregator.health_listener import HealthListener
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
@@ -117,10 +119,10 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
     thread = threading.Thread(target=loop.run_forever, name="hetfed-grpc", daemon=True)
     thread.start()
 
-    heartbeat = LoopHeartbeat(config.server.health_stall_seconds)
-    listener = HealthListener(config.server.health_listen, heartbeat) if config.server.health_listen else None
+    listener = (HealthListener(config.server.health_listen, config.server.health_stall_seconds)
+                if config.server.health_listen else None)
 
-    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], asyncio.Task[None]]:
+    async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], asyncio.Task[None] | None]:
         server, port = make_server(config.server.listen, config.server.tls)
         add_aggregator_handler(server, service)
         health = Health()
@@ -130,7 +132,8 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
         await server.start()
         for name in ("", SERVICE_NAME):
             health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return server, port, health, asyncio.create_task(_tick(service)), asyncio.create_task(heartbeat.beat())
+        beat = asyncio.create_task(listener.heartbeat.beat()) if listener is not None else None
+        return server, port, health, asyncio.create_task(_tick(service)), beat
 
     try:
         if listener is not None:
