@@ -90,6 +90,59 @@ def test_9_pushes_in_flight_are_bounded_per_organization(aggregator: Start, raw_
     assert (rejected(agg, "buffer_full"), rejected(agg, "too_many_streams")) == (1, 1)
 
 
+def test_concurrent_reassemblies_are_bounded_across_organizations(aggregator: Start, raw_client: Clients) -> None:
+    """Admission control: with one slot, a second organization's push waits for it (here past
+    reassembly_wait_seconds: ``busy``, retryable) and succeeds once the slot is free."""
+    agg = aggregator(run_config(), max_concurrent_reassemblies=1, reassembly_wait_seconds=0.5)
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    held = HeldPush(a, 1_000)
+    wait_until(lambda: agg.service.pushes.in_flight("a") == (1, 1_000), timeout=10, what="the held push")
+    wait_until(lambda: agg.service.pushes.slots.locked(), timeout=10, what="its slot")
+    with pytest.raises(grpc.RpcError) as err:
+        b.push(1, upd(3.0))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("busy: 1 updates are being received (server.max_concurrent_reassemblies)")
+    held.release()
+    assert b.push(1, upd(3.0)).accepted  # the slot came back with the held push's end
+    assert a.push(1, upd(1.0)).accepted
+    assert rejected(agg, "busy") == 1 and not agg.service.pushes.slots.locked()
+
+
+def test_a_push_that_waits_for_a_slot_goes_through_when_it_frees(aggregator: Start, raw_client: Clients) -> None:
+    """Within reassembly_wait_seconds the waiting push is not refused: it is received once the slot frees."""
+    agg = aggregator(run_config(), max_concurrent_reassemblies=1, reassembly_wait_seconds=30)
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    held = HeldPush(a, 1_000)
+    wait_until(lambda: agg.service.pushes.slots.locked(), timeout=10, what="the held push's slot")
+    result: list[Any] = []
+    waiting = threading.Thread(target=lambda: result.append(b.push(1, upd(3.0))))
+    waiting.start()
+    wait_until(lambda: agg.service.pushes.in_flight("b")[0] == 1, timeout=10, what="b's push to be admitted")
+    assert not result  # it waits for the slot
+    held.release()
+    waiting.join(30)
+    assert result and result[0].accepted
+
+
+def test_a_stalled_push_stream_is_refused_and_frees_its_slot(aggregator: Start, raw_client: Clients) -> None:
+    """A stream that sends no chunk for push_idle_seconds is refused (``stalled``, DEADLINE_EXCEEDED)."""
+    agg = aggregator(run_config(), max_concurrent_reassemblies=1, push_idle_seconds=0.5)
+    a = raw_client(agg.port, "a")
+    a.join(DECL)
+    held = HeldPush(a, 1_000)
+    wait_until(lambda: held.error is not None, timeout=10, what="the stalled push's refusal")
+    assert held.error is not None and held.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert held.error.details().startswith("stalled: no chunk for 0.5 s (server.push_idle_seconds)")
+    assert agg.service.pushes.in_flight("a") == (0, 0) and not agg.service.pushes.slots.locked()
+    held.release()
+    assert a.push(1, upd(1.0)).accepted
+    assert rejected(agg, "stalled") == 1
+
+
 # ------------------------------------------------------------------------------------------ 10
 
 GARBAGE = b"\xff\xff\xff\xff not a protobuf"

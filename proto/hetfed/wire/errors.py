@@ -43,6 +43,10 @@ REASONS: dict[str, Reason] = {
     # Resource limits that clear by themselves: another push of the same organization is still in flight.
     "too_many_streams": Reason("RESOURCE_EXHAUSTED", True),
     "buffer_full": Reason("RESOURCE_EXHAUSTED", True),
+    # Every reassembly slot of the aggregator stayed taken while this push waited (admission control).
+    "busy": Reason("RESOURCE_EXHAUSTED", True),
+    # A push stream that sent no chunk for server.push_idle_seconds: refused, so it frees its slot.
+    "stalled": Reason("DEADLINE_EXCEEDED", True),
     # The aggregator could not make the update (or the round's close) durable: nothing was acknowledged or
     # lost, and the same request may succeed once the state directory can be written again.
     "storage_unavailable": Reason("UNAVAILABLE", True),

@@ -10,6 +10,7 @@ caller decides whether to retry by reason, never by matching text.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections import OrderedDict
@@ -83,8 +84,13 @@ class Pulled:
 class PushLease(Protocol):
     """An admitted push: released once the push has been answered (its stream and buffered bytes freed)."""
 
+    async def reassembly_slot(self) -> None:
+        """Wait for one of the aggregator's bounded reassembly slots before the chunks are read (the stream
+        waits under HTTP/2 flow control meanwhile); raises WireError when none frees up in time."""
+        ...
+
     def release(self) -> None:
-        """Free the push's share of its organization's limits."""
+        """Free the push's share of its organization's limits (and its reassembly slot)."""
         ...
 
 
@@ -97,6 +103,8 @@ class AggregatorHandler(Protocol):
 
     max_update_bytes: int
     chunk_bytes: int
+    # Seconds a push stream may go without a chunk before it is refused (``stalled``).
+    push_idle_seconds: float
 
     def identify(self, caller: Caller, claimed: str) -> str:
         """The caller's organization (its certificate's name under mTLS); raises WireError."""
@@ -289,6 +297,7 @@ class AggregatorServicer:
             org = self.handler.identify(_caller(context), first.organization_id)
             # Refuse a stale, foreign or over-limit push before reading it.
             lease = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
+            await lease.reassembly_slot()
             assembler = chunks.Reassembler(self.handler.max_update_bytes)
             address = (first.run_id, first.round, first.organization_id)
             wire_bytes, n, done = 0, 0, False
@@ -302,7 +311,7 @@ class AggregatorServicer:
                 wire_bytes += size
                 n += 1
                 done = assembler.add(req.chunk)
-                raw = await anext(stream, None)
+                raw = await self._next_chunk(stream)
                 req, size = (None, 0) if raw is None else (parse(apb.PushUpdateRequest, raw), len(raw))
             data = assembler.data()
             reply = await self.handler.push(org, run_id, first.round, data, assembler.sha256, wire_bytes, n)
@@ -317,6 +326,15 @@ class AggregatorServicer:
             if lease is not None:
                 lease.release()
         return await self._fail(context, run_id, failure)
+
+    async def _next_chunk(self, stream: AsyncIterator[bytes]) -> bytes | None:
+        """The stream's next message (None at its end); a stream silent for ``push_idle_seconds`` is refused,
+        so a stalled sender cannot hold a reassembly slot."""
+        try:
+            return await asyncio.wait_for(anext(stream, None), self.handler.push_idle_seconds)
+        except TimeoutError:
+            raise WireError("stalled", f"no chunk for {self.handler.push_idle_seconds:g} s "
+                                       "(server.push_idle_seconds); push the update again") from None
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """Status: the runs the caller may see."""

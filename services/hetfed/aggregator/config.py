@@ -132,6 +132,12 @@ class ServerConfig:
     worker_threads: int = 4
     # Pushes one organization may have in flight, and the bytes their first chunks announce, together.
     max_pushes_per_organization: int = 2
+    # Updates reassembled at once across all organizations (admission control: the aggregator's memory does
+    # not grow with the federation); a push waits for a slot at most reassembly_wait_seconds, and a stream may
+    # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
+    max_concurrent_reassemblies: int = 8
+    reassembly_wait_seconds: float = 30.0
+    push_idle_seconds: float = 30.0
     max_buffered_bytes_per_organization: int = 4 << 30
     # Bound on the training examples an organization declares at Join (its declaration bounds its updates'
     # counts; without one, this bounds them).
@@ -153,6 +159,10 @@ class ServerConfig:
         check(self.max_requests_per_second >= 0, "max_requests_per_second must be >= 0")
         check(1 <= self.worker_threads <= 256, "worker_threads must be in [1, 256]")
         check(self.max_pushes_per_organization >= 1, "max_pushes_per_organization must be >= 1")
+        check(1 <= self.max_concurrent_reassemblies <= 4096, "max_concurrent_reassemblies must be in [1, 4096]")
+        for name in ("reassembly_wait_seconds", "push_idle_seconds"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, f"{name} must be a positive number")
         check(self.max_buffered_bytes_per_organization > 0, "max_buffered_bytes_per_organization must be > 0")
         check(self.max_examples_per_organization >= 1, "max_examples_per_organization must be >= 1")
         check(self.max_metrics_per_report >= 0, "max_metrics_per_report must be >= 0")

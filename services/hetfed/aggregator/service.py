@@ -71,11 +71,25 @@ class PushLease:
         self.organization = organization
         self.reserved = reserved
         self._released = False
+        self._slot = False
+
+    async def reassembly_slot(self) -> None:
+        """Wait (up to ``wait_seconds``) for one of the bounded reassembly slots; WireError ``busy`` if none."""
+        budget = self._budget
+        try:
+            await asyncio.wait_for(budget.slots.acquire(), budget.wait_seconds)
+        except TimeoutError:
+            raise WireError("busy", f"{budget.max_reassemblies} updates are being received "
+                                    f"(server.max_concurrent_reassemblies) and none finished in "
+                                    f"{budget.wait_seconds:g} s (server.reassembly_wait_seconds); retry later") from None
+        self._slot = True
 
     def release(self) -> None:
-        """Give the stream and its reserved bytes back (idempotent)."""
+        """Give the stream, its reserved bytes and its reassembly slot back (idempotent; on the event loop)."""
         if not self._released:
             self._released = True
+            if self._slot:
+                self._budget.slots.release()
             self._budget._release(self)
 
 
@@ -83,9 +97,14 @@ class PushBudget:
     """Per-organization limits on pushes in flight: concurrent streams, and the bytes their first chunks announce
     (reserved until the push is answered, so the buffered chunks of one organization stay bounded)."""
 
-    def __init__(self, max_streams: int, max_bytes: int) -> None:
+    def __init__(self, max_streams: int, max_bytes: int, max_reassemblies: int = 8, wait_seconds: float = 30.0) -> None:
         self.max_streams = max_streams
         self.max_bytes = max_bytes
+        # Admission control across organizations: at most this many updates are reassembled (and held in
+        # memory) at once; the other streams wait for a slot under HTTP/2 flow control, up to wait_seconds.
+        self.max_reassemblies = max_reassemblies
+        self.wait_seconds = wait_seconds
+        self.slots = asyncio.Semaphore(max_reassemblies)
         self._lock = threading.Lock()
         self._streams: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -148,7 +167,9 @@ class AggregatorService:
                 run.close()
             raise
         self._limiter = _RateLimiter(s.max_requests_per_second)
-        self.pushes = PushBudget(s.max_pushes_per_organization, s.max_buffered_bytes_per_organization)
+        self.push_idle_seconds = s.push_idle_seconds
+        self.pushes = PushBudget(s.max_pushes_per_organization, s.max_buffered_bytes_per_organization,
+                                 s.max_concurrent_reassemblies, s.reassembly_wait_seconds)
         self._executor = ThreadPoolExecutor(max_workers=s.worker_threads, thread_name_prefix="hetfed-work")
         self._stopping = False
 
