@@ -88,3 +88,15 @@ def test_readme_example_values_render_and_validate(helm: Helm) -> None:
     cfg = next(c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"] == "fl-hetfed-hospital-a")
     assert 'aggregator = "fl-hetfed-aggregator.federation.svc:50051"' in cfg["data"]["mnist-fedavg.toml"]
     assert "--aggregator-name fl-hetfed-aggregator.federation.svc" in readme
+
+
+def test_the_chart_accepts_every_server_field_it_does_not_set_itself() -> None:
+    """`aggregator.server` in the schema lists exactly the `[server]` fields the chart leaves to the user."""
+    import dataclasses
+
+    from hetfed.aggregator.config import ServerConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    offered = set(schema["properties"]["aggregator"]["properties"]["server"]["properties"])
+    set_by_chart = {"listen", "metrics_port", "metrics_host", "health_listen", "state_dir", "tls"}
+    assert offered == {f.name for f in dataclasses.fields(ServerConfig)} - set_by_chart
