@@ -178,3 +178,39 @@ def test_8_a_huge_wait_is_bounded_by_the_server(aggregator: Start, raw_client: C
     chunks = list(a.stub.PullInstructions(req, metadata=a.metadata, timeout=10))
     assert time.monotonic() - t0 < 3.0
     assert apb.Instructions.FromString(chunks[0].chunk.data).action == apb.ACTION_WAIT
+
+
+def test_woken_long_polls_are_released_a_batch_per_loop_iteration() -> None:
+    """``Changes.notify`` wakes WAKE_BATCH waiters per event-loop iteration, so callbacks queued meanwhile (a
+    health check, a push's next chunk) run between batches instead of after all of them; every waiter wakes."""
+    from hetfed.aggregator.engine import WAKE_BATCH, Changes, _wake_batches
+
+    async def batches() -> list[int]:
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in range(2 * WAKE_BATCH + 5)]
+        _wake_batches(futs)
+        done = [sum(f.done() for f in futs)]
+        while done[-1] < len(futs):
+            await asyncio.sleep(0)  # one iteration
+            done.append(sum(f.done() for f in futs))
+        return done
+
+    assert asyncio.run(batches()) == [WAKE_BATCH, 2 * WAKE_BATCH, 2 * WAKE_BATCH + 5]
+
+    async def everyone() -> int:
+        changes = Changes()
+        n = 3 * WAKE_BATCH + 5
+        woken: list[int] = []
+
+        async def waiter(i: int) -> None:
+            await changes.wait(0, timeout=30)
+            woken.append(i)
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(n)]
+        while changes.waiting < n:
+            await asyncio.sleep(0)
+        changes.notify()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        return len(woken)
+
+    assert asyncio.run(everyone()) == 3 * WAKE_BATCH + 5

@@ -85,13 +85,20 @@ class Changes:
         return len(self._waiters)
 
     def notify(self) -> None:
-        """Wake every waiter (callable from any thread)."""
+        """Wake every waiter (callable from any thread).
+
+        Waiters are woken ``WAKE_BATCH`` per event-loop iteration, not all at once: a thousand long-polls woken
+        in one iteration would run their next steps back to back while health checks, pushes and Status
+        calls that arrived meanwhile wait behind all of them."""
         with self._lock:
             self.version += 1
             waiters, self._waiters = self._waiters, set()
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
         for loop, fut in waiters:
-            with contextlib.suppress(RuntimeError):  # a closed loop: its waiter is gone
-                loop.call_soon_threadsafe(_wake, fut)
+            by_loop.setdefault(loop, []).append(fut)
+        for loop, futs in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: its waiters are gone
+                loop.call_soon_threadsafe(_wake_batches, futs)
 
     async def wait(self, seen: int, timeout: float) -> None:
         """Return once the version is no longer ``seen``, or after ``timeout`` seconds; cancellable."""
@@ -110,9 +117,21 @@ class Changes:
                 self._waiters.discard(entry)
 
 
+# Long-polls woken per event-loop iteration when a run changes (see ``Changes.notify``).
+WAKE_BATCH = 32
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _wake_batches(futs: list[asyncio.Future[None]]) -> None:
+    """Wake the first ``WAKE_BATCH`` of ``futs`` now and the rest in later iterations (on the loop)."""
+    for fut in futs[:WAKE_BATCH]:
+        _wake(fut)
+    if len(futs) > WAKE_BATCH:
+        asyncio.get_running_loop().call_soon(_wake_batches, futs[WAKE_BATCH:])
 
 
 def _bad_name(name: str, limit: int) -> str:
