@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,18 @@ def test_2_a_restart_closes_a_round_whose_every_update_is_logged(aggregator: Sta
     disk = FaultyDisk()
     agg = aggregator(run_config(), disk=disk)
     a, b = joined(agg.port, raw_client)
-    disk.add(DiskFault("pwrite", "checkpoint.npz", times=-1))  # every close fails: the round stays open
+    disk.add(DiskFault("pwrite", "checkpoint.npz", times=-1))  # every close's checkpoint fails
     assert a.push(1, upd(1.0)).accepted
     assert b.push(1, upd(3.0)).accepted
     run = agg.service.runs["r"]
-    assert run.round == 1 and sorted(run.pushed) == ["a", "b"]
+    # The close's history line is durable, its checkpoint (the commit point) is not: the next round's pushes
+    # are refused with a retryable status until it is.
+    wait_until(lambda: run._commit_error, timeout=10, what="the close's checkpoint to fail")
+    assert run.has_pending_commit()
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(2, upd(1.0))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "round 1's checkpoint is not on disk yet" in err.value.details()
     agg.stop()
     # The restore closes the round (it crashed with "cannot notify on un-acquired lock").
     agg = aggregator(run_config())
@@ -150,10 +158,13 @@ def test_4_a_close_that_cannot_be_written_is_retried_without_duplicating_history
     assert b.push(2, upd(3.0)).accepted  # acknowledged although its close cannot be written
     run = agg.service.runs["r"]
     wait_until(lambda: disk.failed >= 4, timeout=10, what="the deadline ticker to retry the close")
-    assert run.round == 2 and len(run.history) == 1 and sorted(run.pushed) == ["a", "b"]
+    if file == "history.jsonl":  # the close itself failed: the round stays open
+        assert run.round == 2 and len(run.history) == 1 and sorted(run.pushed) == ["a", "b"]
+    else:  # the history line is durable and the run went on in memory; its checkpoint waits for space
+        assert run.round == 3 and len(run.history) == 2 and run.has_pending_commit()
     assert storage_errors(agg) >= 4
     disk.faults.remove(fault)  # space returns
-    wait_until(lambda: run.round == 3, timeout=10, what="the retried close")
+    wait_until(lambda: run.round == 3 and not run.has_pending_commit(), timeout=10, what="the retried close")
     assert [h["round"] for h in history_lines(tmp_path)] == [1, 2] and len(run.history) == 2
     ins = a.pull(completed=2)
     np.testing.assert_array_equal(weights(ins), W * 2.0)  # the half rebuilt from disk: nothing applied twice
@@ -248,3 +259,49 @@ def test_6_the_command_refuses_damaged_state_in_one_line(tmp_path: Path) -> None
     refusal = proc.stderr.strip().splitlines()[-1]
     assert refusal.startswith("hetfed aggregator: run 'r': ") and "checkpoint.npz is missing" in refusal
     assert "Traceback" not in proc.stderr
+
+
+class _SlowCheckpoint(FaultyDisk):
+    """The checkpoint's fsync waits for ``gate`` once ``armed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.entered, self.armed = threading.Event(), threading.Event(), False
+
+    def fsync(self, fd: int) -> None:
+        if self.armed and "checkpoint" in self._names.get(fd, ""):
+            self.armed = False
+            self.entered.set()
+            assert self.gate.wait(timeout=30)
+        super().fsync(fd)
+
+
+def test_the_next_round_is_served_while_the_closed_rounds_checkpoint_is_written(
+        aggregator: Start, raw_client: Clients, tmp_path: Path) -> None:
+    """The close acknowledges and wakes its clients before its checkpoint is on disk; the next round's pushes
+    wait for that checkpoint (so the log never mixes rounds) and then go through."""
+    disk = _SlowCheckpoint()
+    agg = aggregator(run_config(rounds=3), disk=disk)
+    a, b = joined(agg.port, raw_client)
+    disk.armed = True
+    assert a.push(1, upd(1.0)).accepted
+    assert b.push(1, upd(3.0)).accepted  # closes round 1: acknowledged while its checkpoint is held
+    assert disk.entered.wait(timeout=10)
+    run = agg.service.runs["r"]
+    assert run.has_pending_commit()
+    ins = a.pull(completed=1)  # the next round's instructions do not wait for the checkpoint
+    assert ins.envelope.round == 2
+    np.testing.assert_array_equal(weights(ins), W * 2.0)
+    assert [h["round"] for h in history_lines(tmp_path)] == [1]  # the line is durable, not yet counted
+    pushed: list[Any] = []
+    waiting = threading.Thread(target=lambda: pushed.append(a.push(2, upd(5.0))))
+    waiting.start()
+    wait_until(lambda: len(run._committed._waiters) == 1, timeout=10,  # type: ignore[attr-defined]
+               what="round 2's push to wait for round 1's checkpoint")
+    assert not pushed
+    disk.gate.set()
+    waiting.join(timeout=30)
+    assert pushed and pushed[0].accepted and not run.has_pending_commit()
+    agg.stop()
+    agg = aggregator(run_config(rounds=3))  # the restart sees round 2 with a's logged update
+    assert agg.service.runs["r"].round == 2 and sorted(agg.service.runs["r"].pushed) == ["a"]

@@ -218,6 +218,12 @@ class Run:
         self.metrics = metrics
         self.limits = limits
         self._lock = threading.RLock()
+        # A closed round's checkpoint is written after its clients are woken (outside the lock); until it is
+        # on disk, pushes and joins of the next round wait on _committed.
+        self._committed = threading.Condition(self._lock)
+        self._commit_lock = threading.Lock()  # one checkpoint writer at a time
+        self._pending: tuple[dict[str, Any], dict[str, Any], int] | None = None  # (meta, arrays, drop before)
+        self._commit_error = ""
         self._traffic_lock = threading.Lock()  # never held across I/O: the event loop counts traffic
         self.changes = Changes()
         self.phase = self.spec.first_phase
@@ -247,6 +253,7 @@ class Run:
         self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
         with self._lock:
             self._restore()
+        self.commit_pending()
         self._publish_round_gauges()
 
     def _new_half(self) -> ServerHalf:  # type: ignore[type-arg]
@@ -350,7 +357,8 @@ class Run:
                  len(self.pushed))
 
     def close(self) -> None:
-        """Close the run's files."""
+        """Write the last close's checkpoint if it is still pending, then close the run's files."""
+        self.commit_pending()
         with self._lock:
             self.store.close()
 
@@ -394,6 +402,7 @@ class Run:
         declares = bool(request.declared) and bool(self.spec.shared_schema)
         declared_schema = contract.schema_from_declared(request.declared, self.spec) if declares else {}
         with self._lock:
+            self._await_commit_locked()  # a join's checkpoint must not overtake the last close's
             schema = self.schema
             if declares:
                 if schema:
@@ -513,12 +522,21 @@ class Run:
                         raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")
 
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
-             up: TrafficBreakdown) -> PushReply:
+             up: TrafficBreakdown, defer_commit: bool = False) -> PushReply:
         """Check, log durably and fold in an update; idempotent by (run, round, organization).
 
-        ``digest`` is the SHA-256 of ``update.data``.
+        ``digest`` is the SHA-256 of ``update.data``. When the update completes the round, the round's
+        checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
+        ``commit_pending`` (so the acknowledgement need not wait for it).
         """
         self.check_member(organization)
+        reply = self._push(organization, round_, update, digest, up)
+        if not defer_commit:
+            self.commit_pending()
+        return reply
+
+    def _push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
+              up: TrafficBreakdown) -> PushReply:
         with self._lock:
             self._check_round(round_)
             if organization in self.pushed:
@@ -534,6 +552,8 @@ class Run:
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
             self._check_not_committing(organization)
+            self._await_commit_locked()  # the last close's checkpoint first: the log then holds this round only
+            self._check_round(round_)
             if self.half is not half or self._stale:  # a failed close changed the half while this was decoded
                 self._fresh_locked()
                 self.half.validate(phase, organization, received)
@@ -621,9 +641,11 @@ class Run:
 
     # ----------------------------------------------------------------- closing rounds
     def tick(self) -> None:
-        """Close the open round if its deadline has passed with a quorum (retrying a close that failed)."""
+        """Close the open round if its deadline has passed with a quorum (retrying a close, or the checkpoint of
+        one, that failed)."""
         with self._lock:
             self._try_close_locked()
+        self.commit_pending()
 
     def _try_close_locked(self) -> None:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
@@ -670,9 +692,15 @@ class Run:
         with self._traffic_lock:  # the event loop may be counting traffic into this record
             record = rec.to_json()
         try:
-            self.store.close_round(record, self._meta(phase=phase, round_=round_), self.half.state())
+            self.store.append_history(record)
         except StorageError as exc:
             self._storage_failed(exc)
+        # The history line is durable; the checkpoint that counts it (the commit point) is written by
+        # _commit_pending once the lock is released, while clients already fetch the next round. Should the
+        # process die first, the restart cuts the uncounted line and closes this round again from the log,
+        # whose records stay until the checkpoint is on disk: the same aggregate, since it is deterministic.
+        drop = round_ + 1 if phase is Phase.FINISHED else round_
+        self._pending = (self._meta(phase=phase, round_=round_), self.half.state(), drop)
         self._stale = False
         self.history.append(rec)
         self.metrics.round_duration.labels(self.cfg.id, self.cfg.algorithm).observe(rec.duration)
@@ -693,10 +721,51 @@ class Run:
             self.phase, self.round = phase, round_
             self.pushed = {}
             self.current = RoundRecord(self.round, self.phase, time.monotonic())
-        # A finished run keeps no logged update: a restart must not replay the evaluation round.
-        self.store.drop_rounds_before(self.round + 1 if self.phase is Phase.FINISHED else self.round)
         self._publish_round_gauges()
         self.changes.notify()
+
+    def commit_pending(self) -> None:
+        """Write the checkpoint of the last close, if one is pending (call without holding the run's lock), then
+        drop the closed round's logged updates. A failure is logged once and retried by the deadline ticker;
+        meanwhile the next round's pushes are answered ``storage_unavailable``."""
+        with self._commit_lock:
+            with self._lock:
+                pending = self._pending
+            if pending is None:
+                return
+            meta, arrays, drop = pending
+            try:
+                self.store.commit_close(meta, arrays)
+            except StorageError as exc:
+                self.metrics.storage_errors.labels(self.cfg.id).inc()
+                with self._lock:
+                    if str(exc) != self._commit_error:
+                        log.error("run %s: the checkpoint of round %d's close could not be written (%s); retried "
+                                  "by the deadline ticker", self.cfg.id, self.round - 1, exc)
+                    self._commit_error = str(exc)
+                    self._committed.notify_all()
+                return
+            with self._lock:
+                self._pending = None
+                self._commit_error = ""
+                # A finished run keeps no logged update: a restart must not replay the evaluation round.
+                self.store.drop_rounds_before(drop)
+                self._committed.notify_all()
+
+    def has_pending_commit(self) -> bool:
+        """Whether a closed round's checkpoint waits to be written."""
+        return self._pending is not None
+
+    def _await_commit_locked(self, timeout: float = 30.0) -> None:
+        """Wait (releasing the lock) until the last close's checkpoint is on disk; ``storage_unavailable`` when
+        its write failed or does not finish in ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._pending is not None:
+            left = deadline - time.monotonic()
+            if self._commit_error or left <= 0:
+                raise WireError("storage_unavailable", f"round {self.round - 1}'s checkpoint is not on disk yet "
+                                                       f"({self._commit_error or 'still being written'}); try again")
+            self._committed.wait(left)
 
     def _publish_round_gauges(self) -> None:
         self.metrics.current_round.labels(self.cfg.id, self.cfg.algorithm).set(self.round)

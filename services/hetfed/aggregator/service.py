@@ -13,6 +13,7 @@ not depend on its clients, and pushes and health checks never queue behind long-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -241,9 +242,18 @@ class AggregatorService:
         def work() -> PushReply:
             update = ParsedUpdate(data)
             up = with_envelope(update.payload_traffic, wire_bytes, messages=chunks)
-            return run.push(organization, round_, update, digest, up)
+            return run.push(organization, round_, update, digest, up, defer_commit=True)
 
-        return await self.blocking(work)
+        reply = await self.blocking(work)
+        # A push that closed the round is acknowledged at once; the round's checkpoint is written in the pool
+        # meanwhile (the next round's pushes wait for it, its instructions do not).
+        self._commit_soon(run)
+        return reply
+
+    def _commit_soon(self, run: Run) -> None:
+        if run.has_pending_commit():
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: Run.close commits it
+                self._executor.submit(run.commit_pending)
 
     def count(self, run_id: str, organization: str, round_: int, direction: str, traffic: TrafficBreakdown) -> None:
         """Record the traffic of one RPC."""

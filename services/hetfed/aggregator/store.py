@@ -7,7 +7,9 @@ A run's directory holds three files:
 - ``history.jsonl``: one JSON line per closed round, with the CRC-32 of its content. A closing round's line is written and fsync'd at the end
   of the committed lines *before* the checkpoint that counts it (``history_len``); a line beyond that count
   (a close whose checkpoint never landed) is cut off at start-up and overwritten by the retried close. The
-  checkpoint also keeps a copy of the last committed line, so a torn last line is repaired from it.
+  checkpoint also keeps a copy of the last committed line, so a torn last line is repaired from it. The
+  engine writes the line (``append_history``) before it wakes the round's clients and the checkpoint that
+  counts it (``commit_close``) after, while the closed round's log records are kept until it is on disk.
 - ``updates.wal``: the open round's accepted updates. A file header holds a random key; each record is a
   header (magic, round, lengths, SHA-256 of the update, a MAC keyed by the file's key over the header and
   the organization) followed by the organization and the update. An update is appended at the end of the
@@ -315,6 +317,7 @@ class RunStore:
         self._hist_count = 0
         self._hist_dirty = False  # bytes past _hist_size may remain (an uncommitted or failed append)
         self._last_record: dict[str, Any] | None = None
+        self._pending_line: tuple[dict[str, Any], int] | None = None  # (record, bytes) written, not yet counted
         self._lock_fd = -1
 
     def _lock(self) -> None:
@@ -692,7 +695,14 @@ class RunStore:
         On ``StorageError`` nothing is committed: the old checkpoint stands, and a line written past the
         committed history is overwritten by the retried close (or cut off at start-up).
         """
+        self.append_history(record)
+        self.commit_close(meta, arrays)
+
+    def append_history(self, record: dict[str, Any]) -> None:
+        """Write and fsync a closing round's history line past the committed lines (not yet counted: the
+        checkpoint of ``commit_close`` counts it). A line written before and never counted is replaced."""
         line = _history_line(record)
+        self._pending_line = None
         try:
             if self._hist_dirty:
                 self.disk.truncate(self._hist_fd, self._hist_size)
@@ -704,11 +714,20 @@ class RunStore:
         except OSError as exc:
             raise StorageError(f"could not append round {record.get('round')}'s record to {self.history_path} "
                                f"({exc.strerror or exc})") from None
+        self._pending_line = (record, len(line))
+
+    def commit_close(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Write the checkpoint that counts the line of ``append_history``: the close's commit point. On
+        ``StorageError`` the old checkpoint stands and the call may be repeated with the same arguments."""
+        if self._pending_line is None:
+            raise StorageError("no closing round's history line to commit")
+        record, size = self._pending_line
         self._write_checkpoint({**meta, "history_len": self._hist_count + 1, "last_record": record}, arrays)
-        self._hist_size += len(line)
+        self._hist_size += size
         self._hist_count += 1
         self._hist_dirty = False
         self._last_record = record
+        self._pending_line = None
 
     def _write_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         buf = io.BytesIO()
