@@ -128,3 +128,32 @@ def test_two_runs_share_one_aggregator(aggregator: Callable[..., Any], raw_clien
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     a2.push(1, [EvalMetrics(test_accuracy=0.5)])
     assert agg.service.runs["one"].round == 1 and agg.service.runs["two"].pushed
+
+
+def test_per_organization_instructions_are_bounded_and_rebuilt_identically(
+        aggregator: Callable[..., Any]) -> None:
+    """A per-organization algorithm's instruction messages are kept for at most PER_ORGANIZATION_INSTRUCTIONS
+    organizations at once; an evicted one is rebuilt, byte for byte, when its organization pulls again."""
+    from hetfed.aggregator import engine
+
+    orgs = [f"o{i}" for i in range(engine.PER_ORGANIZATION_INSTRUCTIONS + 4)]
+    agg = aggregator(run_config(organizations=orgs))
+    run = agg.service.runs["r"]
+    built: list[str] = []
+
+    class PerOrganization:  # the parts of a server half the instructions use
+        broadcast = False
+
+        def payloads_for(self, phase: Any, round_: int, organization: str) -> list[Any]:
+            built.append(organization)
+            return [ModelWeights({"w": np.full(3, float(len(organization) + orgs.index(organization)), np.float32)},
+                                 1)]
+
+    with run._lock:
+        run.half = PerOrganization()  # type: ignore[assignment]
+        first = {o: run._instructions_locked(o) for o in orgs}
+        assert len(run._cache) == engine.PER_ORGANIZATION_INSTRUCTIONS and built == orgs
+        again = run._instructions_locked(orgs[0])  # evicted: rebuilt, the same bytes
+        assert again is not first[orgs[0]] and again.data == first[orgs[0]].data
+        assert run._instructions_locked(orgs[-1]) is first[orgs[-1]]  # still kept: not rebuilt
+        assert built == [*orgs, orgs[0]]

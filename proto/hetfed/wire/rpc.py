@@ -180,9 +180,12 @@ def _caller(context: grpc.aio.ServicerContext) -> Caller:  # type: ignore[type-a
 
 
 class _ChunkCache:
-    """Serialized chunk responses of instructions, by message: a broadcast round's are built once for all."""
+    """Serialized chunk responses of instructions, by message: a broadcast round's are built once for all.
 
-    def __init__(self, size: int = 64) -> None:
+    Each entry holds a message and its chunks (twice its size), so the cache is small: the open rounds'
+    broadcasts, and per-organization messages while their organizations fetch them."""
+
+    def __init__(self, size: int = 16) -> None:
         self._lock = threading.Lock()
         self._items: OrderedDict[int, tuple[Encoded, list[bytes], int]] = OrderedDict()
         self._size = size

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import unicodedata
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -119,6 +120,8 @@ class Changes:
 
 # Long-polls woken per event-loop iteration when a run changes (see ``Changes.notify``).
 WAKE_BATCH = 32
+# Per-organization instruction messages a run keeps built (memory does not grow with the federation).
+PER_ORGANIZATION_INSTRUCTIONS = 8
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -242,8 +245,10 @@ class Run:
         # The server half's memory is ahead of the durable state (a close failed after changing it).
         self._stale = False
         self._close_error = ""
-        # (round, organization or "*") -> the encoded instructions of the open round
-        self._cache: dict[tuple[int, str], Encoded] = {}
+        # (round, organization or "*") -> the encoded instructions of the open round: the broadcast message, or
+        # at most PER_ORGANIZATION_INSTRUCTIONS per-organization ones (least recently used first out; one evicted
+        # is rebuilt, identically, should its organization pull again)
+        self._cache: OrderedDict[tuple[int, str], Encoded] = OrderedDict()
         self._wait: tuple[int, Encoded] | None = None
         self._finish: Encoded | None = None
         # The figure names each organization reported last, and the means published last: a name nobody
@@ -447,15 +452,21 @@ class Run:
     def _instructions_locked(self, organization: str) -> Encoded:
         """This organization's instructions for the open round, built once (once for all when broadcast)."""
         key = (self.round, "*" if self.half.broadcast else organization)
-        if key not in self._cache:
-            self._cache = {k: v for k, v in self._cache.items() if k[0] == self.round}
-            payloads = self.half.payloads_for(self.phase, self.round, organization)
-            self._cache[key] = messages.encode_instructions(Instructions(
-                run_id=self.cfg.id, round=self.round, action=Action.of(self.phase), total_rounds=self.cfg.rounds,
-                round_seed=self.round_seed(self.round), organization="" if self.half.broadcast else organization,
-                payloads=payloads,
-            ), self.wire_dtype)
-        return self._cache[key]
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        for old in [k for k in self._cache if k[0] != self.round]:
+            del self._cache[old]
+        payloads = self.half.payloads_for(self.phase, self.round, organization)
+        encoded = self._cache[key] = messages.encode_instructions(Instructions(
+            run_id=self.cfg.id, round=self.round, action=Action.of(self.phase), total_rounds=self.cfg.rounds,
+            round_seed=self.round_seed(self.round), organization="" if self.half.broadcast else organization,
+            payloads=payloads,
+        ), self.wire_dtype)
+        while len(self._cache) > PER_ORGANIZATION_INSTRUCTIONS:  # per-organization messages only ever exceed it
+            self._cache.popitem(last=False)
+        return encoded
 
     def poll(self, organization: str, request: PullRequest) -> Pulled | None:
         """The organization's next instructions if there are any now, else None (it waits on ``changes``).
