@@ -559,12 +559,11 @@ class Run:
         self._check_limits(organization, received)
         half.validate(phase, organization, received)
         with self._lock:
+            self._await_commit_locked()  # the last close's checkpoint first: the log then holds this round only
             self._check_round(round_)
             if organization in self.pushed:
                 return self._duplicate_locked(organization, digest)
             self._check_not_committing(organization)
-            self._await_commit_locked()  # the last close's checkpoint first: the log then holds this round only
-            self._check_round(round_)
             if self.half is not half or self._stale:  # a failed close changed the half while this was decoded
                 self._fresh_locked()
                 self.half.validate(phase, organization, received)
@@ -707,7 +706,7 @@ class Run:
         except StorageError as exc:
             self._storage_failed(exc)
         # The history line is durable; the checkpoint that counts it (the commit point) is written by
-        # _commit_pending once the lock is released, while clients already fetch the next round. Should the
+        # commit_pending once the lock is released, while clients already fetch the next round. Should the
         # process die first, the restart cuts the uncounted line and closes this round again from the log,
         # whose records stay until the checkpoint is on disk: the same aggregate, since it is deterministic.
         drop = round_ + 1 if phase is Phase.FINISHED else round_
