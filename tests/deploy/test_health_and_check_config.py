@@ -216,3 +216,31 @@ def test_a_killed_aggregator_leaves_no_health_listener(tmp_path: Path) -> None:
     wait_until(lambda: not Path(f"/proc/{listener[0]}").exists() or
                Path(f"/proc/{listener[0]}/stat").read_text().split()[2] == "Z", timeout=10,
                what="the orphaned listener to exit")
+
+
+def test_the_shared_health_page_falls_back_to_the_temp_directory(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """Where /dev/shm cannot be written, the page goes to the temp directory (the chart mounts one at /tmp)."""
+    import tempfile
+
+    from hetfed.aggregator import health_listener
+
+    real = tempfile.mkstemp
+
+    def no_shm(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("dir") == "/dev/shm":
+            raise PermissionError(13, "Permission denied", "/dev/shm")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(health_listener.tempfile, "mkstemp", no_shm)
+    page = health_listener.SharedHealth.create()
+    try:
+        assert page.path.parent == tmp_path
+        page.set_state(health_listener.SERVING)
+        page.beat()
+        beat, state = health_listener.SharedHealth(page.path, writable=False).read()
+        assert state == health_listener.SERVING and beat > 0
+    finally:
+        page.close(unlink=True)
+    assert not page.path.exists()

@@ -60,8 +60,10 @@ class SharedHealth:
     @classmethod
     def create(cls) -> SharedHealth:
         """A new page in a temporary file (in memory where /dev/shm exists), stamped now, state STARTING."""
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, name = tempfile.mkstemp(prefix="hetfed-health-", dir=shm)
+        try:  # /dev/shm where it is writable (a read-only root filesystem keeps it), else the temp directory
+            fd, name = tempfile.mkstemp(prefix="hetfed-health-", dir="/dev/shm")
+        except OSError:
+            fd, name = tempfile.mkstemp(prefix="hetfed-health-")
         with os.fdopen(fd, "wb") as f:
             f.write(_LAYOUT.pack(time.monotonic(), STARTING))
         return cls(Path(name), writable=True)
