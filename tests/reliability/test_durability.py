@@ -153,16 +153,18 @@ def test_4_a_close_that_cannot_be_written_is_retried_without_duplicating_history
     a, b = joined(agg.port, raw_client)
     for c in (a, b):
         c.push(1, upd(1.0))
+    run = agg.service.runs["r"]
+    # Round 1's checkpoint is written in the background once its close is acknowledged: let it land first.
+    wait_until(lambda: run.round == 2 and not run.has_pending_commit(), timeout=10, what="round 1's checkpoint")
     fault = disk.add(DiskFault("pwrite", file, times=-1))
     assert a.push(2, upd(1.0)).accepted
     assert b.push(2, upd(3.0)).accepted  # acknowledged although its close cannot be written
-    run = agg.service.runs["r"]
-    wait_until(lambda: disk.failed >= 4, timeout=10, what="the deadline ticker to retry the close")
+    wait_until(lambda: disk.failed >= 4 and storage_errors(agg) >= 4, timeout=10,
+               what="the deadline ticker to retry the close (each failure counted)")
     if file == "history.jsonl":  # the close itself failed: the round stays open
         assert run.round == 2 and len(run.history) == 1 and sorted(run.pushed) == ["a", "b"]
     else:  # the history line is durable and the run went on in memory; its checkpoint waits for space
         assert run.round == 3 and len(run.history) == 2 and run.has_pending_commit()
-    assert storage_errors(agg) >= 4
     disk.faults.remove(fault)  # space returns
     wait_until(lambda: run.round == 3 and not run.has_pending_commit(), timeout=10, what="the retried close")
     assert [h["round"] for h in history_lines(tmp_path)] == [1, 2] and len(run.history) == 2
