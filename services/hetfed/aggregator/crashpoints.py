@@ -34,27 +34,30 @@ CRASH_POINTS: tuple[str, ...] = (
 EXIT_CODE = 86
 
 
-def _armed() -> tuple[str, int] | None:
-    spec = os.environ.get("HETFED_CRASH_AT", "")
+def _spec(variable: str) -> tuple[str, str] | None:
+    """``(point, argument)`` of ``<point>[:<argument>]`` in the environment variable, the point checked."""
+    spec = os.environ.get(variable, "")
     if not spec:
         return None
-    point, _, count = spec.partition(":")
+    point, _, argument = spec.partition(":")
     if point not in CRASH_POINTS:
-        raise ValueError(f"HETFED_CRASH_AT names {point!r}, not one of {', '.join(CRASH_POINTS)}")
-    return point, int(count or 1)
+        raise ValueError(f"{variable} names {point!r}, not one of {', '.join(CRASH_POINTS)}")
+    return point, argument
+
+
+def _armed() -> tuple[str, int] | None:
+    spec = _spec("HETFED_CRASH_AT")
+    return None if spec is None else (spec[0], int(spec[1] or 1))
 
 
 def _delay() -> tuple[str, float] | None:
-    spec = os.environ.get("HETFED_DELAY_AT", "")
-    if not spec:
+    spec = _spec("HETFED_DELAY_AT")
+    if spec is None:
         return None
-    point, _, seconds = spec.partition(":")
-    if point not in CRASH_POINTS:
-        raise ValueError(f"HETFED_DELAY_AT names {point!r}, not one of {', '.join(CRASH_POINTS)}")
-    delay = float(seconds or "nan")
+    delay = float(spec[1] or "nan")
     if not (math.isfinite(delay) and 0 < delay <= 60):
-        raise ValueError(f"HETFED_DELAY_AT: the delay must be in (0, 60] seconds, got {seconds!r}")
-    return point, delay
+        raise ValueError(f"HETFED_DELAY_AT: the delay must be in (0, 60] seconds, got {spec[1]!r}")
+    return spec[0], delay
 
 
 _ARMED = _armed()

@@ -281,10 +281,15 @@ def holder_of(run_dir: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        return _holder(fd)
     finally:
         os.close(fd)
     return None
+
+
+def _holder(fd: int) -> str:
+    """What the holder of a run directory's lock wrote into it ("pid N")."""
+    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
 
 
 class RunStore:
@@ -329,7 +334,7 @@ class RunStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            holder = _holder(fd)
             os.close(fd)
             raise StateError(f"{self.dir} is in use by another aggregator ({holder}); stop it first, or give "
                              "this one another state_dir") from None
@@ -616,8 +621,7 @@ class RunStore:
     def _cut_wal_back(self) -> None:
         """Cut the log back to its last good record (to the last durable point after a failed fsync)."""
         with self._sync:
-            while self._syncing:
-                self._sync.wait()
+            self._sync.wait_for(lambda: not self._syncing)
             keep = self._synced_end if self._sync_failed else self._wal_size
         self.disk.truncate(self._wal_fd, keep)
         self.disk.fsync(self._wal_fd)
@@ -640,8 +644,7 @@ class RunStore:
     def _quiesce(self) -> None:
         """Wait until no fsync of the log is under way (before its descriptor is closed)."""
         with self._sync:
-            while self._syncing:
-                self._sync.wait()
+            self._sync.wait_for(lambda: not self._syncing)
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
         """Every logged update of a round, in organization order (read from disk: for restores)."""
