@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
+from hetfed.aggregator.faults import FaultyDisk
 from hetfed.aggregator.server import RunningAggregator, start_aggregator
 from hetfed.aggregator.store import Disk
 from hetfed.v1 import aggregator_pb2 as apb
@@ -56,6 +60,36 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+class GatedDisk(FaultyDisk):
+    """Counts the fsyncs of files whose name contains ``file``; once ``arm()``ed, the next one waits for
+    ``gate`` (so other work can arrive while it runs, ``entered`` says it has begun) and fails with EIO when
+    armed with ``fail``."""
+
+    def __init__(self, file: str) -> None:
+        super().__init__()
+        self.file = file
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.fsyncs = 0
+        self.armed = False
+        self.fail = False
+
+    def arm(self, fail: bool = False) -> None:
+        self.fsyncs, self.armed, self.fail = 0, True, fail
+
+    def fsync(self, fd: int) -> None:
+        if self.file not in self._names.get(fd, ""):
+            return super().fsync(fd)
+        self.fsyncs += 1
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            assert self.gate.wait(timeout=30)
+            if self.fail:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().fsync(fd)
 
 
 def run_config(**overrides: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import pytest
 
 from hetfed.aggregator.faults import DiskFault, FaultyDisk
 from hetfed.aggregator.store import RunStore, StateError, StorageError, WalTicket, holder_of, scan_wal
+from tests.conftest import GatedDisk
 
 HEADER = 24  # the log's file header
 REC = 70  # a record's header
@@ -365,34 +366,6 @@ def test_a_second_store_on_the_same_run_directory_is_refused_naming_the_holder(t
 # ---------------------------------------------------------------------------------- group commit
 
 
-class GatedDisk(FaultyDisk):
-    """Counts the log's fsyncs; once ``arm()``ed, the next one waits for ``gate`` (so appends can arrive while
-    it runs) and fails with EIO when ``fail`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.wal_fsyncs = 0
-        self.armed = False
-        self.fail = False
-
-    def arm(self, fail: bool = False) -> None:
-        self.wal_fsyncs, self.armed, self.fail = 0, True, fail
-
-    def fsync(self, fd: int) -> None:
-        if not self._names.get(fd, "").endswith("updates.wal"):
-            return super().fsync(fd)
-        self.wal_fsyncs += 1
-        if self.armed:
-            self.armed = False
-            self.entered.set()
-            assert self.gate.wait(timeout=30)
-            if self.fail:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return super().fsync(fd)
-
-
 def _sync_in_thread(s: RunStore, ticket: WalTicket) -> tuple[threading.Thread, list[object]]:
     out: list[object] = []
 
@@ -409,7 +382,7 @@ def _sync_in_thread(s: RunStore, ticket: WalTicket) -> tuple[threading.Thread, l
 
 def test_concurrent_appends_share_one_fsync(tmp_path: Path) -> None:
     """Records written while an fsync runs wait for the next one, and share it: three records, two fsyncs."""
-    disk = GatedDisk()
+    disk = GatedDisk("updates.wal")
     s = new_run(tmp_path, disk)
     disk.arm()
     first = s.append_update(1, "a", b"one")
@@ -421,7 +394,7 @@ def test_concurrent_appends_share_one_fsync(tmp_path: Path) -> None:
     for t in (ta, tb, tc):
         t.join(timeout=30)
     assert out_a == out_b == out_c == [True]
-    assert disk.wal_fsyncs == 2  # a's, then one for b and c together
+    assert disk.fsyncs == 2  # a's, then one for b and c together
     s.close()
     assert opened(tmp_path).updates(1) == [("a", b"one"), ("b", b"two"), ("c", b"three")]
 
@@ -429,7 +402,7 @@ def test_concurrent_appends_share_one_fsync(tmp_path: Path) -> None:
 def test_a_failed_group_fsync_fails_every_record_it_covered_and_the_log_is_cut_back(tmp_path: Path) -> None:
     """Both records written before the failed fsync are refused (none acknowledged); after the repair the log
     is as it was, and a later record is durable."""
-    disk = GatedDisk()
+    disk = GatedDisk("updates.wal")
     s = new_run(tmp_path, disk)
     s.write_update(1, "z", b"acknowledged before")
     before = wal(tmp_path).read_bytes()

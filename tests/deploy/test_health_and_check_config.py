@@ -115,13 +115,6 @@ def _check(port: int, timeout: float = 2.0) -> tuple[int, float]:
         return reply.status, time.perf_counter() - t0
 
 
-def _until(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_health_listener_answers_while_the_serving_loop_is_busy_and_fails_when_it_stalls(
     aggregator: Callable[..., Any],
 ) -> None:
@@ -146,10 +139,10 @@ def test_health_listener_answers_while_the_serving_loop_is_busy_and_fails_when_i
         with pytest.raises(grpc.RpcError) as err:  # the same check on the serving port waits for the loop
             _check(agg.port, timeout=0.5)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        _until(lambda: _check(health_port)[0] == not_serving, timeout=10)
+        wait_until(lambda: _check(health_port)[0] == not_serving, timeout=10, what="NOT_SERVING")
     finally:
         release.set()
-    _until(lambda: _check(health_port)[0] == serving, timeout=10)
+    wait_until(lambda: _check(health_port)[0] == serving, timeout=10, what="SERVING again")
 
 
 def test_health_on_change_carries_every_change() -> None:

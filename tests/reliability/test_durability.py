@@ -25,7 +25,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
 from hetfed.wire.rpc import AggregatorClient, RemoteError
-from tests.conftest import RawClient, run_config, wait_until
+from tests.conftest import GatedDisk, RawClient, run_config, wait_until
 
 W = np.array([1.0, 2.0, 4.0], np.float32)
 DECL = [(PayloadKind.MODEL_WEIGHTS, "w", W)]
@@ -263,29 +263,14 @@ def test_6_the_command_refuses_damaged_state_in_one_line(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
 
 
-class _SlowCheckpoint(FaultyDisk):
-    """The checkpoint's fsync waits for ``gate`` once ``armed``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate, self.entered, self.armed = threading.Event(), threading.Event(), False
-
-    def fsync(self, fd: int) -> None:
-        if self.armed and "checkpoint" in self._names.get(fd, ""):
-            self.armed = False
-            self.entered.set()
-            assert self.gate.wait(timeout=30)
-        super().fsync(fd)
-
-
 def test_the_next_round_is_served_while_the_closed_rounds_checkpoint_is_written(
         aggregator: Start, raw_client: Clients, tmp_path: Path) -> None:
     """The close acknowledges and wakes its clients before its checkpoint is on disk; the next round's pushes
     wait for that checkpoint (so the log never mixes rounds) and then go through."""
-    disk = _SlowCheckpoint()
+    disk = GatedDisk("checkpoint")
     agg = aggregator(run_config(rounds=3), disk=disk)
     a, b = joined(agg.port, raw_client)
-    disk.armed = True
+    disk.arm()
     assert a.push(1, upd(1.0)).accepted
     assert b.push(1, upd(3.0)).accepted  # closes round 1: acknowledged while its checkpoint is held
     assert disk.entered.wait(timeout=10)
