@@ -41,8 +41,10 @@ import numpy as np
 
 from hetfed.cli.localrun import LocalFederation
 from hetfed.wire.messages import RunStatus
+from hetfed.wire.rpc import AggregatorClient
 
 RUN = "overhead"
+POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,12 @@ def _proc_stat(pid: int) -> tuple[float, int]:
 
 
 class Probe:
-    """Samples the aggregator's CPU at round 2 and at the end of training, and the processes' peak RSS."""
+    """Samples the aggregator's CPU once round 2 has begun and at the end of training, and the processes' peak RSS.
+
+    The aggregator's CPU per round is its CPU utilisation between the two samples times the mean round time of
+    rounds 2..R, so the samples need not fall on round boundaries; the driver polls Status every
+    ``POLL_SECONDS`` over one channel, to stay out of the measurement.
+    """
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
@@ -185,7 +192,7 @@ class Probe:
         if client_pid is not None:
             self.sample("client", client_pid)
         cpu, _ = _proc_stat(agg_pid)
-        if "start" not in self.marks and status.round >= 2:
+        if "start" not in self.marks and status.round >= 2 and status.phase.value == "train":
             self.marks["start"], self.marks["start_t"] = cpu, time.monotonic()
         if "start" in self.marks and "end" not in self.marks and status.phase.value != "train":
             self.marks["end"], self.marks["end_t"] = cpu, time.monotonic()
@@ -235,18 +242,19 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
                 fed.start_client(f"client-{i}", client_config(w, i, fed.port, data, device))
         first = light_procs[0] if light else fed.clients["client-0"]
         deadline = time.monotonic() + 3600
-        while True:
-            fed.raise_if_failed()
-            for p in light_procs:
-                if p.poll() not in (None, 0):
-                    raise RuntimeError(f"a light client process exited with {p.returncode}")
-            (status,) = fed.status()
-            probe(fed.aggregator.pid, first.pid if first.poll() is None else None, status)
-            if status.finished:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the federation did not finish within an hour")
-            time.sleep(0.05)
+        with AggregatorClient(f"127.0.0.1:{fed.port}", None, "", "", call_timeout=30.0) as watcher:
+            while True:
+                fed.raise_if_failed()
+                for p in light_procs:
+                    if p.poll() not in (None, 0):
+                        raise RuntimeError(f"a light client process exited with {p.returncode}")
+                (status,) = watcher.status(RUN)
+                probe(fed.aggregator.pid, first.pid if first.poll() is None else None, status)
+                if status.finished:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the federation did not finish within an hour")
+                time.sleep(POLL_SECONDS)
         probe.sample("aggregator", fed.aggregator.pid)
     finally:
         for p in light_procs:
@@ -267,9 +275,10 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
     copy = loopback_copy_seconds(int(round_bytes))
     training = statistics.median(train_wall) if train_wall else 0.0
     floor = training + copy
-    agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / max(1, rounds - 1)
-               if "end" in probe.marks and "start" in probe.marks else float("nan"))
     median = statistics.median(durations)
+    window = probe.marks.get("end_t", 0.0) - probe.marks.get("start_t", 0.0)
+    agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / window * statistics.fmean(durations)
+               if window > 0 else float("nan"))
     return {
         "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light, "device": device,
         "round_median_s": median, "round_p90_s": sorted(durations)[int(0.9 * (len(durations) - 1))],
