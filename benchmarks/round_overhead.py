@@ -198,10 +198,12 @@ class Probe:
             self.marks["end"], self.marks["end_t"] = cpu, time.monotonic()
 
 
-def aggregator_config(w: Workload, clients: int, rounds: int, state: Path) -> dict[str, Any]:
-    """One FedAvg run over every organization."""
+def aggregator_config(w: Workload, clients: int, rounds: int, state: Path,
+                      server: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One FedAvg run over every organization (``server``: [server] settings over the defaults)."""
     return {
-        "server": {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": str(state)},
+        "server": {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": str(state),
+                   **(server or {})},
         "runs": [{"id": RUN, "algorithm": "fedavg", "organizations": [f"org-{i}" for i in range(clients)],
                   "rounds": rounds, "seed": 0, "algorithm_config": w.config}],
     }
@@ -221,7 +223,7 @@ def light_command(port: int, organizations: list[str], shapes: dict[str, tuple[i
 
 
 def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, per_process: int,
-            device: str = "cpu") -> dict[str, Any]:
+            device: str = "cpu", server: dict[str, Any] | None = None) -> dict[str, Any]:
     """One federation of ``clients`` organizations for ``rounds`` rounds; returns the figures."""
     shapes = model_shapes(w)
     model_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
@@ -229,7 +231,7 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
     probe = Probe()
     light_procs: list[subprocess.Popen[bytes]] = []
     try:
-        fed.start_aggregator(aggregator_config(w, clients, rounds, workdir / "state"))
+        fed.start_aggregator(aggregator_config(w, clients, rounds, workdir / "state", server))
         assert fed.aggregator is not None
         if light:
             orgs = [f"org-{i}" for i in range(clients)]
@@ -318,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true",
                     help="also time the same training as a plain PyTorch loop (one process, no federation) on the "
                          "clients' device, and print each round median against it")
+    ap.add_argument("--server", action="append", default=[], metavar="KEY=VALUE",
+                    help="an aggregator [server] setting instead of its default (a JSON value), e.g. "
+                         "--server stream_window_bytes=0; repeatable")
     args = ap.parse_args(argv)
     w = WORKLOADS[args.workload]
+    server = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.server)}
     print(f"$ python benchmarks/round_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"workload {w.name}: {w.description}; {'lightweight numpy clients (*)' if args.light else 'torch clients'}; "
           f"{os.cpu_count()} CPU cores; clients on {args.device}")
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in [int(x) for x in args.clients.split(",") if x]:
         with tempfile.TemporaryDirectory(prefix=f"hetfed-overhead-{n}-") as tmp:
-            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process, args.device)
+            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process, args.device, server)
         rows.append(r)
         print(report(r), flush=True)
     if args.plain and not args.light:

@@ -42,6 +42,22 @@ def test_weighted_mean_is_exact_and_streaming() -> None:
         acc.mean()
 
 
+def test_weighted_mean_of_tensors_larger_than_its_block_matches_float64_bit_for_bit() -> None:
+    rng = np.random.default_rng(3)
+    n = WeightedMean.BLOCK * 2 + 12_345  # three blocks, the last partial
+    parts = [(rng.standard_normal((n // 5, 5)).astype(np.float32), w) for w in (3.0, 0.25, 17.0)]
+    small = [(rng.standard_normal(7).astype(np.float16), w) for _, w in parts]
+    acc = WeightedMean()
+    for (a, w), (b, _) in zip(parts, small, strict=True):
+        acc.add({"big": a, "small": b}, w)
+    want_big = sum(a.astype(np.float64) * w for a, w in parts)
+    want_small = sum(b.astype(np.float64) * w for b, w in small)
+    got = acc.mean()
+    assert got["big"].shape == (n // 5, 5) and got["big"].dtype == np.float64
+    np.testing.assert_array_equal(got["big"], want_big / 20.25)
+    np.testing.assert_array_equal(got["small"], want_small / 20.25)
+
+
 def test_fedavg_server_round() -> None:
     half = half_of("fedavg", FedAvgConfig())
     assert half.payloads_for(TRAIN, 1, "a") == []  # round 1: every client starts from the run seed

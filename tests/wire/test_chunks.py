@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -64,6 +65,20 @@ def test_split_and_reassemble_around_chunk_boundaries(size: int, count: int) -> 
     assert reassemble(parts) == data
 
 
+@pytest.mark.parametrize(("size", "sizes"), [
+    (0, [0]), (7, [7]), (10, [10]), (11, [10, 1]), (10 + C, [10, C]), (11 + C, [10, C, 1]), (2 * C, [10, C, C - 10]),
+])
+def test_a_short_first_chunk_then_full_ones(size: int, sizes: list[int]) -> None:
+    data = payload(size)
+    parts = list(chunks.split(data, C, first_bytes=10))
+    assert [len(c.data) for c in parts] == sizes
+    assert {(c.count, c.total_bytes) for c in parts} == {(len(sizes), size)}
+    assert reassemble(parts) == data
+    assert [len(c.data) for c in chunks.split(payload(5), C, first_bytes=C + 1)] == [5]
+    with pytest.raises(ValueError, match="positive"):
+        next(chunks.split(data, C, first_bytes=0))
+
+
 def test_reassembler_reports_the_sha256_and_returns_the_same_bytes_each_time() -> None:
     data = payload(2500)
     asm = chunks.Reassembler(10_000)
@@ -74,6 +89,29 @@ def test_reassembler_reports_the_sha256_and_returns_the_same_bytes_each_time() -
     first = asm.data()
     assert first == data
     assert asm.data() is first  # no second copy
+    assert first.readonly
+    assert asm.take() is first and asm.complete
+    with pytest.raises(ValueError, match="taken"):
+        asm.data()  # handed over: the reassembler no longer holds the bytes
+    with pytest.raises(WireError, match="after the last announced chunk"):
+        asm.add(next(iter(chunks.split(data, C))))
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's RSS from /proc")
+def test_a_sender_announcing_more_than_it_sends_costs_only_what_it_sent() -> None:
+    announced = 2 << 30
+    asm = chunks.Reassembler(4 << 30)
+    before = _rss_bytes()
+    asm.add(apb.Chunk(index=0, count=2048, total_bytes=announced, data=b"x" * (1 << 20)))
+    assert _rss_bytes() - before < 64 << 20  # 1 MiB received of 2 GiB announced
+    assert not asm.complete
 
 
 @pytest.mark.parametrize("make", [bytearray, memoryview, lambda b: memoryview(bytearray(b))])

@@ -104,3 +104,50 @@ def test_clip_bounds_what_is_echoed() -> None:
     assert clip("short") == "short"
     long = clip("x" * 10_000)
     assert len(long) <= 520 and long.endswith("chars)")
+
+
+def test_concurrent_pulls_of_one_message_share_one_build_that_lives_as_long_as_the_message() -> None:
+    import asyncio
+    import gc
+    import threading
+
+    from hetfed.v1 import aggregator_pb2 as apb
+    from hetfed.wire.rpc import _ChunkCache
+
+    cache = _ChunkCache()
+    builds: list[int] = []
+    release = threading.Event()
+
+    async def blocking(fn: Callable[[], Any]) -> Any:
+        builds.append(1)
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 5.0)
+        return fn()
+
+    async def main() -> None:
+        encoded = messages.Encoded(bytes(range(256)) * 40)  # 10,240 bytes: 3 chunks of 4,096
+        waiters = [asyncio.ensure_future(cache.responses(encoded, 4096, blocking)) for _ in range(32)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()  # a pull that goes away does not cancel the build the others wait on
+        release.set()
+        results = await asyncio.gather(*waiters[1:])
+        assert builds == [1] and len(cache) == 1
+        responses, size = results[0]
+        assert all(r == results[0] for r in results)
+        parsed = [apb.PullInstructionsResponse.FromString(r).chunk for r in responses]
+        assert [c.index for c in parsed] == [0, 1, 2] and b"".join(c.data for c in parsed) == encoded.data
+        assert size == sum(len(r) for r in responses)
+        assert await cache.responses(encoded, 4096, blocking) == results[0] and builds == [1]
+        del encoded, waiters, results
+        gc.collect()
+        assert len(cache) == 0  # the engine dropped the message: its chunks go with it
+
+        async def failing(fn: Callable[[], Any]) -> Any:
+            raise OSError("no worker")
+
+        other = messages.Encoded(b"x")
+        with pytest.raises(OSError, match="no worker"):
+            await cache.responses(other, 4096, failing)
+        assert len(cache) == 0  # a failed build is not kept: the next pull builds again
+        assert (await cache.responses(other, 4096, blocking))[1] > 0
+
+    asyncio.run(main())

@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import TypeAlias
+
+import numpy as np
 
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire.errors import WireError
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+# An update's first chunk: the aggregator reads it before admitting the push (it names the run, round and
+# size), so a push waiting for a reassembly slot holds no more than this of the update.
+FIRST_PUSH_CHUNK_BYTES = 16 << 10
+
+# A whole message's bytes: a reassembled one is a read-only view of the reassembler's buffer.
+Bytes: TypeAlias = bytes | memoryview
 
 
-def split(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[apb.Chunk]:
-    """Chunks 0..n-1 of ``data``; the last carries the SHA-256 of the whole."""
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
+def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+          first_bytes: int | None = None) -> Iterator[apb.Chunk]:
+    """Chunks 0..n-1 of ``data``; the last carries the SHA-256 of the whole.
+
+    ``first_bytes`` makes the first chunk at most that long (the rest ``chunk_bytes`` each): a receiver that
+    reads the first message before it admits the stream then holds little of a stream it makes wait.
+    """
+    if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
+        raise ValueError("chunk sizes must be positive")
     view = memoryview(data).cast("B")
     total = view.nbytes
-    count = max(1, -(-total // chunk_bytes))
+    first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
+    count = 1 + max(0, -(-(total - first) // chunk_bytes))
+    bounds = [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
     digest = hashlib.sha256(view).digest()
     whole = data if isinstance(data, bytes) else None
     for i in range(count):
-        lo, hi = i * chunk_bytes, min(total, (i + 1) * chunk_bytes)
+        lo, hi = bounds[i], bounds[i + 1]
         # Slicing bytes copies once (not at all for a single chunk); other buffers go through bytes().
         piece = whole[lo:hi] if whole is not None else bytes(view[lo:hi])
         yield apb.Chunk(
@@ -36,16 +52,18 @@ def split(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[apb.C
 class Reassembler:
     """Collects chunks in order; rejects gaps, extra chunks, oversize and checksum mismatches.
 
-    The chunks' bytes are hashed as they arrive and joined once, when the last chunk has been
-    verified: one copy from the chunks into the message, and ``data()`` returns it without another.
+    Each chunk's bytes are hashed and copied, as they arrive, into one buffer of the announced size: the
+    message is never held twice (chunks and joined copy). The buffer is allocated uninitialised, so its pages
+    become memory only as chunks fill them: a sender announcing more than it sends costs what it sent.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._parts: list[bytes] | None = None
+        self._buffer: np.ndarray | None = None
         self._received = 0
         self._hash = hashlib.sha256()
-        self._data: bytes | None = None
+        self._data: memoryview | None = None
+        self._done = False
         self._next = 0
         self._count = 0
         self._total = 0
@@ -53,8 +71,8 @@ class Reassembler:
 
     def add(self, chunk: apb.Chunk) -> bool:
         """Add the next chunk; returns True once the message is complete and verified."""
-        if self._parts is None:
-            if self._data is not None:
+        if self._buffer is None:
+            if self._done:
                 raise WireError("malformed", f"a chunk after the last announced chunk ({self._count} chunks)")
             if chunk.count < 1 or chunk.total_bytes < 0 or chunk.count > max(1, chunk.total_bytes):
                 raise WireError("malformed", f"chunk header count={chunk.count} total_bytes={chunk.total_bytes}")
@@ -64,18 +82,19 @@ class Reassembler:
                 )
             self._count = chunk.count
             self._total = chunk.total_bytes
-            self._parts = []
+            self._buffer = np.empty(self._total, np.uint8)
         if chunk.index != self._next or chunk.count != self._count or chunk.total_bytes != self._total:
             raise WireError(
                 "malformed",
                 f"chunk {chunk.index}/{chunk.count} out of order (expected {self._next}/{self._count})",
             )
         data = chunk.data  # read once: every read of a bytes field copies it
-        if self._received + len(data) > self._total:
+        end = self._received + len(data)
+        if end > self._total:
             raise WireError("malformed", f"chunks carry more than the announced {self._total} bytes")
-        self._parts.append(data)
         self._hash.update(data)
-        self._received += len(data)
+        self._buffer[self._received:end] = np.frombuffer(data, np.uint8)
+        self._received = end
         self._next += 1
         if self._next < self._count:
             return False
@@ -85,17 +104,25 @@ class Reassembler:
         if digest != chunk.sha256:
             raise WireError("checksum_mismatch", "SHA-256 of the reassembled message does not match the last chunk")
         self.sha256 = digest
-        parts, self._parts = self._parts, None
-        self._data = parts[0] if len(parts) == 1 else b"".join(parts)
+        buffer, self._buffer = self._buffer, None
+        self._data = buffer.data.toreadonly()
+        self._done = True
         return True
 
     @property
     def complete(self) -> bool:
         """Whether every announced chunk has arrived and been verified."""
-        return self._data is not None
+        return self._done
 
-    def data(self) -> bytes:
-        """The reassembled message bytes."""
+    def data(self) -> memoryview:
+        """The reassembled message bytes (a read-only view of the buffer)."""
         if self._data is None:
+            if self._done:
+                raise ValueError("the message was taken")
             raise WireError("malformed", f"the stream ended after {self._next} of {self._count} chunks")
         return self._data
+
+    def take(self) -> memoryview:
+        """The reassembled message bytes, which the reassembler then no longer holds."""
+        data, self._data = self.data(), None
+        return data

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec, contract
+from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
@@ -169,10 +170,10 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
     return Encoded(msg.SerializeToString(), payload_breakdown(msg.payloads) if ins.payloads else TrafficBreakdown())
 
 
-def decode_instructions(data: bytes, spec: AlgorithmSpec | None) -> tuple[Instructions, TrafficBreakdown]:
+def decode_instructions(data: Bytes, spec: AlgorithmSpec | None) -> tuple[Instructions, TrafficBreakdown]:
     """Parse instructions and check their payloads against ``spec``'s download contract (a client's view)."""
     try:
-        msg = apb.Instructions.FromString(data)
+        msg = apb.Instructions.FromString(data)  # type: ignore[arg-type]  # upb reads any buffer
     except DecodeError as exc:
         raise WireError("malformed", f"instructions are not a valid hetfed.v1.Instructions: {exc}") from None
     action = _ACTION_FROM_PROTO.get(msg.action)  # type: ignore[call-overload]
@@ -213,24 +214,40 @@ def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
 
 
 class ParsedUpdate:
-    """A received update, parsed but not yet checked against a run's contract (opaque to the engine)."""
+    """A received update, parsed but not yet checked against a run's contract (opaque to the engine).
 
-    def __init__(self, data: bytes) -> None:
+    It holds at most two copies of the update: the received bytes (until ``release``, once they are logged)
+    and the parsed message (until ``check`` has decoded its payloads into arrays of their own).
+    """
+
+    def __init__(self, data: Bytes) -> None:
         try:
-            self._msg = apb.Update.FromString(data)
+            msg = apb.Update.FromString(data)  # type: ignore[arg-type]  # upb reads any buffer
         except DecodeError as exc:
             raise WireError("malformed", f"the update is not a valid hetfed.v1.Update: {exc}") from None
-        self.data = data
+        self._msg: apb.Update | None = msg
+        self._data: Bytes | None = data
+        self.payload_traffic = payload_breakdown(msg.payloads)
+        """Bytes, messages and elements per payload kind (the envelope not included)."""
 
     @property
-    def payload_traffic(self) -> TrafficBreakdown:
-        """Bytes, messages and elements per payload kind (the envelope not included)."""
-        return payload_breakdown(self._msg.payloads)
+    def data(self) -> Bytes:
+        """The received bytes, as logged."""
+        if self._data is None:
+            raise ValueError("the update's bytes were released")
+        return self._data
+
+    def release(self) -> None:
+        """Drop the received bytes (they are in the log)."""
+        self._data = None
 
     def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
               run_id: str, round_: int, organization: str) -> Received:
         """The envelope against the stream's addressing, the payloads against the contract; decoded."""
-        env = self._msg.envelope
+        msg = self._msg
+        if msg is None:
+            raise ValueError("the update was checked already")
+        env = msg.envelope
         if env.run_id != run_id or env.round != round_ or env.organization_id != organization:
             raise WireError(
                 "envelope_mismatch",
@@ -241,10 +258,12 @@ class ParsedUpdate:
             declared = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
         except ValueError as exc:
             raise WireError("malformed", f"the envelope lists an unknown payload kind: {exc}") from None
-        actual = [codec.payload_kind_of(p).value for p in self._msg.payloads]
+        actual = [codec.payload_kind_of(p).value for p in msg.payloads]
         if declared != actual:
             raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
-        return contract.check_update(spec, phase, self._msg.payloads, schema, max_elements)
+        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements)
+        self._msg = None  # the decoded arrays own their bytes: the parsed message is not needed again
+        return received
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol, TypeVar
 
@@ -27,6 +27,7 @@ from grpc_status import rpc_status
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, messages
+from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import ERROR_DOMAIN, REASONS, WireError
 from hetfed.wire.messages import (
     Encoded,
@@ -122,9 +123,11 @@ class AggregatorHandler(Protocol):
         """Refuse a push before its chunks are read (unknown run or organization, wrong round, push limits)."""
         ...
 
-    async def push(self, organization: str, run_id: str, round_: int, data: bytes, digest: bytes, wire_bytes: int,
-                   chunks: int) -> PushReply:
-        """Parse, check, persist and fold in a reassembled update (``digest``: its SHA-256); records its traffic."""
+    async def push(self, organization: str, run_id: str, round_: int, data: Bytes, digest: bytes,
+                   wire_bytes: int, chunks: int) -> PushReply:
+        """Parse, check, persist and fold in a reassembled update (``digest``: its SHA-256); records its traffic.
+
+        ``data`` is handed over: the handler should drop it as soon as the update is logged."""
         ...
 
     async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
@@ -180,35 +183,49 @@ def _caller(context: grpc.aio.ServicerContext) -> Caller:  # type: ignore[type-a
 
 
 class _ChunkCache:
-    """Serialized chunk responses of instructions, by message: a broadcast round's are built once for all.
+    """Serialized chunk responses of instructions, by message, built once however many pulls want them.
 
-    Each entry holds a message and its chunks (twice its size), so the cache is small: the open rounds'
-    broadcasts, and per-organization messages while their organizations fetch them."""
+    An entry lives exactly as long as the engine keeps its message (a weak reference drops it when the engine
+    moves on), so closed rounds' broadcasts are not held here. Pulls that arrive while a message is being
+    split share that one build (at a round's start every organization pulls at once): without that, each
+    would build and hold its own copy of the whole message.
+    """
 
-    def __init__(self, size: int = 16) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[int, tuple[Encoded, list[bytes], int]] = OrderedDict()
-        self._size = size
+        self._items: dict[int, asyncio.Future[tuple[list[bytes], int]]] = {}
 
-    def get(self, encoded: Encoded) -> tuple[list[bytes], int] | None:
-        """The cached responses (and their bytes) of ``encoded``, or None."""
+    def __len__(self) -> int:
         with self._lock:
-            hit = self._items.get(id(encoded))
-            if hit is not None and hit[0] is encoded:
-                self._items.move_to_end(id(encoded))
-                return hit[1], hit[2]
-        return None
+            return len(self._items)
 
-    def build(self, encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
-        """Split and serialize ``encoded`` (blocking for a large message) and cache the result."""
+    def responses(self, encoded: Encoded, chunk_bytes: int,
+                  blocking: Callable[[Callable[[], tuple[list[bytes], int]]], Awaitable[tuple[list[bytes], int]]],
+                  ) -> Awaitable[tuple[list[bytes], int]]:
+        """The responses of ``encoded`` and their bytes: cached, being built, or built now with ``blocking``.
+
+        Call it on the event loop; a cancelled pull does not cancel the build the others wait on."""
+        key = id(encoded)
+        with self._lock:
+            fut = self._items.get(key)
+            if fut is None:
+                fut = asyncio.ensure_future(blocking(lambda: self._build(encoded, chunk_bytes)))
+                self._items[key] = fut
+                weakref.finalize(encoded, self._forget, key, fut)
+                fut.add_done_callback(lambda f: None if not f.cancelled() and f.exception() is None
+                                      else self._forget(key, f))
+        return asyncio.shield(fut)
+
+    def _forget(self, key: int, fut: asyncio.Future[tuple[list[bytes], int]]) -> None:
+        with self._lock:
+            if self._items.get(key) is fut:
+                del self._items[key]
+
+    @staticmethod
+    def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
         responses = [apb.PullInstructionsResponse(chunk=c).SerializeToString()
                      for c in chunks.split(encoded.data, chunk_bytes)]
-        size = sum(len(r) for r in responses)
-        with self._lock:
-            self._items[id(encoded)] = (encoded, responses, size)  # holding ``encoded`` keeps its id unique
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-        return responses, size
+        return responses, sum(len(r) for r in responses)
 
 
 class AggregatorServicer:
@@ -265,10 +282,7 @@ class AggregatorServicer:
             run_id = msg.run_id
             org = self.handler.identify(_caller(context), msg.organization_id)
             pulled = await self.handler.pull(org, messages.pull_request_from_proto(msg))
-            built = self._chunks.get(pulled.encoded)
-            if built is None:
-                encoded, chunk_bytes = pulled.encoded, self.handler.chunk_bytes
-                built = await self.handler.blocking(lambda: self._chunks.build(encoded, chunk_bytes))
+            built = await self._chunks.responses(pulled.encoded, self.handler.chunk_bytes, self.handler.blocking)
         except WireError as err:
             failure = err
         except Exception as exc:
@@ -316,8 +330,9 @@ class AggregatorServicer:
                 done = assembler.add(req.chunk)
                 raw = await self._next_chunk(stream)
                 req, size = (None, 0) if raw is None else (parse(apb.PushUpdateRequest, raw), len(raw))
-            data = assembler.data()
-            reply = await self.handler.push(org, run_id, first.round, data, assembler.sha256, wire_bytes, n)
+            # Handed over, not kept here: the handler frees the bytes as soon as they are logged.
+            reply = await self.handler.push(org, run_id, first.round, assembler.take(), assembler.sha256,
+                                            wire_bytes, n)
             resp = messages.push_reply_to_proto(reply).SerializeToString()
         except WireError as err:
             failure = err
@@ -482,7 +497,7 @@ class AggregatorClient:
         """Long-poll for the next instructions; their payloads are checked against ``spec``'s download contract."""
         req = messages.pull_request_to_proto(PullRequest(self.run_id, self.organization, completed_round, wait_seconds))
 
-        def call() -> tuple[bytes, int, int]:
+        def call() -> tuple[Bytes, int, int]:
             asm = chunks.Reassembler(max_bytes=1 << 40)
             wire, n = 0, 0
             for resp in self._stub.PullInstructions(req, metadata=self._metadata, timeout=wait_seconds + 60):
@@ -501,7 +516,7 @@ class AggregatorClient:
         """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads), wire_dtype)
         requests = [apb.PushUpdateRequest(run_id=self.run_id, round=round_, organization_id=self.organization, chunk=c)
-                    for c in chunks.split(encoded.data)]
+                    for c in chunks.split(encoded.data, first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)]
         resp = self._call("PushUpdate", lambda: self._stub.PushUpdate(
             iter(requests), metadata=self._metadata, timeout=600))
         reply = messages.push_reply_from_proto(resp)

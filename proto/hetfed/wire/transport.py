@@ -47,17 +47,34 @@ class TlsConfig:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
 
 
-def make_server(address: str, tls: TlsConfig | None) -> tuple[grpc.aio.Server, int]:
+def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options bounding what a server buffers per connection at about ``window_bytes`` (0: gRPC's own).
+
+    By default gRPC grows each connection's HTTP/2 window with its bandwidth-delay product estimate (BDP
+    probing) and its socket reads up to 4 MiB, and a server then holds that much received, not yet read data
+    for every client: memory that grows with the federation. Here the receive window of every stream is fixed
+    at ``window_bytes``, and no socket read is larger; a stream's throughput is then at most ``window_bytes``
+    per round trip.
+    """
+    if window_bytes == 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes),
+            ("grpc.experimental.tcp_max_read_chunk_size", window_bytes)]
+
+
+def make_server(address: str, tls: TlsConfig | None, stream_window_bytes: int = 0) -> tuple[grpc.aio.Server, int]:
     """An asyncio gRPC server bound to ``address`` (mTLS when ``tls`` is set); returns it and the bound port.
 
     Call it inside the event loop that will run the server. Handlers are coroutines: a waiting call holds no
-    thread, so the server's thread count does not grow with its clients.
+    thread, so the server's thread count does not grow with its clients. ``stream_window_bytes`` fixes the
+    receive window of each stream (:func:`stream_window_options`).
     """
     server = grpc.aio.server(options=[
         *_COMMON_OPTIONS, ("grpc.so_reuseport", 0),
         # Accept the clients' keepalive pings (every 30 s, with or without calls): gRPC's default of one every
         # 5 minutes answers them with GOAWAY "too_many_pings", dropping long-lived clients' connections.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+        *stream_window_options(stream_window_bytes),
     ])
     if tls is None:
         port = server.add_insecure_port(address)

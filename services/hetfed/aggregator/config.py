@@ -135,7 +135,12 @@ class ServerConfig:
     # Updates reassembled at once across all organizations (admission control: the aggregator's memory does
     # not grow with the federation); a push waits for a slot at most reassembly_wait_seconds, and a stream may
     # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
-    max_concurrent_reassemblies: int = 8
+    max_concurrent_reassemblies: int = 4
+    # The HTTP/2 receive window of each stream (and the largest socket read): the most unread bytes the
+    # aggregator buffers for one client, so about this much memory per pushing client. A push's throughput is
+    # at most this per round trip (256 KiB per 20 ms is 105 Mbit/s): raise it for fast links with long round
+    # trips. 0 lets gRPC grow windows with each link's bandwidth-delay product, without a bound on memory.
+    stream_window_bytes: int = 256 << 10
     reassembly_wait_seconds: float = 30.0
     push_idle_seconds: float = 30.0
     max_buffered_bytes_per_organization: int = 4 << 30
@@ -160,6 +165,8 @@ class ServerConfig:
         check(1 <= self.worker_threads <= 256, "worker_threads must be in [1, 256]")
         check(self.max_pushes_per_organization >= 1, "max_pushes_per_organization must be >= 1")
         check(1 <= self.max_concurrent_reassemblies <= 4096, "max_concurrent_reassemblies must be in [1, 4096]")
+        check(self.stream_window_bytes == 0 or 64 << 10 <= self.stream_window_bytes <= 1 << 30,
+              "stream_window_bytes must be 0 (gRPC's adaptive windows) or in [64 KiB, 1 GiB]")
         for name in ("reassembly_wait_seconds", "push_idle_seconds"):
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0, f"{name} must be a positive number")

@@ -571,6 +571,7 @@ class Run:
                 ticket = self.store.append_update(round_, organization, update.data, digest)
             except StorageError as exc:
                 self._storage_failed(exc)
+            update.release()  # written: the log has the bytes, the decoded arrays are what is folded
             self._committing.add(organization)
         # Durable outside the lock: concurrent pushes share one fsync (group commit), and polls, status and
         # other pushes' checks go on meanwhile. Not folded, not acknowledged until it is on disk.

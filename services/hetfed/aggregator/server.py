@@ -123,7 +123,7 @@ def start_aggregator(config: AggregatorConfig, disk: Disk | None = None) -> Runn
                 if config.server.health_listen else None)
 
     async def boot() -> tuple[grpc.aio.Server, int, Health, asyncio.Task[None], asyncio.Task[None] | None]:
-        server, port = make_server(config.server.listen, config.server.tls)
+        server, port = make_server(config.server.listen, config.server.tls, config.server.stream_window_bytes)
         add_aggregator_handler(server, service)
         health = Health()
         if listener is not None:

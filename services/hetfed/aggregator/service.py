@@ -27,6 +27,7 @@ from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Limits, Run
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.store import Disk
+from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
 from hetfed.wire.rpc import Caller, Pulled, clip
@@ -234,13 +235,17 @@ class AggregatorService:
         self._run(run_id).admit_push(organization, round_)
         return self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
 
-    async def push(self, organization: str, run_id: str, round_: int, data: bytes, digest: bytes, wire_bytes: int,
+    async def push(self, organization: str, run_id: str, round_: int, data: Bytes, digest: bytes, wire_bytes: int,
                    chunks: int) -> PushReply:
-        """Parse, check, log and fold in an update (in the worker pool)."""
+        """Parse, check, log and fold in an update (in the worker pool).
+
+        The bytes are handed to the worker, not kept in this frame, so they are freed once logged."""
         run = self._run(run_id)
+        handed = [data]
+        del data
 
         def work() -> PushReply:
-            update = ParsedUpdate(data)
+            update = ParsedUpdate(handed.pop())
             up = with_envelope(update.payload_traffic, wire_bytes, messages=chunks)
             return run.push(organization, round_, update, digest, up, defer_commit=True)
 

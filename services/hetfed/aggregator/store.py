@@ -548,7 +548,8 @@ class RunStore:
             log.error("%s: could not cut a failed append back (%s); retried before the next append",
                       self.wal_path, exc.strerror or exc)
 
-    def append_update(self, round_: int, organization: str, data: bytes, sha256: bytes | None = None) -> WalTicket:
+    def append_update(self, round_: int, organization: str, data: bytes | memoryview,
+                      sha256: bytes | None = None) -> WalTicket:
         """Write an accepted update's record at the end of the log; call with the run's lock held.
 
         The record is not durable yet: ``sync`` its ticket before acknowledging it. ``sha256`` is the update's

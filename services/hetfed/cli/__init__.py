@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from hetfed.cli import checkconfig, health, k8s_status, report
+from hetfed.cli import allocator, checkconfig, health, k8s_status, report
 from hetfed.wire.config import ConfigError
 
 USAGE_ERROR = 2
@@ -44,6 +44,7 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
 
     if args.check_config:
         return checkconfig.report(checkconfig.check_aggregator_config, args.config)
+    allocator.tune(arenas=allocator.AGGREGATOR_ARENAS)
     try:
         serve(load_aggregator_config(args.config), ready_file=args.ready_file)
     except StateError as exc:  # a state directory that cannot be resumed: one clear line, no traceback
@@ -58,6 +59,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     if args.check_config:
         return checkconfig.report(checkconfig.check_client_config, args.config)
+    allocator.tune()
     try:
         ClientRuntime(load_client_config(args.config)).run()
     except ClientError as exc:

@@ -72,6 +72,8 @@ class ServerHalf(Generic[C]):
 class WeightedMean:
     """A running weighted sum of named arrays in float64: memory does not grow with the clients."""
 
+    BLOCK = 1 << 18  # elements converted to float64 at a time
+
     def __init__(self) -> None:
         self._sums: dict[str, np.ndarray] = {}
         self.weight = 0.0
@@ -81,12 +83,18 @@ class WeightedMean:
         """Add ``weight`` × arrays to the sum."""
         if weight <= 0:
             raise ValueError("weights must be positive")
+        scratch = np.empty(min(self.BLOCK, max((np.size(a) for a in arrays.values()), default=0)), np.float64)
         for name, a in arrays.items():
-            contrib = np.asarray(a, dtype=np.float64) * weight
-            if name in self._sums:
-                self._sums[name] += contrib
-            else:
-                self._sums[name] = contrib
+            a = np.asarray(a)
+            acc = self._sums.get(name)
+            if acc is None:
+                acc = self._sums[name] = np.zeros(a.shape, np.float64)
+            flat, out = a.reshape(-1), acc.reshape(-1)
+            # weight × a in float64, a block at a time: no float64 copy of a whole tensor per contribution.
+            for lo in range(0, flat.size, self.BLOCK):
+                part = scratch[:min(self.BLOCK, flat.size - lo)]
+                np.multiply(flat[lo:lo + part.size], weight, out=part, dtype=np.float64)
+                out[lo:lo + part.size] += part
         self.weight += weight
         self.count += 1
 
