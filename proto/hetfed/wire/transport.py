@@ -53,8 +53,9 @@ def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
     By default gRPC grows each connection's HTTP/2 window with its bandwidth-delay product estimate (BDP
     probing) and its socket reads up to 4 MiB, and a server then holds that much received, not yet read data
     for every client: memory that grows with the federation. Here the receive window of every stream is fixed
-    at ``window_bytes``, and no socket read is larger; a stream's throughput is then at most ``window_bytes``
-    per round trip.
+    at ``window_bytes``, and no socket read is larger. gRPC still opens the window to a whole message being
+    read, so a stream moves about max(``window_bytes``, message size) per round trip
+    (``benchmarks/window_throughput.py``).
     """
     if window_bytes == 0:
         return []
