@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hetfed.cli.localrun import LocalFederation
+from hetfed.cli.localrun import LocalFederation, stop_all
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import AggregatorClient
 
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="an aggregator [server] setting instead of its default (a JSON value), e.g. "
                          "--server stream_window_bytes=0; repeatable")
     args = ap.parse_args(argv)
+    # A SIGTERM (timeout, kill) stops the federation it started too: its clients would otherwise retry
+    # against a dead aggregator for minutes, loading the machine the next measurement runs on.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: (stop_all(), sys.exit(128 + signum)))
     w = WORKLOADS[args.workload]
     server = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.server)}
     print(f"$ python benchmarks/round_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
