@@ -77,8 +77,9 @@ def _child(argv: list[str], log: str, cwd: str, env: Mapping[str, str], inherite
 
 def _preload(warm: Sequence[Mapping[str, Any]]) -> None:
     """Import what every client needs and load the data sets they will read (cached in this process)."""
-    import torch  # noqa: F401 - imported to be shared with every child
-    import torch._dynamo  # noqa: F401 - each optimizer's constructor imports it: 1.5 s in every child otherwise
+    # torch, shared with every child, and torch._dynamo, which each optimizer's constructor imports (1.5 s in
+    # every child otherwise).
+    import torch._dynamo  # noqa: F401
 
     import hetfed.client.algorithms
     import hetfed.client.artifacts
