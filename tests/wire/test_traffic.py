@@ -16,6 +16,8 @@ from hetfed.wire.traffic import (
     TrafficMetrics,
     breakdown,
     embedded_size,
+    field_sizes,
+    payload_breakdown,
 )
 
 
@@ -141,3 +143,43 @@ def test_the_two_sides_count_in_distinct_families() -> None:
     assert registry.get_sample_value("hetfed_client_bytes_total", labels) == 50
     with pytest.raises(ValueError, match="side"):
         TrafficMetrics(registry, "both")
+
+
+def test_field_sizes_are_the_payloads_serialized_lengths() -> None:
+    update = make_update([*PAYLOADS, PAYLOADS[0]])
+    data = update.SerializeToString()
+    assert field_sizes(data, 2) == [p.ByteSize() for p in update.payloads]
+    assert field_sizes(memoryview(data), 1) == [update.envelope.ByteSize()]
+    assert field_sizes(data, 9) == []
+    # Sizes read from the bytes attribute traffic exactly as protobuf's ByteSize() does.
+    assert payload_breakdown(update.payloads, field_sizes(data, 2)) == payload_breakdown(update.payloads)
+
+
+def test_field_sizes_skip_every_wire_type() -> None:
+    # field 1 varint 300, field 3 fixed64, field 4 fixed32, field 5 a group holding a varint and a nested
+    # length-delimited field, then field 2 twice (length 3 and length 0).
+    data = (b"\x08\xac\x02" + b"\x19" + bytes(8) + b"\x25" + bytes(4)
+            + b"\x2b" + b"\x08\x01" + b"\x12\x01x" + b"\x2c"
+            + b"\x12\x03abc" + b"\x12\x00")
+    assert field_sizes(data, 2) == [3, 0]
+    assert field_sizes(data, 5) == []  # a group is not length-delimited
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"\x12\x05ab", "past the end"),          # a length beyond the message
+    (b"\x08\x80", "varint"),                  # a varint cut short
+    (b"\x19" + bytes(3), "past the end"),     # a fixed64 cut short
+    (b"\x0c", "out of place"),                # an end-group tag with no group open
+    (b"\x2b\x08\x01\x34", "another field"),   # a group closed by field 6's end-group tag
+    (b"\x0e", "out of place"),                # wire type 6 does not exist
+])
+def test_field_sizes_refuse_malformed_bytes(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        field_sizes(data, 2)
+
+
+def test_field_sizes_agree_with_protobuf_on_a_large_update() -> None:
+    update = make_update([ModelWeights({"w": np.arange(300_000, dtype=np.float32)}, num_examples=5), PAYLOADS[1]])
+    data = update.SerializeToString()
+    assert field_sizes(data, 2) == [p.ByteSize() for p in update.payloads]
+    assert embedded_size(field_sizes(data, 1)[0]) + sum(embedded_size(n) for n in field_sizes(data, 2)) == len(data)

@@ -20,7 +20,7 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.specs import AlgorithmSpec
-from hetfed.wire.traffic import KindCount, TrafficBreakdown, payload_breakdown
+from hetfed.wire.traffic import KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
 # ---------------------------------------------------------------------------------------------- Join
 
@@ -143,6 +143,19 @@ class Instructions:
     payloads: Sequence[Payload] = ()
 
 
+# Field numbers of the payloads in the two messages that carry them, for ``field_sizes``.
+_INSTRUCTIONS_PAYLOADS = apb.Instructions.DESCRIPTOR.fields_by_name["payloads"].number
+_UPDATE_PAYLOADS = apb.Update.DESCRIPTOR.fields_by_name["payloads"].number
+
+
+def _payload_sizes(data: Bytes, number: int) -> list[int]:
+    """Each payload's serialized length in a received message that protobuf parsed already."""
+    try:
+        return field_sizes(data, number)
+    except ValueError as exc:  # protobuf accepted it: not reached unless the two readers disagree
+        raise WireError("malformed", f"the message's fields cannot be measured: {exc}") from None
+
+
 _ACTION_TO_PROTO = {Action.WAIT: apb.ACTION_WAIT, Action.SETUP: apb.ACTION_SETUP, Action.TRAIN: apb.ACTION_TRAIN,
                     Action.EVALUATE: apb.ACTION_EVALUATE, Action.FINISH: apb.ACTION_FINISH}
 _ACTION_FROM_PROTO = {v: k for k, v in _ACTION_TO_PROTO.items()}
@@ -167,7 +180,9 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
     for p in ins.payloads:
         codec.fill_payload(msg.payloads.add(), p, wire_dtype)  # in place: no extra tensor copy
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    return Encoded(msg.SerializeToString(), payload_breakdown(msg.payloads) if ins.payloads else TrafficBreakdown())
+    data = msg.SerializeToString()
+    return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))
+                   if ins.payloads else TrafficBreakdown())
 
 
 def decode_instructions(data: Bytes, spec: AlgorithmSpec | None) -> tuple[Instructions, TrafficBreakdown]:
@@ -187,7 +202,8 @@ def decode_instructions(data: Bytes, spec: AlgorithmSpec | None) -> tuple[Instru
     env = msg.envelope
     ins = Instructions(env.run_id, int(env.round), action, int(msg.total_rounds), int(msg.round_seed),
                        env.organization_id, tuple(payloads))
-    return ins, payload_breakdown(msg.payloads) if msg.payloads else TrafficBreakdown()
+    return ins, (payload_breakdown(msg.payloads, _payload_sizes(data, _INSTRUCTIONS_PAYLOADS)) if msg.payloads
+                 else TrafficBreakdown())
 
 
 # ---------------------------------------------------------------------------------------------- Push
@@ -210,7 +226,8 @@ def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
     for p in update.payloads:
         codec.fill_payload(msg.payloads.add(), p, wire_dtype)
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    return Encoded(msg.SerializeToString(), payload_breakdown(msg.payloads))
+    data = msg.SerializeToString()
+    return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _UPDATE_PAYLOADS)))
 
 
 class ParsedUpdate:
@@ -227,7 +244,7 @@ class ParsedUpdate:
             raise WireError("malformed", f"the update is not a valid hetfed.v1.Update: {exc}") from None
         self._msg: apb.Update | None = msg
         self._data: Bytes | None = data
-        self.payload_traffic = payload_breakdown(msg.payloads)
+        self.payload_traffic = payload_breakdown(msg.payloads, _payload_sizes(data, _UPDATE_PAYLOADS))
         """Bytes, messages and elements per payload kind (the envelope not included)."""
 
     @property

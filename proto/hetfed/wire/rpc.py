@@ -456,6 +456,10 @@ class AggregatorClient:
         self._timeout = call_timeout
         self._channel = make_channel(address, tls)
         self._stub = agrpc.AggregatorStub(self._channel)
+        # The two calls that carry payloads move bytes both ways, so the traffic counted is the length of the
+        # messages sent and received, not a protobuf ByteSize(), which serializes the message once more.
+        self._pull_raw = self._channel.unary_stream(f"/{SERVICE_NAME}/PullInstructions")
+        self._push_raw = self._channel.stream_unary(f"/{SERVICE_NAME}/PushUpdate")
         self._metadata = () if tls else ((ORGANIZATION_METADATA_KEY, organization),)
 
     def close(self) -> None:
@@ -497,32 +501,42 @@ class AggregatorClient:
         """Long-poll for the next instructions; their payloads are checked against ``spec``'s download contract."""
         req = messages.pull_request_to_proto(PullRequest(self.run_id, self.organization, completed_round, wait_seconds))
 
+        raw_req = req.SerializeToString()
+
         def call() -> tuple[Bytes, int, int]:
             asm = chunks.Reassembler(max_bytes=1 << 40)
             wire, n = 0, 0
-            for resp in self._stub.PullInstructions(req, metadata=self._metadata, timeout=wait_seconds + 60):
-                wire += resp.ByteSize()
+            for raw in self._pull_raw(raw_req, metadata=self._metadata, timeout=wait_seconds + 60):
+                wire += len(raw)
                 n += 1
+                try:
+                    resp = apb.PullInstructionsResponse.FromString(raw)
+                except DecodeError as exc:
+                    raise WireError("malformed", f"a PullInstructions response does not parse: {exc}") from None
                 asm.add(resp.chunk)
             return asm.data(), wire, n
 
         data, wire, n = self._call("PullInstructions", call)
         ins, payloads = messages.decode_instructions(data, spec)
-        self._count("up", with_envelope(TrafficBreakdown(), req.ByteSize()))
+        self._count("up", with_envelope(TrafficBreakdown(), len(raw_req)))
         self._count("down", with_envelope(payloads, wire, n))
         return ins
 
     def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None) -> PushReply:
         """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads), wire_dtype)
-        requests = [apb.PushUpdateRequest(run_id=self.run_id, round=round_, organization_id=self.organization, chunk=c)
+        requests = [apb.PushUpdateRequest(run_id=self.run_id, round=round_, organization_id=self.organization,
+                                          chunk=c).SerializeToString()
                     for c in chunks.split(encoded.data, first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)]
-        resp = self._call("PushUpdate", lambda: self._stub.PushUpdate(
-            iter(requests), metadata=self._metadata, timeout=600))
+        raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
+        try:
+            resp = apb.PushUpdateResponse.FromString(raw)
+        except DecodeError as exc:
+            raise WireError("malformed", f"the PushUpdate response does not parse: {exc}") from None
         reply = messages.push_reply_from_proto(resp)
         if not reply.duplicate:
-            self._count("up", with_envelope(encoded.payloads, sum(r.ByteSize() for r in requests), len(requests)))
-            self._count("down", with_envelope(TrafficBreakdown(), resp.ByteSize()))
+            self._count("up", with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
+            self._count("down", with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
     def status(self, run_id: str = "") -> list[RunStatus]:

@@ -56,12 +56,79 @@ class TrafficBreakdown:
         return sum(c.bytes for c in self.kinds.values())
 
 
-def payload_breakdown(payloads: Sequence[pb.Payload]) -> TrafficBreakdown:
-    """Bytes, messages and elements of each payload kind, without the envelope (see ``with_envelope``)."""
+def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
+    """The lengths of every length-delimited field ``number`` at the top level of a serialized message.
+
+    Reads only the tags and lengths of the top-level fields (a few varints for a whole update), so a message
+    whose bytes are at hand is measured without serializing it again: protobuf's ``ByteSize()`` encodes the
+    whole message (upb), as costly as ``SerializeToString()``. Raises ``ValueError`` on bytes that are not a
+    well-formed message.
+    """
+    view = memoryview(data).cast("B")
+    end = view.nbytes
+    pos = 0
+    out: list[int] = []
+
+    def varint() -> int:
+        nonlocal pos
+        value, shift = 0, 0
+        while True:
+            if pos >= end or shift > 63:
+                raise ValueError("a truncated or overlong varint")
+            byte = view[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+
+    def skip(wire_type: int, number: int) -> None:
+        nonlocal pos
+        if wire_type == 0:
+            varint()
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length = varint()  # not ``pos += varint()``: that adds to the position before the length
+            pos += length
+        elif wire_type == 3:  # a (deprecated) group: its fields up to the matching end-group tag
+            while True:
+                key = varint()
+                if key & 7 == 4:
+                    if key >> 3 != number:
+                        raise ValueError("a group closed by another field's end-group tag")
+                    break
+                skip(key & 7, key >> 3)
+        else:
+            raise ValueError(f"wire type {wire_type} out of place")
+        if pos > end:
+            raise ValueError("a field runs past the end of the message")
+
+    while pos < end:
+        key = varint()
+        if key & 7 == 2 and key >> 3 == number:
+            start = pos
+            length = varint()
+            out.append(length)
+            pos = start
+        skip(key & 7, key >> 3)
+    return out
+
+
+def payload_breakdown(payloads: Sequence[pb.Payload], sizes: Sequence[int] | None = None) -> TrafficBreakdown:
+    """Bytes, messages and elements of each payload kind, without the envelope (see ``with_envelope``).
+
+    ``sizes``: each payload's serialized length when known (``field_sizes`` of the message's bytes);
+    otherwise protobuf computes it, which serializes the payload once more.
+    """
+    if sizes is not None and len(sizes) != len(payloads):
+        raise ValueError(f"{len(sizes)} sizes for {len(payloads)} payloads")
     out = TrafficBreakdown()
-    for p in payloads:
+    for i, p in enumerate(payloads):
         c = out.kinds.setdefault(p.WhichOneof("kind") or "unknown", KindCount())
-        c.bytes += embedded_size(p.ByteSize())
+        c.bytes += embedded_size(p.ByteSize() if sizes is None else sizes[i])
         c.messages += 1
         c.elements += codec.tensor_elements(p)
     return out
