@@ -56,6 +56,47 @@ class TrafficBreakdown:
         return sum(c.bytes for c in self.kinds.values())
 
 
+def _varint(view: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
+    value, shift, end = 0, 0, view.nbytes
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _skip(view: memoryview, pos: int, key: int) -> int:
+    """The position after the value of the field whose tag ``key`` ended at ``pos``."""
+    wire_type = key & 7
+    if wire_type == 0:
+        _, pos = _varint(view, pos)
+    elif wire_type == 1:
+        pos += 8
+    elif wire_type == 5:
+        pos += 4
+    elif wire_type == 2:
+        length, pos = _varint(view, pos)
+        pos += length
+    elif wire_type == 3:  # a (deprecated) group: its fields up to the matching end-group tag
+        while True:
+            inner, pos = _varint(view, pos)
+            if inner & 7 == 4:
+                if inner >> 3 != key >> 3:
+                    raise ValueError("a group closed by another field's end-group tag")
+                break
+            pos = _skip(view, pos, inner)
+    else:
+        raise ValueError(f"wire type {wire_type} out of place")
+    if pos > view.nbytes:
+        raise ValueError("a field runs past the end of the message")
+    return pos
+
+
 def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
     """The lengths of every length-delimited field ``number`` at the top level of a serialized message.
 
@@ -64,56 +105,14 @@ def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
     whole message (upb), as costly as ``SerializeToString()``. Raises ``ValueError`` on bytes that are not a
     well-formed message.
     """
-    view = memoryview(data).cast("B")
-    end = view.nbytes
-    pos = 0
     out: list[int] = []
-
-    def varint() -> int:
-        nonlocal pos
-        value, shift = 0, 0
-        while True:
-            if pos >= end or shift > 63:
-                raise ValueError("a truncated or overlong varint")
-            byte = view[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return value
-            shift += 7
-
-    def skip(wire_type: int, number: int) -> None:
-        nonlocal pos
-        if wire_type == 0:
-            varint()
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length = varint()  # not ``pos += varint()``: that adds to the position before the length
-            pos += length
-        elif wire_type == 3:  # a (deprecated) group: its fields up to the matching end-group tag
-            while True:
-                key = varint()
-                if key & 7 == 4:
-                    if key >> 3 != number:
-                        raise ValueError("a group closed by another field's end-group tag")
-                    break
-                skip(key & 7, key >> 3)
-        else:
-            raise ValueError(f"wire type {wire_type} out of place")
-        if pos > end:
-            raise ValueError("a field runs past the end of the message")
-
-    while pos < end:
-        key = varint()
-        if key & 7 == 2 and key >> 3 == number:
-            start = pos
-            length = varint()
-            out.append(length)
-            pos = start
-        skip(key & 7, key >> 3)
+    with memoryview(data) as whole, whole.cast("B") as view:
+        pos = 0
+        while pos < view.nbytes:
+            key, pos = _varint(view, pos)
+            if key & 7 == 2 and key >> 3 == number:
+                out.append(_varint(view, pos)[0])
+            pos = _skip(view, pos, key)
     return out
 
 
