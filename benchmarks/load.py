@@ -46,7 +46,7 @@ from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind, Receive
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import status_of
 from hetfed.wire.specs import get_spec
-from hetfed.wire.transport import ORGANIZATION_METADATA_KEY
+from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, OWN_CONNECTION
 
 SPEC = get_spec("fedavg")
 ROUNDS = 3
@@ -59,7 +59,7 @@ async def one_client(address: str, run_id: str, org: str, dim: int, timeout: flo
     """One organization's client until its run finishes; returns the rounds it pushed."""
     md = ((ORGANIZATION_METADATA_KEY, org),)
     pushed = 0
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(address, options=[OWN_CONNECTION]) as channel:
         stub = agrpc.AggregatorStub(channel)
         join = apb.JoinRequest(run_id=run_id, organization_id=org, num_train_examples=10)
         join.declared_tensors.add(payload_kind=PayloadKind.MODEL_WEIGHTS.proto_enum, name="w",  # type: ignore[arg-type]

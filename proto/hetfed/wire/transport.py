@@ -48,14 +48,15 @@ class TlsConfig:
 
 
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options bounding what a server buffers per connection at about ``window_bytes`` (0: gRPC's own).
+    """gRPC options bounding what a server buffers for a waiting stream at about ``window_bytes`` (0: gRPC's own).
 
     By default gRPC grows each connection's HTTP/2 window with its bandwidth-delay product estimate (BDP
-    probing) and its socket reads up to 4 MiB, and a server then holds that much received, not yet read data
-    for every client: memory that grows with the federation. Here the receive window of every stream is fixed
-    at ``window_bytes``, and no socket read is larger. gRPC still opens the window to a whole message being
-    read, so a stream moves about max(``window_bytes``, message size) per round trip
-    (``benchmarks/window_throughput.py``).
+    probing), and a server then holds that much received, not yet read data for every client: memory that
+    grows with the federation. Here the receive window of every stream is fixed at ``window_bytes``. gRPC
+    still opens the window to a whole message being read, so a stream moves about max(``window_bytes``,
+    message size) per round trip (``benchmarks/window_throughput.py``). The socket-read cap is honoured by
+    gRPC's iomgr endpoint only: the EventEngine endpoint of grpcio 1.85 keeps a read buffer per connection as
+    large as its largest read (docs/benchmarks.md, "What is not bounded").
     """
     if window_bytes == 0:
         return []
@@ -174,13 +175,19 @@ class Health:
         })
 
 
+# gRPC shares one TCP connection among every channel of a process with the same target and options (its
+# global subchannel pool). Each organization is a connection of its own in a deployment, so every channel
+# made here is too, including the many organizations one benchmark or test process may run.
+OWN_CONNECTION: tuple[str, int] = ("grpc.use_local_subchannel_pool", 1)
+
+
 def make_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
-    """A channel to the aggregator (mTLS when ``tls`` is set)."""
+    """A channel to the aggregator (mTLS when ``tls`` is set), on a TCP connection of its own."""
     if tls is None:
-        return grpc.insecure_channel(address, options=_COMMON_OPTIONS)
+        return grpc.insecure_channel(address, options=[*_COMMON_OPTIONS, OWN_CONNECTION])
     cert, key, ca = tls.read()
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    options = list(_COMMON_OPTIONS)
+    options = [*_COMMON_OPTIONS, OWN_CONNECTION]
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.secure_channel(address, creds, options=options)

@@ -136,7 +136,7 @@ class ServerConfig:
     # not grow with the federation); a push waits for a slot at most reassembly_wait_seconds, and a stream may
     # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
     max_concurrent_reassemblies: int = 4
-    # The HTTP/2 receive window of each stream (and the largest socket read): about what the aggregator buffers
+    # The HTTP/2 receive window of each stream: about what the aggregator buffers
     # for one waiting client. A push then moves about max(window, one 1 MiB chunk) per round trip: measured
     # 45 MB/s at 20 ms and 9.8 MB/s at 100 ms, against 216 and 70 MB/s with gRPC's adaptive windows
     # (benchmarks/window_throughput.py). Over long links set 0 (adaptive: gRPC grows each window with its
