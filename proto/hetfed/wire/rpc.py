@@ -455,12 +455,16 @@ class AggregatorClient:
         self._retry: Retry = retry or call_once  # type: ignore[assignment]
         self._timeout = call_timeout
         self._channel = make_channel(address, tls)
-        self._stub = agrpc.AggregatorStub(self._channel)
+        self._bind(self._channel)
+        self._metadata = () if tls else ((ORGANIZATION_METADATA_KEY, organization),)
+
+    def _bind(self, channel: grpc.Channel) -> None:
+        """Make the calls on ``channel`` (the client's own, or one wrapped by interceptors)."""
+        self._stub = agrpc.AggregatorStub(channel)
         # The two calls that carry payloads move bytes both ways, so the traffic counted is the length of the
         # messages sent and received, not a protobuf ByteSize(), which serializes the message once more.
-        self._pull_raw = self._channel.unary_stream(f"/{SERVICE_NAME}/PullInstructions")
-        self._push_raw = self._channel.stream_unary(f"/{SERVICE_NAME}/PushUpdate")
-        self._metadata = () if tls else ((ORGANIZATION_METADATA_KEY, organization),)
+        self._pull_raw = channel.unary_stream(f"/{SERVICE_NAME}/PullInstructions")
+        self._push_raw = channel.stream_unary(f"/{SERVICE_NAME}/PushUpdate")
 
     def close(self) -> None:
         """Close the channel."""
