@@ -108,7 +108,7 @@ def test_aggregator_image_serves_health_has_no_torch_and_a_numeric_user(images: 
         run = buildah("run", "--isolation", "chroot", ctr, "--", "sh", "-c", script, check=False, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
         assert f"127.0.0.1:{health} hetfed.v1.Aggregator: SERVING" in run.stdout
-        assert "run demo (fedavg): running, round 1 of 10, 2 organizations" in run.stdout
+        assert "run demo (fedavg): train, round 1 of 10, 2 organizations" in run.stdout
 
 
 @pytest.mark.slow
