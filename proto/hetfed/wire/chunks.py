@@ -9,6 +9,7 @@ from typing import TypeAlias
 import numpy as np
 
 from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import framing
 from hetfed.wire.errors import WireError
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -20,6 +21,14 @@ FIRST_PUSH_CHUNK_BYTES = 16 << 10
 Bytes: TypeAlias = bytes | memoryview
 
 
+def _bounds(total: int, chunk_bytes: int, first_bytes: int | None) -> list[int]:
+    """Chunk boundaries of a ``total``-byte message: 0, ..., total (one chunk, maybe empty, at least)."""
+    if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
+        raise ValueError("chunk sizes must be positive")
+    first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
+    return [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
+
+
 def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
           first_bytes: int | None = None) -> Iterator[apb.Chunk]:
     """Chunks 0..n-1 of ``data``; the last carries the SHA-256 of the whole.
@@ -27,13 +36,10 @@ def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ``first_bytes`` makes the first chunk at most that long (the rest ``chunk_bytes`` each): a receiver that
     reads the first message before it admits the stream then holds little of a stream it makes wait.
     """
-    if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
-        raise ValueError("chunk sizes must be positive")
     view = memoryview(data).cast("B")
     total = view.nbytes
-    first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
-    count = 1 + max(0, -(-(total - first) // chunk_bytes))
-    bounds = [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
+    bounds = _bounds(total, chunk_bytes, first_bytes)
+    count = len(bounds) - 1
     digest = hashlib.sha256(view).digest()
     whole = data if isinstance(data, bytes) else None
     for i in range(count):
@@ -47,6 +53,65 @@ def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             data=piece,
             sha256=digest if i == count - 1 else b"",
         )
+
+
+# The chunked messages' ``Chunk`` field (the last field of each, so appending it keeps protobuf's field
+# order) and the chunk's own fields, as in hetfed/v1/aggregator.proto; tests pin them to the descriptors.
+PUSH_CHUNK_FIELD = apb.PushUpdateRequest.CHUNK_FIELD_NUMBER
+PULL_CHUNK_FIELD = apb.PullInstructionsResponse.CHUNK_FIELD_NUMBER
+_DATA = apb.Chunk.DATA_FIELD_NUMBER
+_DATA_TAG = framing.tag(_DATA, framing.WIRE_LEN)
+_SHA_TAG = framing.tag(apb.Chunk.SHA256_FIELD_NUMBER, framing.WIRE_LEN)
+
+
+def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+           first_bytes: int | None = None) -> list[bytes]:
+    """The serialized messages that carry ``data`` in chunks: each is ``envelope`` (a serialized message
+    without its chunk) with field ``chunk_field`` set to the next ``split`` chunk.
+
+    The same bytes protobuf would produce for ``Message(..., chunk=c).SerializeToString()`` (the chunk is the
+    message's last field), with each byte of ``data`` copied once, into its message, and hashed once.
+    """
+    view = memoryview(data).cast("B")
+    total = view.nbytes
+    bounds = _bounds(total, chunk_bytes, first_bytes)
+    count = len(bounds) - 1
+    digest = hashlib.sha256(view).digest()
+    chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
+    out = []
+    for i in range(count):
+        lo, hi = bounds[i], bounds[i + 1]
+        head = apb.Chunk(index=i, count=count, total_bytes=total).SerializeToString()
+        data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
+        tail = _SHA_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
+        size = len(head) + len(data_head) + (hi - lo) + len(tail)
+        out.append(b"".join((envelope, chunk_tag, framing.write_varint(size), head, data_head, view[lo:hi], tail)))
+    return out
+
+
+def unframed(raw: bytes, chunk_field: int) -> tuple[bytes, memoryview | None]:
+    """``raw`` without its chunk's data, and that data as a view of ``raw`` (no copy).
+
+    When the message does not have exactly one chunk field holding exactly one data field (a sender other
+    than hetfed's may merge several; protobuf's parser gives them their meaning), or when ``raw`` is not
+    well-formed, returns ``(raw, None)``: the caller parses it whole and reads the data from the message.
+    """
+    view = memoryview(raw)
+    try:
+        chunks_found = [f for f in framing.fields(view) if f[0] == chunk_field]
+        if len(chunks_found) != 1 or chunks_found[0][1] != framing.WIRE_LEN:
+            return raw, None
+        _, _, key_at, start, end = chunks_found[0]
+        datas = [f for f in framing.fields(view, start, end) if f[0] == _DATA]
+    except ValueError:
+        return raw, None
+    if len(datas) != 1 or datas[0][1] != framing.WIRE_LEN:
+        return raw, None
+    _, _, data_key_at, data_start, data_end = datas[0]
+    rest = (end - start) - (data_end - data_key_at)
+    head = framing.tag(chunk_field, framing.WIRE_LEN) + framing.write_varint(rest)
+    small = b"".join((view[:key_at], head, view[start:data_key_at], view[data_end:]))
+    return small, view[data_start:data_end]
 
 
 class Reassembler:
@@ -69,8 +134,9 @@ class Reassembler:
         self._total = 0
         self.sha256 = b""
 
-    def add(self, chunk: apb.Chunk) -> bool:
-        """Add the next chunk; returns True once the message is complete and verified."""
+    def add(self, chunk: apb.Chunk, data: Bytes | None = None) -> bool:
+        """Add the next chunk (``data``: its bytes, when read apart from the message with ``unframed``);
+        returns True once the message is complete and verified."""
         if self._buffer is None:
             if self._done:
                 raise WireError("malformed", f"a chunk after the last announced chunk ({self._count} chunks)")
@@ -88,7 +154,10 @@ class Reassembler:
                 "malformed",
                 f"chunk {chunk.index}/{chunk.count} out of order (expected {self._next}/{self._count})",
             )
-        data = chunk.data  # read once: every read of a bytes field copies it
+        if data is None:
+            data = chunk.data  # read once: every read of a bytes field copies it
+        elif chunk.data:
+            raise ValueError("a chunk's data given twice")
         end = self._received + len(data)
         if end > self._total:
             raise WireError("malformed", f"chunks carry more than the announced {self._total} bytes")

@@ -166,6 +166,16 @@ def parse(cls: type[M], data: bytes) -> M:
         raise WireError("malformed", f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
 
 
+def parse_chunked(cls: type[M], raw: bytes, chunk_field: int, what: str = "request") -> tuple[M, Bytes | None]:
+    """A chunked message parsed without its chunk's data, and that data as a view of ``raw`` (None when
+    ``chunks.unframed`` left it in the message: read ``chunk.data`` then). Malformed bytes are ``malformed``."""
+    small, data = chunks.unframed(raw, chunk_field)
+    try:
+        return cls.FromString(small), data
+    except DecodeError as exc:
+        raise WireError("malformed", f"the {what} is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+
+
 def _check_ids(*ids: str) -> None:
     for value in ids:
         if len(value) > MAX_ID_CHARS:
@@ -223,8 +233,7 @@ class _ChunkCache:
 
     @staticmethod
     def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
-        responses = [apb.PullInstructionsResponse(chunk=c).SerializeToString()
-                     for c in chunks.split(encoded.data, chunk_bytes)]
+        responses = chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
         return responses, sum(len(r) for r in responses)
 
 
@@ -308,7 +317,7 @@ class AggregatorServicer:
             raw = await anext(stream, None)
             if raw is None:
                 raise WireError("malformed", "an empty PushUpdate stream")
-            first = parse(apb.PushUpdateRequest, raw)
+            first, data = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD)
             _check_ids(first.run_id, first.organization_id)
             run_id = first.run_id
             org = self.handler.identify(_caller(context), first.organization_id)
@@ -327,9 +336,12 @@ class AggregatorServicer:
                     raise WireError("malformed", "chunks after the last announced chunk")
                 wire_bytes += size
                 n += 1
-                done = assembler.add(req.chunk)
+                done = assembler.add(req.chunk, data)
                 raw = await self._next_chunk(stream)
-                req, size = (None, 0) if raw is None else (parse(apb.PushUpdateRequest, raw), len(raw))
+                if raw is None:
+                    req, size = None, 0
+                else:
+                    (req, data), size = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD), len(raw)
             # Handed over, not kept here: the handler frees the bytes as soon as they are logged.
             reply = await self.handler.push(org, run_id, first.round, assembler.take(), assembler.sha256,
                                             wire_bytes, n)
@@ -513,11 +525,8 @@ class AggregatorClient:
             for raw in self._pull_raw(raw_req, metadata=self._metadata, timeout=wait_seconds + 60):
                 wire += len(raw)
                 n += 1
-                try:
-                    resp = apb.PullInstructionsResponse.FromString(raw)
-                except DecodeError as exc:
-                    raise WireError("malformed", f"a PullInstructions response does not parse: {exc}") from None
-                asm.add(resp.chunk)
+                resp, data = parse_chunked(apb.PullInstructionsResponse, raw, chunks.PULL_CHUNK_FIELD, "response")
+                asm.add(resp.chunk, data)
             return asm.data(), wire, n
 
         data, wire, n = self._call("PullInstructions", call)
@@ -529,9 +538,10 @@ class AggregatorClient:
     def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None) -> PushReply:
         """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads), wire_dtype)
-        requests = [apb.PushUpdateRequest(run_id=self.run_id, round=round_, organization_id=self.organization,
-                                          chunk=c).SerializeToString()
-                    for c in chunks.split(encoded.data, first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)]
+        envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
+                                         organization_id=self.organization).SerializeToString()
+        requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
+                                 first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
         raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
         try:
             resp = apb.PushUpdateResponse.FromString(raw)

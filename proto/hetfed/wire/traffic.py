@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.wire import codec
+from hetfed.wire.framing import read_varint, skip_field
 
 LABELS = ("run", "algorithm", "organization", "direction", "payload_kind")
 ENVELOPE = "envelope"
@@ -56,47 +57,6 @@ class TrafficBreakdown:
         return sum(c.bytes for c in self.kinds.values())
 
 
-def _varint(view: memoryview, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it."""
-    value, shift, end = 0, 0, view.nbytes
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("a truncated or overlong varint")
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _skip(view: memoryview, pos: int, key: int) -> int:
-    """The position after the value of the field whose tag ``key`` ended at ``pos``."""
-    wire_type = key & 7
-    if wire_type == 0:
-        _, pos = _varint(view, pos)
-    elif wire_type == 1:
-        pos += 8
-    elif wire_type == 5:
-        pos += 4
-    elif wire_type == 2:
-        length, pos = _varint(view, pos)
-        pos += length
-    elif wire_type == 3:  # a (deprecated) group: its fields up to the matching end-group tag
-        while True:
-            inner, pos = _varint(view, pos)
-            if inner & 7 == 4:
-                if inner >> 3 != key >> 3:
-                    raise ValueError("a group closed by another field's end-group tag")
-                break
-            pos = _skip(view, pos, inner)
-    else:
-        raise ValueError(f"wire type {wire_type} out of place")
-    if pos > view.nbytes:
-        raise ValueError("a field runs past the end of the message")
-    return pos
-
-
 def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
     """The lengths of every length-delimited field ``number`` at the top level of a serialized message.
 
@@ -109,10 +69,10 @@ def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
     with memoryview(data) as whole, whole.cast("B") as view:
         pos = 0
         while pos < view.nbytes:
-            key, pos = _varint(view, pos)
+            key, pos = read_varint(view, pos)
             if key & 7 == 2 and key >> 3 == number:
-                out.append(_varint(view, pos)[0])
-            pos = _skip(view, pos, key)
+                out.append(read_varint(view, pos)[0])
+            pos = skip_field(view, pos, key)
     return out
 
 
