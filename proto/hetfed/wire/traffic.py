@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.wire import codec
-from hetfed.wire.framing import read_varint, skip_field
+from hetfed.wire.framing import WIRE_LEN, fields
 
 LABELS = ("run", "algorithm", "organization", "direction", "payload_kind")
 ENVELOPE = "envelope"
@@ -65,15 +65,8 @@ def field_sizes(data: bytes | memoryview, number: int) -> list[int]:
     whole message (upb), as costly as ``SerializeToString()``. Raises ``ValueError`` on bytes that are not a
     well-formed message.
     """
-    out: list[int] = []
     with memoryview(data) as whole, whole.cast("B") as view:
-        pos = 0
-        while pos < view.nbytes:
-            key, pos = read_varint(view, pos)
-            if key & 7 == 2 and key >> 3 == number:
-                out.append(read_varint(view, pos)[0])
-            pos = skip_field(view, pos, key)
-    return out
+        return [end - value for n, wire_type, _, value, end in fields(view) if n == number and wire_type == WIRE_LEN]
 
 
 def payload_breakdown(payloads: Sequence[pb.Payload], sizes: Sequence[int] | None = None) -> TrafficBreakdown:
