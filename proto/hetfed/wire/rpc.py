@@ -158,22 +158,19 @@ def rich_status(err: WireError) -> grpc.Status:
 M = TypeVar("M", bound=Message)
 
 
-def parse(cls: type[M], data: bytes) -> M:
-    """A request message parsed from its bytes; undecodable bytes are a ``malformed`` rejection."""
+def parse(cls: type[M], data: bytes, what: str = "request") -> M:
+    """A message (a request, or ``what``) parsed from its bytes; undecodable bytes are ``malformed``."""
     try:
         return cls.FromString(data)
     except DecodeError as exc:
-        raise WireError("malformed", f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+        raise WireError("malformed", f"the {what} is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
 
 
 def parse_chunked(cls: type[M], raw: bytes, chunk_field: int, what: str = "request") -> tuple[M, Bytes | None]:
     """A chunked message parsed without its chunk's data, and that data as a view of ``raw`` (None when
     ``chunks.unframed`` left it in the message: read ``chunk.data`` then). Malformed bytes are ``malformed``."""
     small, data = chunks.unframed(raw, chunk_field)
-    try:
-        return cls.FromString(small), data
-    except DecodeError as exc:
-        raise WireError("malformed", f"the {what} is not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+    return parse(cls, small, what), data
 
 
 def _check_ids(*ids: str) -> None:
@@ -543,11 +540,7 @@ class AggregatorClient:
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
                                  first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
         raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
-        try:
-            resp = apb.PushUpdateResponse.FromString(raw)
-        except DecodeError as exc:
-            raise WireError("malformed", f"the PushUpdate response does not parse: {exc}") from None
-        reply = messages.push_reply_from_proto(resp)
+        reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
             self._count("up", with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
             self._count("down", with_envelope(TrafficBreakdown(), len(raw)))
