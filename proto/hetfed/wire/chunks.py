@@ -21,12 +21,16 @@ FIRST_PUSH_CHUNK_BYTES = 16 << 10
 Bytes: TypeAlias = bytes | memoryview
 
 
-def _bounds(total: int, chunk_bytes: int, first_bytes: int | None) -> list[int]:
-    """Chunk boundaries of a ``total``-byte message: 0, ..., total (one chunk, maybe empty, at least)."""
+def _plan(data: Bytes | bytearray, chunk_bytes: int, first_bytes: int | None) -> tuple[memoryview, list[int], bytes]:
+    """``data`` as a byte view, its chunk boundaries (0, ..., total: one chunk, maybe empty, at least) and the
+    SHA-256 of the whole."""
     if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
         raise ValueError("chunk sizes must be positive")
+    view = memoryview(data).cast("B")
+    total = view.nbytes
     first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
-    return [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
+    bounds = [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
+    return view, bounds, hashlib.sha256(view).digest()
 
 
 def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -36,11 +40,8 @@ def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ``first_bytes`` makes the first chunk at most that long (the rest ``chunk_bytes`` each): a receiver that
     reads the first message before it admits the stream then holds little of a stream it makes wait.
     """
-    view = memoryview(data).cast("B")
-    total = view.nbytes
-    bounds = _bounds(total, chunk_bytes, first_bytes)
-    count = len(bounds) - 1
-    digest = hashlib.sha256(view).digest()
+    view, bounds, digest = _plan(data, chunk_bytes, first_bytes)
+    total, count = view.nbytes, len(bounds) - 1
     whole = data if isinstance(data, bytes) else None
     for i in range(count):
         lo, hi = bounds[i], bounds[i + 1]
@@ -72,11 +73,8 @@ def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_byt
     The same bytes protobuf would produce for ``Message(..., chunk=c).SerializeToString()`` (the chunk is the
     message's last field), with each byte of ``data`` copied once, into its message, and hashed once.
     """
-    view = memoryview(data).cast("B")
-    total = view.nbytes
-    bounds = _bounds(total, chunk_bytes, first_bytes)
-    count = len(bounds) - 1
-    digest = hashlib.sha256(view).digest()
+    view, bounds, digest = _plan(data, chunk_bytes, first_bytes)
+    total, count = view.nbytes, len(bounds) - 1
     chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
     out = []
     for i in range(count):
