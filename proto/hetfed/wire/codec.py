@@ -9,6 +9,7 @@ of a bytes field is a fresh copy) and returns a read-only ``np.frombuffer`` view
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from google.protobuf.message import EncodeError
 
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
+from hetfed.wire import framing
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import (
     ClassCounts,
@@ -127,21 +129,26 @@ def tensor_to_proto(array: np.ndarray, wire_dtype: str | None = None) -> tpb.Ten
     return tpb.Tensor(dtype=enum, shape=shape, data=data)  # type: ignore[arg-type]
 
 
-def tensor_from_proto(tensor: tpb.Tensor) -> np.ndarray:
-    """Decode a Tensor into a read-only numpy view of its bytes (bfloat16 widens to float32)."""
+def tensor_from_proto(tensor: tpb.Tensor, lifted: list[memoryview] | None = None) -> np.ndarray:
+    """Decode a Tensor into a read-only numpy view of its bytes (bfloat16 widens to float32).
+
+    ``lifted``: the tensor comes from a message parsed with its tensors' data lifted out
+    (``framing.lift``); its ``data`` holds the index of its bytes among ``lifted``, which the array views.
+    """
     name = dtype_name(tensor.dtype)
     raw = _BY_ENUM[tensor.dtype][1]
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise WireError("malformed", f"tensor shape {shape} has a negative dimension")
     count = math.prod(shape)  # exact: numpy's int64 product could wrap around for absurd shapes
-    data = tensor.data  # read once: every read of a bytes field copies it
+    field = tensor.data  # read once: every read of a bytes field copies it
+    data = field if lifted is None else framing.lifted_value(field, lifted)
     if len(data) != count * raw.itemsize:
         raise WireError(
             "malformed",
             f"tensor of shape {shape} and dtype {name} needs {count * raw.itemsize} bytes, got {len(data)}",
         )
-    array = np.frombuffer(data, dtype=raw).reshape(shape)
+    array = np.frombuffer(data, dtype=raw).reshape(shape)  # read-only: bytes, or a view of read-only bytes
     if name == "bfloat16":
         array = (array.astype("<u4") << 16).view("<f4")
     return array
@@ -285,34 +292,35 @@ def payload_kind_of(message: pb.Payload) -> PayloadKind:
     return PayloadKind(which)
 
 
-def payload_from_proto(message: pb.Payload) -> Payload:
-    """Decode a Payload message into its typed, numpy-backed dataclass."""
+def payload_from_proto(message: pb.Payload, lifted: list[memoryview] | None = None) -> Payload:
+    """Decode a Payload message into its typed, numpy-backed dataclass (``lifted``: see ``tensor_from_proto``)."""
+    tensor = functools.partial(tensor_from_proto, lifted=lifted)
     kind = payload_kind_of(message)
     if kind is PayloadKind.MODEL_WEIGHTS:
         m = message.model_weights
         names = [t.name for t in m.tensors]
         if len(set(names)) != len(names):
             raise WireError("malformed", "model weights name a tensor twice")
-        return ModelWeights({t.name: tensor_from_proto(t.tensor) for t in m.tensors}, int(m.num_examples))
+        return ModelWeights({t.name: tensor(t.tensor) for t in m.tensors}, int(m.num_examples))
     if kind is PayloadKind.HEAD_WEIGHTS:
         h = message.head_weights
-        return HeadWeights(tensor_from_proto(h.weight), tensor_from_proto(h.bias), int(h.num_examples))
+        return HeadWeights(tensor(h.weight), tensor(h.bias), int(h.num_examples))
     if kind is PayloadKind.CLASS_COUNTS:
-        return ClassCounts(tensor_from_proto(message.class_counts.counts))
+        return ClassCounts(tensor(message.class_counts.counts))
     if kind is PayloadKind.CLASS_MEAN_EMBEDDINGS:
         c = message.class_mean_embeddings
         return ClassMeanEmbeddings(
-            tensor_from_proto(c.labels),
-            tensor_from_proto(c.means),
-            tensor_from_proto(c.counts),
-            tensor_from_proto(c.presence),
+            tensor(c.labels),
+            tensor(c.means),
+            tensor(c.counts),
+            tensor(c.presence),
         )
     if kind is PayloadKind.SEED_POSTERIORS:
         s = message.seed_posteriors
         return SeedPosteriors(
             s.seed_set_id,
-            tensor_from_proto(s.indices),
-            tensor_from_proto(s.probabilities),
+            tensor(s.indices),
+            tensor(s.probabilities),
             float(s.teaching_confidence),
             s.source_organization,
         )
@@ -321,10 +329,10 @@ def payload_from_proto(message: pb.Payload) -> Payload:
         layers = tuple(
             FactorizedLayer(
                 layer.name,
-                tensor_from_proto(layer.u),
-                tensor_from_proto(layer.v),
-                tensor_from_proto(layer.mask_indices),
-                tensor_from_proto(layer.mask_values),
+                tensor(layer.u),
+                tensor(layer.v),
+                tensor(layer.mask_indices),
+                tensor(layer.mask_values),
                 tuple(int(d) for d in layer.mask_shape),
             )
             for layer in f.layers
@@ -332,7 +340,7 @@ def payload_from_proto(message: pb.Payload) -> Payload:
         return FactorizedWeights(layers, int(f.num_examples))
     if kind is PayloadKind.CRITERIA_EMBEDDINGS:
         e = message.criteria_embeddings
-        return CriteriaEmbeddings(e.criteria_set_id, tensor_from_proto(e.embeddings))
+        return CriteriaEmbeddings(e.criteria_set_id, tensor(e.embeddings))
     m2 = message.eval_metrics
     return EvalMetrics(
         float(m2.train_loss),

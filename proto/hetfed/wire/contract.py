@@ -145,8 +145,11 @@ def check_update(
     messages: Sequence[pb.Payload],
     schema: Schema,
     max_elements: int,
+    lifted: list[memoryview] | None = None,
 ) -> Received:
-    """Check an update's payloads against the contract and decode them; raises WireError."""
+    """Check an update's payloads against the contract and decode them; raises WireError.
+
+    ``lifted``: the update was parsed with its tensors' data lifted out (``codec.tensor_from_proto``)."""
     allowed, required = spec.uploads(phase)
     kinds: list[PayloadKind] = []
     for m in messages:
@@ -170,20 +173,22 @@ def check_update(
     for kind, m in zip(kinds, messages, strict=True):
         if kind in schema:
             _check_schema(kind, m, schema[kind])
-        payload = codec.payload_from_proto(m)
+        payload = codec.payload_from_proto(m, lifted)
         check_finite(kind, payload)
         decoded.append(payload)
     return Received(decoded)
 
 
-def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload]) -> Received:
-    """A client's check of what the aggregator sends: only the spec's download kinds, finite values."""
+def check_download(spec: AlgorithmSpec, messages: Sequence[pb.Payload],
+                   lifted: list[memoryview] | None = None) -> Received:
+    """A client's check of what the aggregator sends: only the spec's download kinds, finite values
+    (``lifted``: as in ``check_update``)."""
     out = []
     for m in messages:
         kind = codec.payload_kind_of(m)
         if kind not in spec.download:
             raise WireError("payload_kind_not_allowed", f"{spec.name} never receives {kind.value}")
-        payload = codec.payload_from_proto(m)
+        payload = codec.payload_from_proto(m, lifted)
         check_finite(kind, payload)
         out.append(payload)
     return Received(out, repeated=spec.repeated_download)

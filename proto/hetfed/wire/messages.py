@@ -10,17 +10,34 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
 from hetfed.v1 import aggregator_pb2 as apb
-from hetfed.wire import codec, contract
+from hetfed.v1 import tensor_pb2 as tpb
+from hetfed.wire import codec, contract, framing
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.specs import AlgorithmSpec
 from hetfed.wire.traffic import KindCount, TrafficBreakdown, field_sizes, payload_breakdown
+
+_Lifted = TypeVar("_Lifted", apb.Update, apb.Instructions)
+_TENSOR_DATA = tpb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _parse_lifted(cls: type[_Lifted], data: Bytes, what: str) -> tuple[_Lifted, list[memoryview]]:
+    """``data`` parsed as ``cls`` with every tensor's data lifted out as views of ``data`` (``framing.lift``):
+    protobuf copies the message's small fields, not its tensors."""
+    view = memoryview(data).toreadonly().cast("B")
+    try:
+        small, lifted = framing.lift(view, cls.DESCRIPTOR, tpb.Tensor.DESCRIPTOR, _TENSOR_DATA)
+        return cls.FromString(small), lifted
+    except (ValueError, DecodeError) as exc:
+        raise WireError("malformed", f"{what} not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+
 
 # ---------------------------------------------------------------------------------------------- Join
 
@@ -187,10 +204,7 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
 
 def decode_instructions(data: Bytes, spec: AlgorithmSpec | None) -> tuple[Instructions, TrafficBreakdown]:
     """Parse instructions and check their payloads against ``spec``'s download contract (a client's view)."""
-    try:
-        msg = apb.Instructions.FromString(data)  # type: ignore[arg-type]  # upb reads any buffer
-    except DecodeError as exc:
-        raise WireError("malformed", f"instructions are not a valid hetfed.v1.Instructions: {exc}") from None
+    msg, lifted = _parse_lifted(apb.Instructions, data, "instructions are")
     action = _ACTION_FROM_PROTO.get(msg.action)  # type: ignore[call-overload]
     if action is None:
         raise WireError("malformed", f"unknown action {msg.action} in instructions")
@@ -198,7 +212,7 @@ def decode_instructions(data: Bytes, spec: AlgorithmSpec | None) -> tuple[Instru
     if msg.payloads:
         if spec is None:
             raise WireError("malformed", "instructions carry payloads before the algorithm is known")
-        payloads = contract.check_download(spec, msg.payloads)
+        payloads = contract.check_download(spec, msg.payloads, lifted)
     env = msg.envelope
     ins = Instructions(env.run_id, int(env.round), action, int(msg.total_rounds), int(msg.round_seed),
                        env.organization_id, tuple(payloads))
@@ -233,16 +247,15 @@ def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
 class ParsedUpdate:
     """A received update, parsed but not yet checked against a run's contract (opaque to the engine).
 
-    It holds at most two copies of the update: the received bytes (until ``release``, once they are logged)
-    and the parsed message (until ``check`` has decoded its payloads into arrays of their own).
+    It holds one copy of the update, the received bytes: protobuf parses everything but the tensors' data
+    (``framing.lift``), and ``check`` decodes each tensor as a read-only array viewing the received bytes. The
+    bytes live as long as the decoded arrays, or until ``release`` (once they are logged) where none is kept.
     """
 
     def __init__(self, data: Bytes) -> None:
-        try:
-            msg = apb.Update.FromString(data)  # type: ignore[arg-type]  # upb reads any buffer
-        except DecodeError as exc:
-            raise WireError("malformed", f"the update is not a valid hetfed.v1.Update: {exc}") from None
+        msg, lifted = _parse_lifted(apb.Update, data, "the update is")
         self._msg: apb.Update | None = msg
+        self._lifted = lifted
         self._data: Bytes | None = data
         self.payload_traffic = payload_breakdown(msg.payloads, _payload_sizes(data, _UPDATE_PAYLOADS))
         """Bytes, messages and elements per payload kind (the envelope not included)."""
@@ -278,8 +291,8 @@ class ParsedUpdate:
         actual = [codec.payload_kind_of(p).value for p in msg.payloads]
         if declared != actual:
             raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
-        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements)
-        self._msg = None  # the decoded arrays own their bytes: the parsed message is not needed again
+        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted)
+        self._msg, self._lifted = None, []  # the decoded arrays view the received bytes themselves
         return received
 
 
