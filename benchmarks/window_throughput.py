@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -90,7 +91,8 @@ class Relay:
         tr, tw = await asyncio.open_connection("127.0.0.1", self.target_port)
         for s in (w, tw):
             s.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(_pipe(r, tw, self.rtt / 2), _pipe(tr, w, self.rtt / 2))
+        with contextlib.suppress(asyncio.CancelledError):  # close() cancels the pipes: not an error to print
+            await asyncio.gather(_pipe(r, tw, self.rtt / 2), _pipe(tr, w, self.rtt / 2))
 
     def close(self) -> None:
         """Stop relaying (the loop's thread is a daemon: connections end with the process)."""
