@@ -12,8 +12,9 @@ sends 4 MiB pushes through ``make_channel`` channels (one TCP connection each), 
   divided by their number: gRPC's receive path (socket reads, HTTP/2 framing, flow control, the copy into
   Python bytes), with no hashing, parsing or copying of hetfed's;
 - **memory per connection**: the server's RSS growth after one push on each of ``--connections``
-  connections that then stay open and idle, divided by their number: what gRPC keeps per connection
-  between pushes (its read buffer grows to the largest read and is kept).
+  connections in turn, which then stay open and idle, divided by their number: what gRPC keeps per
+  connection between pushes (its read buffer grows to the largest read and is kept, unless capped: the
+  server's ``stream_window_bytes`` caps it).
 """
 
 from __future__ import annotations
@@ -129,12 +130,8 @@ def measure(chunk: int, connections: int, pushes: int, window: int) -> dict[str,
         rss0 = server.ask("rss")
         channels = [make_channel(server.address, None) for _ in range(connections)]
         try:
-            threads = [threading.Thread(target=lambda ch=ch: ch.stream_unary(METHOD)(iter(msgs), timeout=120))
-                       for ch in channels]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            for ch in channels:  # one at a time, as admission control lets a few pushes in at once
+                ch.stream_unary(METHOD)(iter(msgs), timeout=120)
             time.sleep(1.0)
             rss = server.ask("rss") - rss0
         finally:
@@ -152,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="1048576,262144,65536", help="message sizes of a push, bytes")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--pushes", type=int, default=40)
-    ap.add_argument("--window", type=int, default=256 << 10, help="stream_window_bytes of the server")
+    ap.add_argument("--window", type=int, default=64 << 10, help="stream_window_bytes of the server")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,8 +1,11 @@
-"""Tests for hetfed.wire.transport: every channel is a connection of its own, as each organization is."""
+"""Tests for hetfed.wire.transport: every channel is a connection of its own, as each organization is; the
+server's bounded windows and reads still carry messages far larger than either."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -10,22 +13,31 @@ import grpc
 import grpc.aio
 import pytest
 
-from hetfed.wire.transport import make_channel, make_server
+from hetfed.wire.transport import make_channel, make_server, stream_window_options
 
 
 async def _peer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
     return context.peer().encode()
 
 
-@pytest.fixture
-def echo_peer() -> Iterator[str]:
-    """The address of a server (the aggregator's make_server) that answers each call with the caller's peer."""
+async def _digest(requests: object, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+    h = hashlib.sha256()
+    async for message in requests:  # type: ignore[attr-defined]
+        h.update(message)
+    return h.digest()
+
+
+@pytest.fixture(params=[256 << 10])
+def echo_peer(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The address of a server (the aggregator's make_server) that answers each call with the caller's peer,
+    and each client stream with the SHA-256 of its messages."""
     ready, stop, box = threading.Event(), threading.Event(), []
 
     async def serve() -> None:
-        server, port = make_server("127.0.0.1:0", None, stream_window_bytes=256 << 10)
+        server, port = make_server("127.0.0.1:0", None, stream_window_bytes=request.param)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(_peer)}),))
+            "t.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(_peer),
+                       "Digest": grpc.stream_unary_rpc_method_handler(_digest)}),))
         await server.start()
         box.append(port)
         ready.set()
@@ -53,3 +65,22 @@ def test_each_channel_is_its_own_connection(echo_peer: str) -> None:
             ch.close()
     assert len(set(peers)) == 3
     assert again == peers[0]  # one channel keeps its connection
+
+
+def test_a_fixed_window_also_caps_each_connections_reads() -> None:
+    assert stream_window_options(0) == []  # gRPC's adaptive windows, and its own read sizes
+    options = dict(stream_window_options(64 << 10))
+    assert options["grpc.http2.bdp_probe"] == 0
+    assert options["grpc.http2.lookahead_bytes"] == 64 << 10
+    # Read by the EventEngine endpoint of grpcio 1.85; without it a connection keeps a read buffer as large as
+    # its largest read (docs/benchmarks.md).
+    assert options["grpc.experimental.tcp_max_read_buffer_size"] == 64 << 10
+
+
+@pytest.mark.parametrize("echo_peer", [64 << 10, 0], indirect=True)
+def test_messages_far_larger_than_the_window_and_the_read_cap_arrive_whole(echo_peer: str) -> None:
+    data = os.urandom(4 << 20)
+    messages = [data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)] + [data[:100]]
+    with make_channel(echo_peer, None) as channel:
+        digests = {channel.stream_unary("/t.Echo/Digest")(iter(messages), timeout=30) for _ in range(3)}
+    assert digests == {hashlib.sha256(data + data[:100]).digest()}

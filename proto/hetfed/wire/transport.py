@@ -48,20 +48,25 @@ class TlsConfig:
 
 
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options bounding what a server buffers for a waiting stream at about ``window_bytes`` (0: gRPC's own).
+    """gRPC options bounding what a server buffers per connection at about ``window_bytes`` (0: gRPC's own).
 
     By default gRPC grows each connection's HTTP/2 window with its bandwidth-delay product estimate (BDP
     probing), and a server then holds that much received, not yet read data for every client: memory that
     grows with the federation. Here the receive window of every stream is fixed at ``window_bytes``. gRPC
     still opens the window to a whole message being read, so a stream moves about max(``window_bytes``,
-    message size) per round trip (``benchmarks/window_throughput.py``). The socket-read cap is honoured by
-    gRPC's iomgr endpoint only: the EventEngine endpoint of grpcio 1.85 keeps a read buffer per connection as
-    large as its largest read (docs/benchmarks.md, "What is not bounded").
+    message size) per round trip (``benchmarks/window_throughput.py``).
+
+    Each connection's socket reads are capped at ``window_bytes`` too. gRPC sizes a connection's read buffer to
+    the largest read it has seen and keeps it between reads; ``tcp_max_read_chunk_size`` caps that in its iomgr
+    endpoint only, not in the EventEngine endpoint that grpcio 1.85 uses (grpc/grpc#42194), which reads
+    ``tcp_max_read_buffer_size`` instead. Without it, every connection that had carried a push kept 1.3 to
+    1.8 MB (docs/benchmarks.md, "The aggregator's hot path").
     """
     if window_bytes == 0:
         return []
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes),
-            ("grpc.experimental.tcp_max_read_chunk_size", window_bytes)]
+            ("grpc.experimental.tcp_max_read_chunk_size", window_bytes),
+            ("grpc.experimental.tcp_max_read_buffer_size", window_bytes)]
 
 
 def make_server(address: str, tls: TlsConfig | None, stream_window_bytes: int = 0) -> tuple[grpc.aio.Server, int]:

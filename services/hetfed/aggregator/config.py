@@ -136,12 +136,13 @@ class ServerConfig:
     # not grow with the federation); a push waits for a slot at most reassembly_wait_seconds, and a stream may
     # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
     max_concurrent_reassemblies: int = 4
-    # The HTTP/2 receive window of each stream: about what the aggregator buffers
-    # for one waiting client. A push then moves about max(window, one 1 MiB chunk) per round trip: measured
-    # 45 MB/s at 20 ms and 9.8 MB/s at 100 ms, against 216 and 70 MB/s with gRPC's adaptive windows
+    # The HTTP/2 receive window of each stream, and the cap on each connection's socket reads: about what the
+    # aggregator buffers for one connected client. A push then moves about max(window, one 1 MiB chunk) per
+    # round trip, so windows below the chunk size cost nothing more: measured 43 MB/s at 20 ms and 9.8 MB/s at
+    # 100 ms for 64 KiB to 256 KiB, against 194 and 58 MB/s with gRPC's adaptive windows
     # (benchmarks/window_throughput.py). Over long links set 0 (adaptive: gRPC grows each window with its
     # link's bandwidth-delay product, without a bound on memory) or a few MiB.
-    stream_window_bytes: int = 256 << 10
+    stream_window_bytes: int = 64 << 10
     reassembly_wait_seconds: float = 30.0
     push_idle_seconds: float = 30.0
     max_buffered_bytes_per_organization: int = 4 << 30
