@@ -103,6 +103,32 @@ def test_epoch_batches_cover_each_epoch_once_or_take_exactly_the_steps() -> None
     assert len(steps) == 7
     again = list(epoch_batches(d, TrainConfig(local_steps=7, batch_size=4), np.random.default_rng(0)))
     assert all(torch.equal(a.y, b.y) for a, b in zip(steps, again, strict=True))  # seeded
+    # Each epoch is one seeded permutation, cut in order: the draws of the seed's generator, epoch after epoch.
+    rng = np.random.default_rng(0)
+    want = [p[s:s + 4] for p in (rng.permutation(10), rng.permutation(10)) for s in range(0, 10, 4)]
+    assert [b.y.tolist() for b in epochs] == [w.tolist() for w in want]
+
+
+def test_fit_reports_the_mean_of_the_step_losses_exactly_as_python_sums_them() -> None:
+    # The losses are summed on the device in float64 and read once: the same value, bit for bit, as reading
+    # each step's float32 loss into a Python float and summing those.
+    g = torch.Generator().manual_seed(3)
+    d = DeviceData(torch.randn(50, 3, generator=g), torch.randint(0, 2, (50,), generator=g))
+    cfg = TrainConfig(local_epochs=3, batch_size=8)
+    m, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(m.state_dict())
+    result = fit([Objective(m, torch.optim.SGD(m.parameters(), lr=0.3))], epoch_batches(d, cfg, np.random.default_rng(5)))
+    opt, total, steps = torch.optim.SGD(ref.parameters(), lr=0.3), 0.0, 0
+    for batch in epoch_batches(d, cfg, np.random.default_rng(5)):
+        loss = nn.functional.cross_entropy(ref(batch.x), batch.y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+        steps += 1
+    assert result.steps == steps == 21
+    assert result.loss == total / steps  # exact
+    assert isinstance(result.loss, float)
 
 
 def test_sampled_batches_draw_without_replacement_within_a_batch() -> None:

@@ -43,8 +43,11 @@ class DeviceData:
 
     def take(self, idx: np.ndarray) -> Batch:
         """The examples at ``idx`` as a batch."""
-        t = torch.as_tensor(idx, device=self.x.device)
-        return Batch(self.x[t], self.y[t])
+        return self.take_at(torch.as_tensor(idx, device=self.x.device))
+
+    def take_at(self, idx: torch.Tensor) -> Batch:
+        """The examples at ``idx``, an index tensor on the data's device, as a batch."""
+        return Batch(self.x[idx], self.y[idx])
 
 
 @dataclass
@@ -113,10 +116,15 @@ class FitResult:
 
 
 def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
-    """Step every objective on every batch, in order; returns the mean loss of each."""
+    """Step every objective on every batch, in order; returns the mean loss of each.
+
+    The losses are summed on the training device, in float64, and read once at the end: reading each step's
+    loss would make the host wait for the device at every step. The sums are those of Python floats, bit for
+    bit (the same float64 additions in the same order).
+    """
     for o in objectives:
         o.model.train()
-    totals = [0.0] * len(objectives)
+    totals: list[float | torch.Tensor] = [0.0] * len(objectives)
     steps = 0
     for batch in batches:
         for i, o in enumerate(objectives):
@@ -129,16 +137,9 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
             if o.before_step is not None:
                 o.before_step()
             o.optimizer.step()
-            totals[i] += float(loss.detach())
+            totals[i] = totals[i] + loss.detach().to(torch.float64)
         steps += 1
-    return FitResult([t / max(steps, 1) for t in totals], steps)
-
-
-def minibatches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    """Index batches of one seeded shuffled epoch."""
-    order = rng.permutation(n)
-    for start in range(0, n, batch_size):
-        yield order[start : start + batch_size]
+    return FitResult([float(t) / max(steps, 1) for t in totals], steps)
 
 
 def epoch_batches(data: DeviceData, cfg: TrainConfig, rng: np.random.Generator) -> Iterator[Batch]:
@@ -150,8 +151,11 @@ def epoch_batches(data: DeviceData, cfg: TrainConfig, rng: np.random.Generator) 
     epochs = cfg.local_epochs if budget is None else 1 << 30
     steps = 0
     for _ in range(epochs):
-        for idx in minibatches(n, cfg.batch_size, rng):
-            yield data.take(idx)
+        # The epoch's order goes to the device once; each batch is a slice of it (one copy per epoch, not one
+        # per step, where a host-to-device copy waits for the device).
+        order = torch.as_tensor(rng.permutation(n), device=data.x.device)
+        for start in range(0, n, cfg.batch_size):
+            yield data.take_at(order[start : start + cfg.batch_size])
             steps += 1
             if budget is not None and steps >= budget:
                 return
