@@ -59,8 +59,8 @@ def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
     Each connection's socket reads are capped at ``window_bytes`` too. gRPC sizes a connection's read buffer to
     the largest read it has seen and keeps it between reads; ``tcp_max_read_chunk_size`` caps that in its iomgr
     endpoint only, not in the EventEngine endpoint that grpcio 1.85 uses (grpc/grpc#42194), which reads
-    ``tcp_max_read_buffer_size`` instead. Without it, every connection that had carried a push kept 1.3 to
-    1.8 MB (docs/benchmarks.md, "The aggregator's hot path").
+    ``tcp_max_read_buffer_size`` instead. Without it, every connection that had carried a push of 1 MiB chunks
+    kept 0.5 to 0.6 MB (docs/benchmarks.md, "The aggregator's hot path").
     """
     if window_bytes == 0:
         return []
