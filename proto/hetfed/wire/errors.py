@@ -34,6 +34,11 @@ REASONS: dict[str, Reason] = {
     "unknown_organization": Reason("PERMISSION_DENIED", False),
     "identity_mismatch": Reason("PERMISSION_DENIED", False),
     "unauthenticated": Reason("UNAUTHENTICATED", False),
+    # A client certificate that names its organization more than once (several CNs, several organization
+    # URIs), names two different organizations (CN and URI disagree), or names none.
+    "ambiguous_identity": Reason("UNAUTHENTICATED", False),
+    "conflicting_identity": Reason("UNAUTHENTICATED", False),
+    "no_identity": Reason("UNAUTHENTICATED", False),
     "oversized": Reason("RESOURCE_EXHAUSTED", False),
     "rate_limited": Reason("RESOURCE_EXHAUSTED", True),
     "late": Reason("FAILED_PRECONDITION", False),
