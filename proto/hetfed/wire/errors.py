@@ -28,6 +28,10 @@ REASONS: dict[str, Reason] = {
     "schema_mismatch": Reason("INVALID_ARGUMENT", False),
     "non_finite": Reason("INVALID_ARGUMENT", False),
     "invalid_value": Reason("INVALID_ARGUMENT", False),
+    # Well-formed but implausible: an update beyond the run's bounds (max_abs_weight, its distance from the
+    # global model), a figure outside its domain (an accuracy outside [0, 1], a negative loss).
+    "implausible_update": Reason("INVALID_ARGUMENT", False),
+    "implausible_metric": Reason("INVALID_ARGUMENT", False),
     "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
     "not_declared": Reason("FAILED_PRECONDITION", False),
     "payload_kind_not_allowed": Reason("PERMISSION_DENIED", False),

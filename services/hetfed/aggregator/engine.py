@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import unicodedata
@@ -148,6 +149,19 @@ def _bad_name(name: str, limit: int) -> str:
     return ""
 
 
+def _check_metric_domains(m: EvalMetrics) -> None:
+    """WireError ``implausible_metric`` for a test accuracy outside [0, 1] or a negative loss (NaN and
+    infinities are refused earlier, ``non_finite``)."""
+    if not 0.0 <= m.test_accuracy <= 1.0:
+        raise WireError("implausible_metric", f"eval_metrics.test_accuracy is {m.test_accuracy:.6g}; an accuracy "
+                                              "is in [0, 1] (the run's check_metric_domains)")
+    for name in ("train_loss", "test_loss"):
+        value = getattr(m, name)
+        if not (math.isfinite(value) and value >= 0.0):
+            raise WireError("implausible_metric", f"eval_metrics.{name} is {value:.6g}; a loss is finite and >= 0 "
+                                                  "(the run's check_metric_domains)")
+
+
 def _traffic_json(b: TrafficBreakdown) -> dict[str, dict[str, int]]:
     return {k: {"bytes": c.bytes, "messages": c.messages, "elements": c.elements} for k, c in b.kinds.items()}
 
@@ -220,6 +234,8 @@ class Run:
         self.store = RunStore(state_dir, cfg.id, disk)
         self.metrics = metrics
         self.limits = limits
+        # Example counts: the run's bound, within the server's.
+        self.max_examples = min(limits.max_examples, cfg.max_examples)
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken (outside the lock); until it is
         # on disk, pushes and joins of the next round wait on _committed.
@@ -394,9 +410,9 @@ class Run:
                     f"run {self.cfg.id!r} uses seed set {want.id!r} (sha256 {want.sha256[:12]}…); the client holds {held}",
                 )
         n = request.num_train_examples
-        if not 0 <= n <= self.limits.max_examples:
-            raise WireError("invalid_value", f"num_train_examples must be in [0, {self.limits.max_examples}] "
-                                             f"(server.max_examples_per_organization), got {n}")
+        if not 0 <= n <= self.max_examples:
+            raise WireError("invalid_value", f"num_train_examples must be in [0, {self.max_examples}] (the run's "
+                                             f"max_examples, server.max_examples_per_organization), got {n}")
         if len(request.declared) > self.limits.max_declared_tensors:
             raise WireError("oversized", f"{len(request.declared)} declared tensors; at most "
                                          f"{self.limits.max_declared_tensors}")
@@ -513,17 +529,20 @@ class Run:
     def _check_limits(self, organization: str, update: Received) -> None:
         """Example counts within what the organization declared (or the maximum); bounded named figures."""
         declared = self.examples.get(organization, 0)
-        bound = declared or self.limits.max_examples
+        bound = declared or self.max_examples
         why = (f"{organization!r} declared {declared} training examples at Join" if declared else
-               f"the limit is server.max_examples_per_organization = {self.limits.max_examples}")
+               f"it declared none, and the limit is {self.max_examples} (the run's max_examples, "
+               "server.max_examples_per_organization)")
         for p in update:
             n = training_examples(p)
             if n is not None and not 0 <= n <= bound:
                 raise WireError("invalid_value", f"{p.kind.value} claims {n} training examples; {why}")
             if isinstance(p, EvalMetrics):
-                if not 0 <= p.num_test_examples <= self.limits.max_examples:
+                if not 0 <= p.num_test_examples <= self.max_examples:
                     raise WireError("invalid_value", f"eval_metrics claims {p.num_test_examples} test examples; the "
-                                                     f"limit is {self.limits.max_examples}")
+                                                     f"limit is {self.max_examples}")
+                if self.cfg.check_metric_domains:
+                    _check_metric_domains(p)
                 if len(p.extra) > self.limits.max_metrics_per_report:
                     raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
                                                  f"{self.limits.max_metrics_per_report} (server.max_metrics_per_report)")
