@@ -295,3 +295,24 @@ def test_the_checks_are_per_run_options(aggregator: Callable[..., Any], raw_clie
     a.pull()
     assert a.push(1, [ModelWeights({"w": np.array([1e30, 0, 0], np.float32), "b": W["b"]}, 10**9),
                       EvalMetrics(test_accuracy=-3.0)]).accepted
+
+
+def test_weights_can_be_the_declared_counts(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    """example_weights = "declared": declarations of 10 and 30 weigh 10 and 30 whatever the updates claim (1 and
+    30 here), so the model is 2.5·W as in finish_round_and_check; an organization that declared nothing is
+    refused until it declares."""
+    agg = aggregator(run_config(example_weights="declared"))
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL, examples=10)
+    b.join(DECL)
+    a.pull()
+    with pytest.raises(grpc.RpcError) as err:
+        b.push(1, good(3.0, 5))
+    assert err.value.details().startswith("invalid_value: run 'r' weighs updates by the training examples declared")
+    assert rejected(agg, "invalid_value") == 1
+    b.join(DECL, examples=30)
+    a.push(1, good(1.0, 1))
+    b.push(1, good(3.0, 30))
+    got = _global(a.pull(completed=1))
+    for k, v in W.items():
+        np.testing.assert_array_equal(got[k], v * 2.5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -45,12 +46,21 @@ from hetfed.wire.messages import (
     RoundSummary,
     RunStatus,
 )
-from hetfed.wire.payloads import EvalMetrics, Received, training_examples
+from hetfed.wire.payloads import (
+    EvalMetrics,
+    FactorizedWeights,
+    HeadWeights,
+    ModelWeights,
+    Received,
+    training_examples,
+)
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.rpc import Pulled, clip
 from hetfed.wire.traffic import KindCount, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
+# Payloads whose example count is an aggregation weight.
+WEIGHTED = (ModelWeights, HeadWeights, FactorizedWeights)
 
 
 @dataclass(frozen=True)
@@ -368,7 +378,7 @@ class Run:
             half.load_state(arrays)
             for org, received, _ in self._logged_updates():
                 if org in self.pushed:
-                    half.accumulate(self.phase, org, received)
+                    half.accumulate(self.phase, org, self._weighted(org, received))
         except (StateError, OSError) as exc:
             raise WireError("storage_unavailable", f"run {self.cfg.id!r} cannot reload its state after a failed "
                                                    f"write ({exc})") from None
@@ -529,6 +539,10 @@ class Run:
     def _check_limits(self, organization: str, update: Received) -> None:
         """Example counts within what the organization declared (or the maximum); bounded named figures."""
         declared = self.examples.get(organization, 0)
+        if self.cfg.example_weights == "declared" and not declared and any(
+                isinstance(p, WEIGHTED) for p in update):
+            raise WireError("invalid_value", f"run {self.cfg.id!r} weighs updates by the training examples declared "
+                                             f"at Join (example_weights = 'declared'); {organization!r} declared none")
         bound = declared or self.max_examples
         why = (f"{organization!r} declared {declared} training examples at Join" if declared else
                f"it declared none, and the limit is {self.max_examples} (the run's max_examples, "
@@ -652,8 +666,17 @@ class Run:
                 out[f.key] = value
         return out
 
+    def _weighted(self, organization: str, update: Received) -> Received:
+        """The update with its aggregation weights replaced by the organization's declaration, when the run
+        weighs by declarations (``example_weights = "declared"``)."""
+        if self.cfg.example_weights != "declared":
+            return update
+        n = self.examples.get(organization, 0)
+        return Received([dataclasses.replace(p, num_examples=n) if isinstance(p, WEIGHTED) else p for p in update],
+                        repeated=update.kinds)
+
     def _fold(self, organization: str, update: Received, digest: bytes) -> None:
-        self.half.accumulate(self.phase, organization, update)
+        self.half.accumulate(self.phase, organization, self._weighted(organization, update))
         self.pushed[organization] = digest
         self.ledger.pushed(organization, self.round)
         m = update.maybe(EvalMetrics)
