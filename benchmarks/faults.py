@@ -65,12 +65,12 @@ from hetfed.aggregator.server import RunningAggregator, start_aggregator
 from hetfed.cli.certs import FederationCerts, make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec
+from hetfed.wire.config import to_mapping
 from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.identity import ORGANIZATION_URI_PREFIX
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
-from hetfed.wire.config import to_mapping
-from hetfed.wire.identity import ORGANIZATION_URI_PREFIX
 from hetfed.wire.specs import get_spec
 from hetfed.wire.transport import TlsConfig, make_channel
 
