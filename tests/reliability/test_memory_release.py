@@ -80,27 +80,37 @@ def aggregator_pid(tmp_path: Path) -> Iterator[tuple[int, int]]:
         p.wait()
 
 
-def _stalled_push(port: int, org: str, release: threading.Event, results: dict[str, object]) -> None:
-    """A push announcing ANNOUNCED bytes that sends SENT chunks and then nothing until ``release``."""
+def _stalled_push(port: int, org: str, release: threading.Event, results: dict[str, object], cancel: bool) -> None:
+    """A push announcing ANNOUNCED bytes that sends SENT chunks and then nothing until ``release`` (or that the
+    client cancels once they are sent, with ``cancel``)."""
     count = ANNOUNCED // CHUNK
     data = b"\x01" * CHUNK
+    sent = threading.Event()
 
     def requests() -> Iterator[apb.PushUpdateRequest]:
         for i in range(SENT):
             yield apb.PushUpdateRequest(run_id="r", round=1, organization_id=org, chunk=apb.Chunk(
                 index=i, count=count, total_bytes=ANNOUNCED, data=data))
+        sent.set()
         release.wait(120)
 
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        call = agrpc.AggregatorStub(ch).PushUpdate.future(requests(), metadata=((ORGANIZATION_METADATA_KEY, org),),
+                                                          timeout=120)
+        if cancel and sent.wait(60):
+            call.cancel()
         try:
-            agrpc.AggregatorStub(ch).PushUpdate(requests(), metadata=((ORGANIZATION_METADATA_KEY, org),), timeout=120)
+            call.result()
             results[org] = "accepted"
+        except grpc.FutureCancelledError:
+            results[org] = "cancelled"
         except grpc.RpcError as err:
             results[org] = err.details() or ""
 
 
 @pytest.mark.e2e
-def test_stalled_pushes_give_their_memory_back(aggregator_pid: tuple[int, int]) -> None:
+@pytest.mark.parametrize("how", ["stalled", "cancelled"])
+def test_refused_and_cancelled_pushes_give_their_memory_back(aggregator_pid: tuple[int, int], how: str) -> None:
     pid, port = aggregator_pid
     decl = [(PayloadKind.MODEL_WEIGHTS, "w", np.zeros(3, np.float32))]
     for org in ORGS:
@@ -110,7 +120,7 @@ def test_stalled_pushes_give_their_memory_back(aggregator_pid: tuple[int, int]) 
     baseline = settled_rss(pid)
     release = threading.Event()
     results: dict[str, object] = {}
-    threads = [threading.Thread(target=_stalled_push, args=(port, org, release, results)) for org in ORGS]
+    threads = [threading.Thread(target=_stalled_push, args=(port, org, release, results, how == "cancelled")) for org in ORGS]
     for t in threads:
         t.start()
     peak = baseline
@@ -123,7 +133,7 @@ def test_stalled_pushes_give_their_memory_back(aggregator_pid: tuple[int, int]) 
     for t in threads:
         t.join(30)
     ended = time.monotonic()
-    assert all(isinstance(r, str) and r.startswith("stalled") for r in results.values()), results
+    assert all(isinstance(r, str) and r.startswith(how) for r in results.values()), results
     trace = []
     while True:
         now = rss(pid)
@@ -131,6 +141,6 @@ def test_stalled_pushes_give_their_memory_back(aggregator_pid: tuple[int, int]) 
         if now <= baseline * 1.10 or time.monotonic() - ended > 5.0:
             break
         time.sleep(0.05)
-    print(f"baseline {baseline >> 20} MiB, peak {peak >> 20} MiB, after: {trace[-5:]}")
+    print(f"{how}: baseline {baseline >> 20} MiB, peak {peak >> 20} MiB, after: {trace[-5:]}")
     assert peak <= baseline + SLOTS * ANNOUNCED + PEAK_OVERHEAD_BYTES, (baseline >> 20, peak >> 20)
     assert now <= baseline * 1.10, f"RSS {now >> 20} MiB 5 s after the last stream, baseline {baseline >> 20} MiB"
