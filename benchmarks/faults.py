@@ -21,7 +21,11 @@ an acknowledged update lost (the aggregator asks again for what it no longer hol
   aggregator must either resume (and the run end with the reference weights) or refuse in one line naming
   the file; never crash, never silently start over.
 - fuzz: N mutated messages to every RPC (and the health service) during a live run: no crash, no UNKNOWN
-  status, bounded memory, the live run's final weights unchanged.
+  status, bounded memory, the live run's final weights unchanged. Then, against a real mTLS aggregator,
+  certificates naming more or less than one organization (two CNs in both orders, a CN and another
+  organization URI, two URIs, none) and implausible values sent one at a time by a member (10^9 examples,
+  weights of 1e30, accuracies of 1e300 and -3, a loss of -5, a negative count): each refused with its
+  reason, and the round's model exactly as without them.
 - leak: undecodable requests against the aggregator and against a bare grpcio server with a generated
   deserializer; resident memory per request.
 
@@ -58,13 +62,17 @@ from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.aggregator.crashpoints import CRASH_POINTS, EXIT_CODE
 from hetfed.aggregator.faults import DiskFault, FaultyDisk
 from hetfed.aggregator.server import RunningAggregator, start_aggregator
+from hetfed.cli.certs import FederationCerts, make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec
+from hetfed.wire.config import to_mapping
 from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.identity import ORGANIZATION_URI_PREFIX
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
+from hetfed.wire.transport import TlsConfig, make_channel
 
 T = TypeVar("T")
 RUN = "r"
@@ -250,12 +258,15 @@ class AggregatorProcess:
     """A real ``hetfed aggregator`` process on a fixed port and state directory, started and killed at will."""
 
     def __init__(self, workdir: Path, runs: list[dict[str, Any]], state_dir: Path | None = None,
-                 worker_threads: int = 2) -> None:
+                 worker_threads: int = 2, tls: TlsConfig | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.state_dir = state_dir or workdir / "state"
-        cfg = {"server": {"listen": f"127.0.0.1:{self.port}", "metrics_port": -1, "state_dir": str(self.state_dir),
-                          "worker_threads": worker_threads}, "runs": runs}
+        server: dict[str, Any] = {"listen": f"127.0.0.1:{self.port}", "metrics_port": -1,
+                                  "state_dir": str(self.state_dir), "worker_threads": worker_threads}
+        if tls is not None:
+            server["tls"] = to_mapping(tls)
+        cfg = {"server": server, "runs": runs}
         self.config = workdir / "aggregator.json"
         self.config.write_text(json.dumps(cfg))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -699,8 +710,9 @@ class Fuzzer:
             w.flat[0] = r.choice([np.nan, np.inf, 1e30])
         extra = {f"m{i}": r.random() for i in range(r.choice([0, 1, 3, 100]))}
         payloads: list[Any] = [
-            ModelWeights({r.choice(["w", "v", ""]): w}, r.choice([1, 10, 0, -3, 2**62])),
-            EvalMetrics(test_accuracy=self.number() if r.random() < 0.2 else 0.5,
+            ModelWeights({r.choice(["w", "v", ""]): w}, r.choice([1, 10, 0, -3, 2**62, 10**9])),
+            EvalMetrics(test_accuracy=self.number() if r.random() < 0.2 else r.choice([0.5, 0.5, -3.0, 1.5]),
+                        train_loss=r.choice([0.5, 0.5, -5.0, self.number()]),
                         num_test_examples=r.choice([1, -1, 2**62]), extra=extra),
         ]
         r.shuffle(payloads)
@@ -825,6 +837,117 @@ def campaign_fuzz(workdir: Path, reference: np.ndarray, quick: bool, rng: random
             "health_check_max_seconds": round(max(s[2] for s in samples), 4)}
 
 
+# ================================================================================================ trust
+
+
+def crafted_cert(certs: FederationCerts, out: Path, name: str, cns: list[str], uris: list[str]) -> TlsConfig:
+    """A clientAuth certificate signed by the federation's CA with the given CNs (in order) and organization URIs."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key = serialization.load_pem_private_key(certs.ca_key.read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns]))
+               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    if uris:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris]), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    (out / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / f"{name}-key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return TlsConfig(cert=str(out / f"{name}.pem"), key=str(out / f"{name}-key.pem"), ca=str(certs.ca))
+
+
+TRUST_ORGS = ("t1", "t2")
+# name: (CNs, organization URIs, expected reason)
+BAD_CERTS = {
+    "two CNs": (["t1", "tx"], [], "ambiguous_identity"),
+    "two CNs, other order": (["tx", "t1"], [], "ambiguous_identity"),
+    "CN and another URI": (["t1"], [ORGANIZATION_URI_PREFIX + "t2"], "conflicting_identity"),
+    "two URIs": (["t1"], [ORGANIZATION_URI_PREFIX + "t1", ORGANIZATION_URI_PREFIX + "t2"], "ambiguous_identity"),
+    "no identity": ([], [], "no_identity"),
+}
+W_TRUST = np.array([1.0, 2.0, 3.0], np.float32)
+
+
+def _implausible() -> dict[str, tuple[list[Any], str]]:
+    good = EvalMetrics(train_loss=0.5, test_accuracy=0.5, num_test_examples=5)
+    return {
+        "num_examples 1e9, none declared": ([ModelWeights({"w": W_TRUST}, 10**9), good], "invalid_value"),
+        "weights of 1e30": ([ModelWeights({"w": np.array([1e30, -1e30, 1], np.float32)}, 10), good],
+                            "implausible_update"),
+        "test_accuracy 1e300": ([ModelWeights({"w": W_TRUST}, 10), EvalMetrics(test_accuracy=1e300)],
+                                "implausible_metric"),
+        "test_accuracy -3": ([ModelWeights({"w": W_TRUST}, 10), EvalMetrics(test_accuracy=-3.0)],
+                             "implausible_metric"),
+        "train_loss -5": ([ModelWeights({"w": W_TRUST}, 10), EvalMetrics(train_loss=-5.0)], "implausible_metric"),
+        "negative test count": ([ModelWeights({"w": W_TRUST}, 10), EvalMetrics(num_test_examples=-1)],
+                                "invalid_value"),
+    }
+
+
+def campaign_trust(workdir: Path) -> dict[str, Any]:
+    """A real mTLS aggregator: certificates naming more or less than one organization, and implausible values
+    sent one at a time by a member; each must be refused with its reason, and the round must end as without them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    certs = make_federation_certs(workdir / "certs", list(TRUST_ORGS))
+    run = {"id": "t", "algorithm": "fedavg", "organizations": list(TRUST_ORGS), "rounds": 1}
+    agg = AggregatorProcess(workdir, [run], tls=certs.aggregator_tls())
+    why = agg.start()
+    if why:
+        return {"error": why}
+    results: dict[str, Any] = {"certificates": {}, "values": {}}
+    try:
+        for name, (cns, uris, reason) in BAD_CERTS.items():
+            tls = crafted_cert(certs, workdir / "certs", name.replace(" ", "_").replace(",", ""), cns, uris)
+            with make_channel(agg.address, tls) as ch:
+                try:
+                    ch.unary_unary("/hetfed.v1.Aggregator/Join")(
+                        apb.JoinRequest(run_id="t", organization_id="t1").SerializeToString(), timeout=10)
+                    got = "OK"
+                except grpc.RpcError as err:
+                    got = f"{err.code().name} {RemoteError.of(err).reason}"
+            results["certificates"][name] = {"expected": f"UNAUTHENTICATED {reason}", "got": got}
+        declared = [DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", W_TRUST)]
+        with AggregatorClient(agg.address, certs.client_tls("t1"), "t1", "t", call_timeout=10) as t1, \
+                AggregatorClient(agg.address, certs.client_tls("t2"), "t2", "t", call_timeout=10) as t2:
+            t1.join(declared)
+            t2.join(declared, num_train_examples=30)
+            t1.pull(-1, 1.0, SPEC)
+            for name, (payloads, reason) in _implausible().items():
+                try:
+                    t1.push(1, payloads)
+                    got = "OK"
+                except RemoteError as err:
+                    got = f"{err.code.name} {err.reason}"
+                results["values"][name] = {"expected": f"INVALID_ARGUMENT {reason}", "got": got}
+            report = EvalMetrics(train_loss=0.5, test_accuracy=0.5, num_test_examples=5)
+            t1.push(1, [ModelWeights({"w": W_TRUST}, 10), report])
+            t2.push(1, [ModelWeights({"w": W_TRUST * 3}, 30), report])
+            ins = t1.pull(1, 5.0, SPEC)
+            mw = Received(ins.payloads).maybe(ModelWeights)
+            got_w = None if mw is None else np.asarray(mw.tensors["w"])
+            # (10·W + 30·3W) / 40 = 2.5·W: the round as if the implausible updates had never been sent.
+            results["global_model_identical"] = got_w is not None and bool(np.array_equal(got_w, W_TRUST * 2.5))
+    finally:
+        agg.stop()
+    results["all_refused"] = all(v["got"] == v["expected"] for part in ("certificates", "values")
+                                 for v in results[part].values())
+    return results
+
+
 # ================================================================================================ leak
 
 
@@ -936,6 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fuzz:", flush=True)
         n = 500 if args.quick else args.fuzz_messages
         results["fuzz"] = campaign_fuzz(workdir / "fuzz", reference, args.quick, rng, n)
+        results["fuzz"]["trust"] = campaign_trust(workdir / "trust")
         print(f"  {json.dumps(results['fuzz'], default=str)}", flush=True)
     if "leak" in only:
         print("leak:", flush=True)
@@ -967,6 +1091,8 @@ def verdict(results: dict[str, Any]) -> bool:
     if "fuzz" in results:
         f = results["fuzz"]
         ok &= f.get("unknown", 1) == 0 and f.get("aggregator_alive", False) and f["live_run"]["identical"]
+        trust = f.get("trust", {})
+        ok &= bool(trust.get("all_refused")) and bool(trust.get("global_model_identical"))
     return bool(ok)
 
 
@@ -997,6 +1123,10 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"fuzz: {f['messages']} messages in {f['seconds']} s, UNKNOWN {f['unknown']}, alive "
                      f"{f['aggregator_alive']}, live run identical {f['live_run']['identical']}, RSS KiB "
                      f"{f['rss_kib']}, codes {f['codes']}")
+        t = f.get("trust", {})
+        lines.append(f"trust: all refused with their reason {t.get('all_refused')}, global model as without them "
+                     f"{t.get('global_model_identical')}; certificates {t.get('certificates')}; values "
+                     f"{t.get('values')}" if "error" not in t else f"trust: {t['error']}")
     if "leak" in results and "aggregator" in results["leak"]:
         lk = results["leak"]
         lines.append(f"leak: aggregator {lk['aggregator']['bytes_per_request']} B/request "

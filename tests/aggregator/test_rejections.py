@@ -108,6 +108,25 @@ BAD: dict[str, tuple[Callable[[RawClient], object], grpc.StatusCode, str, str]] 
                         grpc.StatusCode.INVALID_ARGUMENT, "non_finite", "eval_metrics.train_loss"),
     "zero examples": (lambda a: a.push(1, good(n=0)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_value",
                       "num_examples must be > 0"),
+    # Implausible values, one at a time (issue 27): each refused with its reason, the round's model unchanged.
+    "a billion examples, none declared": (
+        lambda a: a.push(1, good(n=10**9)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_value",
+        "model_weights claims 1000000000 training examples; it declared none, and the limit is 10000000"),
+    "weights of 1e30": (lambda a: a.push(1, good(w=np.array([1e30, -1e30, 1], np.float32))),
+                        grpc.StatusCode.INVALID_ARGUMENT, "implausible_update",
+                        "w holds a value of magnitude 1e+30; at most 1e+06 (max_abs_weight)"),
+    "accuracy 1e300": (lambda a: a.push(1, [good()[0], EvalMetrics(test_accuracy=1e300)]),
+                       grpc.StatusCode.INVALID_ARGUMENT, "implausible_metric",
+                       "eval_metrics.test_accuracy is 1e+300; an accuracy is in [0, 1]"),
+    "accuracy -3": (lambda a: a.push(1, [good()[0], EvalMetrics(test_accuracy=-3.0)]),
+                    grpc.StatusCode.INVALID_ARGUMENT, "implausible_metric", "eval_metrics.test_accuracy is -3"),
+    "train loss -5": (lambda a: a.push(1, [good()[0], EvalMetrics(train_loss=-5.0)]),
+                      grpc.StatusCode.INVALID_ARGUMENT, "implausible_metric",
+                      "eval_metrics.train_loss is -5; a loss is finite and >= 0"),
+    "test loss -1e-9": (lambda a: a.push(1, [good()[0], EvalMetrics(test_loss=-1e-9)]),
+                        grpc.StatusCode.INVALID_ARGUMENT, "implausible_metric", "eval_metrics.test_loss is -1e-09"),
+    "negative test count": (lambda a: a.push(1, [good()[0], EvalMetrics(num_test_examples=-1)]),
+                            grpc.StatusCode.INVALID_ARGUMENT, "invalid_value", "claims -1 test examples"),
     "oversized": (lambda a: a.push(1, good(w=np.zeros(300_000, np.float32))),
                   grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", "exceeds the limit of 1048576 bytes"),
     "closed round": (lambda a: a.push(0, good()), grpc.StatusCode.FAILED_PRECONDITION, "late",
@@ -220,3 +239,80 @@ def test_too_many_elements(aggregator: Callable[..., Any], raw_client: Callable[
         a.push(1, good())
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "5 tensor elements, the limit is 4" in err.value.details()
+
+
+def _global(ins: apb.Instructions) -> dict[str, np.ndarray]:
+    mw = codec.payload_from_proto(ins.payloads[0])
+    assert isinstance(mw, ModelWeights)
+    return mw.tensors
+
+
+@pytest.mark.parametrize("policy", ["refuse", "clip"])
+def test_an_update_far_from_the_global_model_is_refused_or_clipped(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient], policy: str) -> None:
+    """Round 2 starts from g = 2.5·W. An update at g + 20·g (distance 20·||g||, the bound 10·||g||) is refused
+    and the round ends as without it, or clipped onto g + 10·g."""
+    agg = aggregator(run_config(rounds=3, algorithm_config={"update_norm_policy": policy}))
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    a.pull()
+    finish_round_and_check(a, b)
+    g = {k: v * np.float32(2.5) for k, v in W.items()}
+    far = [ModelWeights({k: v * np.float32(21) for k, v in g.items()}, 10),
+           EvalMetrics(train_loss=0.5, test_accuracy=0.9, num_test_examples=5)]
+    honest = [ModelWeights({k: v * np.float32(2) for k, v in g.items()}, 30),
+              EvalMetrics(train_loss=0.5, test_accuracy=0.9, num_test_examples=5)]
+    if policy == "refuse":
+        with pytest.raises(grpc.RpcError) as err:
+            a.push(2, far)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("implausible_update: the update is ")
+        assert "at most 10 times that (max_update_norm_ratio)" in err.value.details()
+        assert rejected(agg, "implausible_update") == 1
+        # Within the bound: 2·g is ||g|| away.
+        a.push(2, [ModelWeights({k: v * np.float32(3) for k, v in g.items()}, 10), far[1]])
+        b.push(2, honest)
+        got = _global(a.pull(completed=2))
+        for k, v in g.items():  # (10·3g + 30·2g) / 40 = 2.25·g, exactly in float32 for these values
+            np.testing.assert_array_equal(got[k], (v.astype(np.float64) * 2.25).astype(np.float32))
+    else:
+        a.push(2, far)
+        b.push(2, honest)
+        got = _global(a.pull(completed=2))
+        for k, v in g.items():  # a clipped onto g + 10·g = 11·g: (10·11g + 30·2g) / 40 = 4.25·g
+            np.testing.assert_allclose(got[k], v.astype(np.float64) * 4.25, rtol=1e-6)
+        assert rejected(agg, "implausible_update") == 0
+
+
+def test_the_checks_are_per_run_options(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    """Turned off, the same values are accepted (the run owner's choice, e.g. a figure that is not a fraction)."""
+    agg = aggregator(run_config(check_metric_domains=False, max_examples=10**9,
+                                algorithm_config={"max_abs_weight": 0}))
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL)
+    b.join(DECL)
+    a.pull()
+    assert a.push(1, [ModelWeights({"w": np.array([1e30, 0, 0], np.float32), "b": W["b"]}, 10**9),
+                      EvalMetrics(test_accuracy=-3.0)]).accepted
+
+
+def test_weights_can_be_the_declared_counts(aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    """example_weights = "declared": declarations of 10 and 30 weigh 10 and 30 whatever the updates claim (1 and
+    30 here), so the model is 2.5·W as in finish_round_and_check; an organization that declared nothing is
+    refused until it declares."""
+    agg = aggregator(run_config(example_weights="declared"))
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    a.join(DECL, examples=10)
+    b.join(DECL)
+    a.pull()
+    with pytest.raises(grpc.RpcError) as err:
+        b.push(1, good(3.0, 5))
+    assert err.value.details().startswith("invalid_value: run 'r' weighs updates by the training examples declared")
+    assert rejected(agg, "invalid_value") == 1
+    b.join(DECL, examples=30)
+    a.push(1, good(1.0, 1))
+    b.push(1, good(3.0, 30))
+    got = _global(a.pull(completed=1))
+    for k, v in W.items():
+        np.testing.assert_array_equal(got[k], v * 2.5)

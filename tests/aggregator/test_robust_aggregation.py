@@ -1,4 +1,4 @@
-"""The FedAvg family's robust option: a streaming coordinate-wise trimmed mean, exact on small arrays."""
+"""The FedAvg family's robust options: coordinate-wise trimmed mean and median, norm clipping; exact numbers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms.base import RunInfo, TrimmedMean
+from hetfed.aggregator.algorithms.base import CoordinateMedian, RunInfo, TrimmedMean, clip_to_ball
 from hetfed.aggregator.algorithms.fedavg import FedAvgServer
 from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
 from hetfed.wire.config import ConfigError, from_mapping
+from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import HeadWeights, ModelWeights, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -86,6 +87,75 @@ def test_the_head_average_takes_the_same_option() -> None:
 
 def test_the_option_is_validated() -> None:
     with pytest.raises(ConfigError, match="aggregation"):
-        from_mapping(FedAvgConfig, {"aggregation": "median"}, "algorithm_config")
+        from_mapping(FedAvgConfig, {"aggregation": "mode"}, "algorithm_config")
     with pytest.raises(ConfigError, match="trim must be >= 1"):
         from_mapping(FedAvgConfig, {"aggregation": "trimmed_mean", "trim": 0}, "algorithm_config")
+    with pytest.raises(ConfigError, match="update_norm_policy"):
+        from_mapping(FedAvgConfig, {"update_norm_policy": "ignore"}, "algorithm_config")
+    with pytest.raises(ConfigError, match="max_update_norm_ratio"):
+        from_mapping(FedAvgConfig, {"max_update_norm_ratio": -1.0}, "algorithm_config")
+
+
+def median(values: list[list[float]]) -> np.ndarray:
+    acc = CoordinateMedian()
+    for v in values:
+        acc.add({"w": np.array(v)}, weight=1e9)  # weights are ignored
+    return acc.mean()["w"]
+
+
+def test_the_coordinate_median_of_three_element_arrays() -> None:
+    # Per coordinate: median(1, 4, -2) = 1; median(2, 1e30, 0) = 2; median(3, 5, 7) = 5.
+    np.testing.assert_array_equal(median([[1, 2, 3], [4, 1e30, 5], [-2, 0, 7]]), [1.0, 2.0, 5.0])
+    # An even count: the mean of the two middle values; (1 + 4) / 2, (2 + 6) / 2, (3 + 5) / 2.
+    np.testing.assert_array_equal(median([[1, 2, 3], [4, 6, 5], [-2, 0, 7], [9, 9, 1]]), [2.5, 4.0, 4.0])
+
+
+def test_fedavg_with_the_median_ignores_a_minority() -> None:
+    half = FedAvgServer(FedAvgConfig(aggregation="median", max_abs_weight=0), RunInfo(0, ("a", "b", "c")))
+    for org, v, n in (("a", [1.0, 2.0, 3.0], 1), ("b", [1e30, -1e30, 2.0], 10**6), ("c", [3.0, 4.0, 5.0], 1)):
+        half.accumulate(Phase.TRAIN, org, Received([ModelWeights({"w": np.array(v, np.float32)}, n)]))
+    half.close_round(Phase.TRAIN, 1)
+    assert half.global_ is not None
+    np.testing.assert_array_equal(half.global_["w"], [3.0, 2.0, 3.0])
+
+
+def test_norm_clipping_moves_an_update_onto_the_ball() -> None:
+    centre = {"w": np.array([1.0, 1.0, 1.0])}
+    # [4, 5, 1] is (3, 4, 0) from the centre: distance 5; onto radius 2.5: centre + (1.5, 2, 0).
+    clipped, distance = clip_to_ball({"w": np.array([4.0, 5.0, 1.0])}, centre, 2.5)
+    assert distance == 5.0
+    np.testing.assert_array_equal(clipped["w"], [2.5, 3.0, 1.0])
+    inside, distance = clip_to_ball({"w": np.array([2.0, 1.0, 1.0])}, centre, 2.5)
+    assert distance == 1.0
+    np.testing.assert_array_equal(inside["w"], [2.0, 1.0, 1.0])
+
+
+def test_fedavg_clips_each_update_to_its_ratio_of_the_global_norm() -> None:
+    """Global g = (3, 4, 0), norm 5; ratio 0.5 allows a distance of 2.5. a = g + (0, 0, 10) is clipped to
+    g + (0, 0, 2.5); b = g + (1, 0, 0) is inside. Weighted 1 and 3: g + ((0, 0, 2.5) + 3·(1, 0, 0)) / 4."""
+    cfg = FedAvgConfig(max_update_norm_ratio=0.5, update_norm_policy="clip")
+    half = FedAvgServer(cfg, RunInfo(0, ("a", "b")))
+    half.load_state({"w": np.array([3.0, 4.0, 0.0], np.float32)})
+    half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([3.0, 4.0, 10.0], np.float32)}, 1)]))
+    half.accumulate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([3.0, 4.0, 10.0], np.float32)}, 1)]))
+    half.accumulate(Phase.TRAIN, "b", Received([ModelWeights({"w": np.array([4.0, 4.0, 0.0], np.float32)}, 3)]))
+    half.close_round(Phase.TRAIN, 2)
+    assert half.global_ is not None
+    np.testing.assert_array_equal(half.global_["w"], [3.75, 4.0, 0.625])
+
+
+def test_the_refuse_policy_names_the_bound() -> None:
+    half = FedAvgServer(FedAvgConfig(max_update_norm_ratio=0.5), RunInfo(0, ("a",)))
+    half.load_state({"w": np.array([3.0, 4.0, 0.0], np.float32)})
+    ok = Received([ModelWeights({"w": np.array([3.0, 4.0, 2.5], np.float32)}, 1)])  # exactly on the bound
+    half.validate(Phase.TRAIN, "a", ok)
+    with pytest.raises(WireError) as err:
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([3.0, 4.0, 2.6], np.float32)}, 1)]))
+    assert err.value.reason == "implausible_update"
+
+
+def test_the_head_average_takes_the_norm_bound_too() -> None:
+    half = HeadFedAvgServer(HeadFedAvgConfig(aggregation="median"), RunInfo(0, ("a", "b", "c")))
+    with pytest.raises(WireError) as err:
+        half.validate(Phase.TRAIN, "a", Received([HeadWeights(np.full((2, 2), 2e6), np.zeros(2), 1)]))
+    assert err.value.reason == "implausible_update"

@@ -28,12 +28,21 @@ REASONS: dict[str, Reason] = {
     "schema_mismatch": Reason("INVALID_ARGUMENT", False),
     "non_finite": Reason("INVALID_ARGUMENT", False),
     "invalid_value": Reason("INVALID_ARGUMENT", False),
+    # Well-formed but implausible: an update beyond the run's bounds (max_abs_weight, its distance from the
+    # global model), a figure outside its domain (an accuracy outside [0, 1], a negative loss).
+    "implausible_update": Reason("INVALID_ARGUMENT", False),
+    "implausible_metric": Reason("INVALID_ARGUMENT", False),
     "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
     "not_declared": Reason("FAILED_PRECONDITION", False),
     "payload_kind_not_allowed": Reason("PERMISSION_DENIED", False),
     "unknown_organization": Reason("PERMISSION_DENIED", False),
     "identity_mismatch": Reason("PERMISSION_DENIED", False),
     "unauthenticated": Reason("UNAUTHENTICATED", False),
+    # A client certificate that names its organization more than once (several CNs, several organization
+    # URIs), names two different organizations (CN and URI disagree), or names none.
+    "ambiguous_identity": Reason("UNAUTHENTICATED", False),
+    "conflicting_identity": Reason("UNAUTHENTICATED", False),
+    "no_identity": Reason("UNAUTHENTICATED", False),
     "oversized": Reason("RESOURCE_EXHAUSTED", False),
     "rate_limited": Reason("RESOURCE_EXHAUSTED", True),
     "late": Reason("FAILED_PRECONDITION", False),

@@ -90,8 +90,9 @@ class PushLease(Protocol):
         waits under HTTP/2 flow control meanwhile); raises WireError when none frees up in time."""
         ...
 
-    def release(self) -> None:
-        """Free the push's share of its organization's limits (and its reassembly slot)."""
+    def release(self, refused: bool = False) -> None:
+        """Free the push's share of its organization's limits (and its reassembly slot); ``refused``: the push
+        was not accepted (refused, stalled or cancelled), so what it received need not be kept for reuse."""
         ...
 
 
@@ -171,6 +172,16 @@ def parse_chunked(cls: type[M], raw: bytes, chunk_field: int, what: str = "reque
     ``chunks.unframed`` left it in the message: read ``chunk.data`` then). Malformed bytes are ``malformed``."""
     small, data = chunks.unframed(raw, chunk_field)
     return parse(cls, small, what), data
+
+
+def _detached(err: WireError) -> WireError:
+    """``err`` without its traceback and context. The traceback refers to the frames that raised it, and the
+    frame that keeps the error refers back to it: a cycle that would hold a refused push's partial update (tens
+    of MB) until the next garbage collection, not the end of the push."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
+    return err
 
 
 def _check_ids(*ids: str) -> None:
@@ -309,6 +320,7 @@ class AggregatorServicer:
         """PushUpdate: reassemble a chunked update within the limits, then hand it to the handler."""
         run_id = ""
         lease: PushLease | None = None
+        accepted = False
         try:
             stream = request_iterator.__aiter__()
             raw = await anext(stream, None)
@@ -321,38 +333,50 @@ class AggregatorServicer:
             # Refuse a stale, foreign or over-limit push before reading it.
             lease = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
             await lease.reassembly_slot()
-            assembler = chunks.Reassembler(self.handler.max_update_bytes)
-            address = (first.run_id, first.round, first.organization_id)
-            wire_bytes, n, done = 0, 0, False
-            req: apb.PushUpdateRequest | None = first
-            size = len(raw)
-            while req is not None:
-                if (req.run_id, req.round, req.organization_id) != address:
-                    raise WireError("envelope_mismatch", "chunks of one push name different runs, rounds or organizations")
-                if done:
-                    raise WireError("malformed", "chunks after the last announced chunk")
-                wire_bytes += size
-                n += 1
-                done = assembler.add(req.chunk, data)
-                raw = await self._next_chunk(stream)
-                if raw is None:
-                    req, size = None, 0
-                else:
-                    (req, data), size = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD), len(raw)
+            received = [(first, data, len(raw))]
+            del raw, data
+            update, sha256, wire_bytes, n = await self._reassemble(stream, received)
             # Handed over, not kept here: the handler frees the bytes as soon as they are logged.
-            reply = await self.handler.push(org, run_id, first.round, assembler.take(), assembler.sha256,
-                                            wire_bytes, n)
+            reply = await self.handler.push(org, run_id, first.round, update, sha256, wire_bytes, n)
             resp = messages.push_reply_to_proto(reply).SerializeToString()
+            accepted = True
         except WireError as err:
-            failure = err
+            failure = _detached(err)
         except Exception as exc:
             failure = self._internal("PushUpdate", exc)
         else:
             return resp
         finally:
             if lease is not None:
-                lease.release()
+                lease.release(refused=not accepted)
         return await self._fail(context, run_id, failure)
+
+    async def _reassemble(self, stream: AsyncIterator[bytes],
+                          received: list[tuple[apb.PushUpdateRequest, Bytes | None, int]]) -> tuple[Bytes, bytes, int, int]:
+        """The update a push stream carries (its first chunk in ``received``, handed over): the bytes, their
+        SHA-256, the bytes on the wire and the number of chunks. Raises WireError; the partial update lives only
+        in this frame, which a refusal's traceback no longer reaches once ``_detached``."""
+        first, data, size = received.pop()
+        assembler = chunks.Reassembler(self.handler.max_update_bytes)
+        address = (first.run_id, first.round, first.organization_id)
+        wire_bytes, n, done = 0, 0, False
+        req: apb.PushUpdateRequest | None = first
+        while req is not None:
+            if (req.run_id, req.round, req.organization_id) != address:
+                raise WireError("envelope_mismatch", "chunks of one push name different runs, rounds or organizations")
+            if done:
+                raise WireError("malformed", "chunks after the last announced chunk")
+            wire_bytes += size
+            n += 1
+            done = assembler.add(req.chunk, data)
+            data = None
+            raw = await self._next_chunk(stream)
+            if raw is None:
+                req, size = None, 0
+            else:
+                (req, data), size = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD), len(raw)
+                del raw
+        return assembler.take(), assembler.sha256, wire_bytes, n
 
     async def _next_chunk(self, stream: AsyncIterator[bytes]) -> bytes | None:
         """The stream's next message (None at its end); a stream silent for ``push_idle_seconds`` is refused,

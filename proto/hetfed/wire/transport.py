@@ -13,6 +13,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from hetfed.wire.config import check
+from hetfed.wire.errors import WireError
+from hetfed.wire.identity import organization_of_pem
 
 # Chunks are at most a few MiB, so a generous per-message limit never binds a whole payload.
 MAX_GRPC_MESSAGE_BYTES = 64 << 20
@@ -199,7 +201,13 @@ def make_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
 
 
 def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str | None:  # type: ignore[type-arg]
-    """The organization named by the client certificate's common name, or None on insecure channels."""
+    """The organization the client certificate names (``hetfed.wire.identity``), or None on insecure channels.
+
+    Raises WireError (``UNAUTHENTICATED``) for a certificate with several names, disagreeing names or none."""
     auth = context.auth_context()
-    names = auth.get("x509_common_name") or []
-    return names[0].decode() if names else None
+    pems = auth.get("x509_pem_cert") or []
+    if pems:
+        return organization_of_pem(pems[0])
+    if auth.get("x509_common_name") or auth.get("transport_security_type") == [b"ssl"]:
+        raise WireError("no_identity", "the TLS peer presented no readable client certificate")
+    return None

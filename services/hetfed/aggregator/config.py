@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, from_mapping, load_file
@@ -61,9 +61,22 @@ class RunConfig:
     # Bytes of the float32 weights each organization would exchange under FedAvg with the same model; only the
     # dashboards' FedAvg comparison (hetfed_run_fedavg_reference_bytes_total) reads it. 0: not declared.
     fedavg_model_bytes: int = 0
+    # Training examples one organization of this run may declare at Join, and claim in an update when it
+    # declared none (also bounded by server.max_examples_per_organization). Example counts are aggregation
+    # weights: this caps what one organization's claim can weigh against the others'.
+    max_examples: int = 10_000_000
+    # Aggregation weights: "claimed", the example count each update carries (within the declaration);
+    # "declared", the count the organization declared at Join, whatever the update claims (one that declared
+    # none is refused, invalid_value).
+    example_weights: Literal["claimed", "declared"] = "claimed"
+    # Reported figures in their domains: test accuracy in [0, 1], losses >= 0 (implausible_metric otherwise).
+    check_metric_domains: bool = True
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
+        check(self.max_examples >= 1, f"max_examples must be >= 1, got {self.max_examples}")
+        check(self.example_weights in ("claimed", "declared"),
+              f"example_weights must be 'claimed' or 'declared', got {self.example_weights!r}")
         check(len(self.organizations) >= 1, "organizations must name at least one organization")
         for org in self.organizations:
             check(bool(NAME_RE.match(org)), f"organization {org!r} must match {NAME_RE.pattern}")

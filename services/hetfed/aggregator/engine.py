@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import unicodedata
@@ -44,12 +46,21 @@ from hetfed.wire.messages import (
     RoundSummary,
     RunStatus,
 )
-from hetfed.wire.payloads import EvalMetrics, Received, training_examples
+from hetfed.wire.payloads import (
+    EvalMetrics,
+    FactorizedWeights,
+    HeadWeights,
+    ModelWeights,
+    Received,
+    training_examples,
+)
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.rpc import Pulled, clip
 from hetfed.wire.traffic import KindCount, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
+# Payloads whose example count is an aggregation weight.
+WEIGHTED = (ModelWeights, HeadWeights, FactorizedWeights)
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,19 @@ def _bad_name(name: str, limit: int) -> str:
     return ""
 
 
+def _check_metric_domains(m: EvalMetrics) -> None:
+    """WireError ``implausible_metric`` for a test accuracy outside [0, 1] or a negative loss (NaN and
+    infinities are refused earlier, ``non_finite``)."""
+    if not 0.0 <= m.test_accuracy <= 1.0:
+        raise WireError("implausible_metric", f"eval_metrics.test_accuracy is {m.test_accuracy:.6g}; an accuracy "
+                                              "is in [0, 1] (the run's check_metric_domains)")
+    for name in ("train_loss", "test_loss"):
+        value = getattr(m, name)
+        if not (math.isfinite(value) and value >= 0.0):
+            raise WireError("implausible_metric", f"eval_metrics.{name} is {value:.6g}; a loss is finite and >= 0 "
+                                                  "(the run's check_metric_domains)")
+
+
 def _traffic_json(b: TrafficBreakdown) -> dict[str, dict[str, int]]:
     return {k: {"bytes": c.bytes, "messages": c.messages, "elements": c.elements} for k, c in b.kinds.items()}
 
@@ -220,6 +244,8 @@ class Run:
         self.store = RunStore(state_dir, cfg.id, disk)
         self.metrics = metrics
         self.limits = limits
+        # Example counts: the run's bound, within the server's.
+        self.max_examples = min(limits.max_examples, cfg.max_examples)
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken (outside the lock); until it is
         # on disk, pushes and joins of the next round wait on _committed.
@@ -352,7 +378,7 @@ class Run:
             half.load_state(arrays)
             for org, received, _ in self._logged_updates():
                 if org in self.pushed:
-                    half.accumulate(self.phase, org, received)
+                    half.accumulate(self.phase, org, self._weighted(org, received))
         except (StateError, OSError) as exc:
             raise WireError("storage_unavailable", f"run {self.cfg.id!r} cannot reload its state after a failed "
                                                    f"write ({exc})") from None
@@ -394,9 +420,9 @@ class Run:
                     f"run {self.cfg.id!r} uses seed set {want.id!r} (sha256 {want.sha256[:12]}…); the client holds {held}",
                 )
         n = request.num_train_examples
-        if not 0 <= n <= self.limits.max_examples:
-            raise WireError("invalid_value", f"num_train_examples must be in [0, {self.limits.max_examples}] "
-                                             f"(server.max_examples_per_organization), got {n}")
+        if not 0 <= n <= self.max_examples:
+            raise WireError("invalid_value", f"num_train_examples must be in [0, {self.max_examples}] (the run's "
+                                             f"max_examples, server.max_examples_per_organization), got {n}")
         if len(request.declared) > self.limits.max_declared_tensors:
             raise WireError("oversized", f"{len(request.declared)} declared tensors; at most "
                                          f"{self.limits.max_declared_tensors}")
@@ -513,17 +539,24 @@ class Run:
     def _check_limits(self, organization: str, update: Received) -> None:
         """Example counts within what the organization declared (or the maximum); bounded named figures."""
         declared = self.examples.get(organization, 0)
-        bound = declared or self.limits.max_examples
+        if self.cfg.example_weights == "declared" and not declared and any(
+                isinstance(p, WEIGHTED) for p in update):
+            raise WireError("invalid_value", f"run {self.cfg.id!r} weighs updates by the training examples declared "
+                                             f"at Join (example_weights = 'declared'); {organization!r} declared none")
+        bound = declared or self.max_examples
         why = (f"{organization!r} declared {declared} training examples at Join" if declared else
-               f"the limit is server.max_examples_per_organization = {self.limits.max_examples}")
+               f"it declared none, and the limit is {self.max_examples} (the run's max_examples, "
+               "server.max_examples_per_organization)")
         for p in update:
             n = training_examples(p)
             if n is not None and not 0 <= n <= bound:
                 raise WireError("invalid_value", f"{p.kind.value} claims {n} training examples; {why}")
             if isinstance(p, EvalMetrics):
-                if not 0 <= p.num_test_examples <= self.limits.max_examples:
+                if not 0 <= p.num_test_examples <= self.max_examples:
                     raise WireError("invalid_value", f"eval_metrics claims {p.num_test_examples} test examples; the "
-                                                     f"limit is {self.limits.max_examples}")
+                                                     f"limit is {self.max_examples}")
+                if self.cfg.check_metric_domains:
+                    _check_metric_domains(p)
                 if len(p.extra) > self.limits.max_metrics_per_report:
                     raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
                                                  f"{self.limits.max_metrics_per_report} (server.max_metrics_per_report)")
@@ -633,8 +666,17 @@ class Run:
                 out[f.key] = value
         return out
 
+    def _weighted(self, organization: str, update: Received) -> Received:
+        """The update with its aggregation weights replaced by the organization's declaration, when the run
+        weighs by declarations (``example_weights = "declared"``)."""
+        if self.cfg.example_weights != "declared":
+            return update
+        n = self.examples.get(organization, 0)
+        return Received([dataclasses.replace(p, num_examples=n) if isinstance(p, WEIGHTED) else p for p in update],
+                        repeated=update.kinds)
+
     def _fold(self, organization: str, update: Received, digest: bytes) -> None:
-        self.half.accumulate(self.phase, organization, update)
+        self.half.accumulate(self.phase, organization, self._weighted(organization, update))
         self.pushed[organization] = digest
         self.ledger.pushed(organization, self.round)
         m = update.maybe(EvalMetrics)

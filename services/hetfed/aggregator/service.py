@@ -25,6 +25,7 @@ from typing import TypeVar
 from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
 from hetfed.aggregator.engine import Limits, Run
+from hetfed.aggregator.memory import Trimmer
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.store import Disk
 from hetfed.wire.chunks import Bytes
@@ -86,12 +87,17 @@ class PushLease:
                                     f"{budget.wait_seconds:g} s (server.reassembly_wait_seconds); retry later") from None
         self._slot = True
 
-    def release(self) -> None:
-        """Give the stream, its reserved bytes and its reassembly slot back (idempotent; on the event loop)."""
+    def release(self, refused: bool = False) -> None:
+        """Give the stream, its reserved bytes and its reassembly slot back (idempotent; on the event loop).
+
+        ``refused``: the push ended without being accepted (refused, stalled, cancelled); what it had received
+        is then handed back to the system too, not kept for reuse."""
         if not self._released:
             self._released = True
             if self._slot:
                 self._budget.slots.release()
+                if refused:
+                    self._budget.trimmer.request()
             self._budget._release(self)
 
 
@@ -107,6 +113,7 @@ class PushBudget:
         self.max_reassemblies = max_reassemblies
         self.wait_seconds = wait_seconds
         self.slots = asyncio.Semaphore(max_reassemblies)
+        self.trimmer = Trimmer()
         self._lock = threading.Lock()
         self._streams: dict[str, int] = {}
         self._bytes: dict[str, int] = {}

@@ -19,11 +19,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from hetfed.aggregator.config import NAME_RE
+from hetfed.wire.identity import ORGANIZATION_URI_PREFIX
 from hetfed.wire.transport import TlsConfig
 
 DEFAULT_AGGREGATOR_NAMES = ("localhost", "127.0.0.1")
 CA_COMMON_NAME = "hetfed federation CA"
-ORGANIZATION_URI_PREFIX = "urn:hetfed:organization:"
 # Certificates are valid from a little before now, so a client whose clock lags slightly still accepts them.
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 
@@ -71,7 +71,7 @@ def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
 
 
 def _org_san(organization: str) -> x509.SubjectAlternativeName:
-    """The organization as a URI name too: the CN is the identity, strict verifiers also want a SAN."""
+    """The organization as a URI name too, equal to the CN (``hetfed.wire.identity`` refuses any other)."""
     return x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"{ORGANIZATION_URI_PREFIX}{organization}")])
 
 

@@ -7,6 +7,7 @@ config's type at run time. Hooks receive typed payloads (``Received``) and the r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
@@ -169,3 +170,47 @@ class TrimmedMean:
         """Forget every contribution."""
         self._high, self._low, self._mid = {}, {}, {}
         self.count = 0
+
+
+class CoordinateMedian:
+    """The coordinate-wise median of named arrays, unweighted (``numpy.median``: the mean of the two middle
+    values for an even count). Not streaming: it keeps one float64 copy of every contribution until ``reset``."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[np.ndarray]] = {}
+        self.count = 0
+
+    def add(self, arrays: Mapping[str, np.ndarray], weight: float = 1.0) -> None:
+        """Add one organization's arrays (``weight`` is ignored: the median is unweighted)."""
+        for name, a in arrays.items():
+            self._values.setdefault(name, []).append(np.array(a, dtype=np.float64))
+        self.count += 1
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The coordinate-wise median of everything added (float64; named ``mean`` like the other aggregators)."""
+        if self.count == 0:
+            raise ValueError("no contributions")
+        return {name: np.median(np.stack(values), axis=0) for name, values in self._values.items()}
+
+    def reset(self) -> None:
+        """Forget every contribution."""
+        self._values = {}
+        self.count = 0
+
+
+def clip_to_ball(arrays: Mapping[str, np.ndarray], centre: Mapping[str, np.ndarray],
+                 radius: float) -> tuple[dict[str, np.ndarray], float]:
+    """``arrays`` moved onto the ball of ``radius`` around ``centre`` when outside it (float64), and their
+    distance ||arrays - centre||_2 before (tensors missing from ``centre`` count from 0 and are scaled alike)."""
+    diffs = {k: np.asarray(a, np.float64) - centre.get(k, 0.0) for k, a in arrays.items()}
+    distance = math.sqrt(sum(float(np.dot(d.reshape(-1), d.reshape(-1))) for d in diffs.values()))
+    if distance <= radius:
+        return dict(arrays), distance
+    scale = radius / distance
+    return {k: centre.get(k, 0.0) + d * scale for k, d in diffs.items()}, distance
+
+
+def global_norm(arrays: Mapping[str, np.ndarray]) -> float:
+    """||arrays||_2 over every tensor together (float64)."""
+    return math.sqrt(sum(float(np.dot(a.reshape(-1).astype(np.float64), a.reshape(-1).astype(np.float64)))
+                         for a in arrays.values()))

@@ -6,7 +6,15 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf, TrimmedMean, WeightedMean
+from hetfed.aggregator.algorithms.base import (
+    CoordinateMedian,
+    RunInfo,
+    ServerHalf,
+    TrimmedMean,
+    WeightedMean,
+    clip_to_ball,
+    global_norm,
+)
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ModelWeights, Payload, Received
 from hetfed.wire.phases import Phase
@@ -17,13 +25,19 @@ A = TypeVar("A", bound=AveragingConfig)
 
 class AveragingServer(ServerHalf[A], Generic[A]):
     """Averages the named arrays of one payload type and sends the result back: the mean weighted by example
-    counts, or (``aggregation = "trimmed_mean"``) the coordinate-wise trimmed mean."""
+    counts, or (``aggregation``) the coordinate-wise trimmed mean or median.
+
+    Every update is checked against the run's plausibility bounds first: no value beyond ``max_abs_weight``,
+    and a distance from the current global model of at most ``max_update_norm_ratio`` times its norm (refused,
+    or clipped onto that bound under ``update_norm_policy = "clip"``)."""
 
     def __init__(self, config: A, run: RunInfo) -> None:
         super().__init__(config, run)
         self.global_: dict[str, np.ndarray] | None = None
-        self._acc: WeightedMean | TrimmedMean = (
-            TrimmedMean(config.trim) if config.aggregation == "trimmed_mean" else WeightedMean())
+        self._global_norm: float | None = None
+        self._acc: WeightedMean | TrimmedMean | CoordinateMedian = (
+            TrimmedMean(config.trim) if config.aggregation == "trimmed_mean"
+            else CoordinateMedian() if config.aggregation == "median" else WeightedMean())
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The arrays an update contributes and their weight (None: nothing to average)."""
@@ -40,21 +54,60 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         return [self.payload(self.global_)]
 
     def validate(self, phase: Phase, organization: str, update: Received) -> None:
-        """The aggregation weight must be a positive example count."""
+        """The aggregation weight must be a positive example count, and the arrays plausible."""
         got = self.arrays(update)
         if got is not None and got[1] <= 0:
             raise WireError("invalid_value", f"num_examples must be > 0, got {got[1]}")
+        if got is not None:
+            self.check_plausible(got[0])
+
+    def _radius(self) -> float:
+        """How far an update may be from the global model (0: no bound now)."""
+        ratio = self.config.max_update_norm_ratio
+        if not ratio or self.global_ is None:
+            return 0.0
+        if self._global_norm is None:
+            self._global_norm = global_norm(self.global_)
+        return ratio * self._global_norm
+
+    def check_plausible(self, arrays: dict[str, np.ndarray]) -> None:
+        """WireError ``implausible_update`` for a value beyond ``max_abs_weight``, or (policy "refuse") an update
+        farther from the global model than ``max_update_norm_ratio`` times its norm."""
+        bound = self.config.max_abs_weight
+        if bound:
+            for name, a in arrays.items():
+                if a.dtype.kind == "f" and a.size:
+                    largest = max(abs(float(a.max())), abs(float(a.min())))
+                    if largest > bound:
+                        raise WireError("implausible_update", f"{name} holds a value of magnitude {largest:.3g}; "
+                                                              f"at most {bound:g} (max_abs_weight)")
+        radius = self._radius()
+        if radius and self.config.update_norm_policy == "refuse":
+            assert self.global_ is not None
+            _, distance = clip_to_ball(arrays, self.global_, radius)
+            if distance > radius:
+                raise WireError("implausible_update", f"the update is {distance:.4g} from the global model, whose "
+                                                      f"norm is {self._global_norm:.4g}; at most "
+                                                      f"{self.config.max_update_norm_ratio:g} times that "
+                                                      "(max_update_norm_ratio)")
 
     def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
-        """Add n_i · w_i to the running sum (or w_i to the trimmed mean's running state)."""
+        """Add n_i · w_i to the running sum (or w_i to the trimmed mean's or median's state), clipped first
+        under ``update_norm_policy = "clip"``."""
         got = self.arrays(update)
         if got is not None:
-            self._acc.add(got[0], float(got[1]))
+            arrays = got[0]
+            radius = self._radius()
+            if radius and self.config.update_norm_policy == "clip":
+                assert self.global_ is not None
+                arrays, _ = clip_to_ball(arrays, self.global_, radius)
+            self._acc.add(arrays, float(got[1]))
 
     def close_round(self, phase: Phase, round_: int) -> None:
-        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean)."""
+        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median)."""
         if self._acc.count:
             self.global_ = {k: v.astype(np.float32) for k, v in self._acc.mean().items()}
+            self._global_norm = None
         self._acc.reset()
 
     def state(self) -> dict[str, np.ndarray]:
@@ -64,6 +117,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Restore the global arrays."""
         self.global_ = dict(arrays) or None
+        self._global_norm = None
 
 
 class FedAvgServer(AveragingServer[FedAvgConfig]):
@@ -74,6 +128,8 @@ class FedAvgServer(AveragingServer[FedAvgConfig]):
         mw = update.maybe(ModelWeights)
         if mw is not None and mw.num_examples <= 0:
             raise WireError("invalid_value", f"num_examples must be > 0, got {mw.num_examples}")
+        if mw is not None:
+            self.check_plausible(mw.tensors)
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The model's tensors and their weight: the example count, or 1 under uniform weighting."""
