@@ -44,10 +44,12 @@ def config_maps(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 
 
 def test_lint_strict_with_every_values_file(helm: Helm) -> None:
-    """helm lint --strict passes with the defaults, each ci values file and the README's example."""
+    """helm lint --strict passes with the defaults, each ci values file, the README's example and each cross-silo release."""
     helm.run("lint", "--strict", str(CHART))
-    for f in [*CI_VALUES, EXAMPLE_VALUES]:
-        out = helm.run("lint", "--strict", str(CHART), "-f", str(f))
+    silo = EXAMPLE_VALUES.parent / "cross-silo"
+    for files in [*([f] for f in CI_VALUES), [EXAMPLE_VALUES],
+                  *([silo / "federation.yaml", silo / f"{part}.yaml"] for part in ("aggregator", "hospital-a", "hospital-b"))]:
+        out = helm.run("lint", "--strict", str(CHART), *(a for f in files for a in ("-f", str(f))))
         assert "0 chart(s) failed" in out, out
 
 

@@ -116,7 +116,7 @@ spec:
           readOnly: {{ $org.dataVolume.readOnly }}
         {{- end }}
         {{- if $org.stateVolume.enabled }}
-        # The private state: each run's container keeps it in <mountPath>/<run id> (the config's state_dir).
+        # The private state (the config's state_dir): each run's client keeps it in <mountPath>/<run id>.
         - name: state
           mountPath: {{ $org.stateVolume.mountPath }}
         {{- end }}

@@ -310,7 +310,7 @@ as JSON: {"items": [...]}. Each item gains "runs": the ids of the runs it takes 
 {{- end }}
 {{- $_ := set $cfg "data" $data }}
 {{- if $org.stateVolume.enabled }}
-{{- $_ := set $cfg "state_dir" (printf "%s/%s" (trimSuffix "/" $org.stateVolume.mountPath) $run.id) }}
+{{- $_ := set $cfg "state_dir" $org.stateVolume.mountPath }}
 {{- end }}
 {{- $_ := set $cfg "metrics_port" ($org.metrics.enabled | ternary (int $org.metrics.port) -1) }}
 {{- $_ := set $cfg "metrics_host" "0.0.0.0" }}
@@ -453,7 +453,7 @@ accessModes) and the class or access modes of an organization's state claim, or 
 {{- $was = $c.spec }}
 {{- end }}
 {{- end }}
-{{- $how := "to resize the state volume or move it to another class, follow docs/deploy.md, \"Resizing the aggregator's state volume\"" }}
+{{- $how := "to resize the state volume or move it to another class, follow docs/deploy.md, \"Resizing a state volume\"" }}
 {{- if ne (not (empty $was)) $p.enabled }}
 {{- fail (printf "aggregator.persistence.enabled: the StatefulSet %s was installed with persistence.enabled=%t; Kubernetes refuses to change a StatefulSet's volumeClaimTemplates. Keep %t, or start over (docs/deploy.md, \"Uninstalling and starting over\")" $name (not (empty $was)) (not (empty $was))) }}
 {{- end }}
@@ -480,7 +480,7 @@ accessModes) and the class or access modes of an organization's state claim, or 
 {{- if $live }}
 {{- $class := toString (default "" $live.spec.storageClassName) }}
 {{- if and $v.storageClass (ne $class (toString $v.storageClass)) }}
-{{- fail (printf "organization %q: stateVolume.storageClass: the claim %s is in class %q and a claim's class cannot change: keep %q, or move the state to a new claim (docs/deploy.md, \"Resizing\")" $o.name $claim $class $class) }}
+{{- fail (printf "organization %q: stateVolume.storageClass: the claim %s is in class %q and a claim's class cannot change: keep %q, or move the state to a new claim (docs/deploy.md, \"Resizing a state volume\")" $o.name $claim $class $class) }}
 {{- end }}
 {{- if ne (toJson (default list $live.spec.accessModes)) (toJson $v.accessModes) }}
 {{- fail (printf "organization %q: stateVolume.accessModes: the claim %s has access modes %s, which cannot change: keep them" $o.name $claim (toJson $live.spec.accessModes)) }}
