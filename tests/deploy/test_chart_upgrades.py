@@ -2,28 +2,34 @@
 
 - A new chart version alone keeps every Job's name and every pod template (nothing restarts).
 - An upgrade that would edit fields Kubernetes cannot change is refused with the chart's message. `lookup`
-  answers only against a cluster (empty under `helm template`), so these tests render a copy of the chart
-  whose one `lookup` call reads the live objects from files instead: everything else is the chart's own.
+  answers only against a cluster (empty under `helm template`): these tests run `helm template
+  --dry-run=server` against a local fake API server that holds the objects an earlier install made.
 - Default images are the ones docker/build.sh tags; a registry value prefixes them.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from werkzeug.wrappers import Request, Response
 
 from tests.conftest import REPO
 from tests.deploy.conftest import CHART, CI_VALUES, EXAMPLE_VALUES, Helm, HelmError, by_kind, validate_all
+from tests.deploy.k8s_fake import api_server, kubeconfig
 
-LOOKUP = "lookup (index . 1) (index . 2) (index . 3) (index . 4)"
-# The fixture: the object <Kind>-<name>.yaml under live/ in the chart copy, or nothing.
-FROM_FILES = '(printf "live/%s-%s.yaml" (index . 2) (index . 4)) | (index . 0).Files.Get | fromYaml'
+# The resources the chart looks up, as the API server's discovery lists them.
+RESOURCES = {
+    "/apis/apps/v1": ("apps/v1", "statefulsets", "StatefulSet"),
+    "/api/v1": ("v1", "persistentvolumeclaims", "PersistentVolumeClaim"),
+}
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -67,17 +73,42 @@ def test_what_matters_to_one_organization_replaces_only_its_job(helm: Helm) -> N
     assert one["a"] == base["a"] and one["b"] != base["b"]
 
 
-def live_chart(chart_copy: Callable[[], Path], live: list[dict[str, Any]]) -> Path:
-    """A chart copy whose lookup returns ``live`` (objects by kind and name) instead of asking a cluster."""
-    chart = chart_copy()
-    helpers = chart / "templates" / "_helpers.tpl"
-    text = helpers.read_text()
-    assert text.count(LOOKUP) == 1
-    helpers.write_text(text.replace(LOOKUP, FROM_FILES))
-    (chart / "live").mkdir()
+@contextmanager
+def cluster(tmp_path: Path, live: list[dict[str, Any]]) -> Iterator[Path]:
+    """A fake API server that holds ``live`` (what lookup finds) and answers 404 for anything else; its kubeconfig."""
+    seen: list[str] = []
+    by_path = {}
     for obj in live:
-        (chart / "live" / f"{obj['kind']}-{obj['metadata']['name']}.yaml").write_text(yaml.safe_dump(obj))
-    return chart
+        base, (_, plural, _) = next((b, r) for b, r in RESOURCES.items() if r[2] == obj["kind"])
+        by_path[f"{base}/namespaces/{obj['metadata']['namespace']}/{plural}/{obj['metadata']['name']}"] = obj
+
+    def handle(request: Request) -> Response:
+        seen.append(request.path)
+        if request.path in RESOURCES:
+            group_version, plural, kind = RESOURCES[request.path]
+            body: dict[str, Any] = {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version,
+                                    "resources": [{"name": plural, "singularName": kind.lower(), "namespaced": True,
+                                                   "kind": kind, "verbs": ["get", "list"]}]}
+        elif request.path in by_path:
+            body = by_path[request.path]
+        else:
+            return Response(json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                        "reason": "NotFound", "code": 404}), status=404, content_type="application/json")
+        return Response(json.dumps(body), content_type="application/json")
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with api_server(tmp_path) as (server, _):
+        server.expect_request(re.compile(".*")).respond_with_handler(handle)
+        yield kubeconfig(tmp_path / "kubeconfig", server.url_for("/").rstrip("/"))
+    # The chart asked the API server for the objects it checks.
+    assert any(p.startswith(("/apis/apps/v1/namespaces/", "/api/v1/namespaces/")) for p in seen), seen
+
+
+def against(helm: Helm, kubeconfig_path: Path, sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """``helm template --dry-run=server`` against the fake cluster: lookup answers; the rendered objects."""
+    out = helm.run("template", "fl", str(CHART), "--namespace", "federation", "--dry-run=server",
+                   "--kubeconfig", str(kubeconfig_path), *(a for s in sets for a in ("--set", s)))
+    return [d for d in yaml.safe_load_all(out) if d]
 
 
 def installed(helm: Helm, kind: str, sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -101,42 +132,44 @@ def installed(helm: Helm, kind: str, sets: tuple[str, ...] = ()) -> list[dict[st
     ids=["size", "class", "disabled", "enabled", "access-modes"],
 )
 def test_an_upgrade_that_edits_the_state_volume_template_fails_clearly(
-    helm: Helm, chart_copy: Callable[[], Path], before: tuple[str, ...], after: tuple[str, ...], expected: str
+    helm: Helm, tmp_path: Path, before: tuple[str, ...], after: tuple[str, ...], expected: str
 ) -> None:
     """The StatefulSet's volumeClaimTemplates cannot change: the chart says which value and how to resize."""
-    chart = live_chart(chart_copy, installed(helm, "StatefulSet", before))
-    with pytest.raises(HelmError) as info:
-        helm.template(chart=chart, sets=after)
+    with cluster(tmp_path, installed(helm, "StatefulSet", before)) as kc, pytest.raises(HelmError) as info:
+        against(helm, kc, after)
     assert expected in str(info.value)
     if "size" in expected or "class" in expected:
         assert "docs/deploy.md" in str(info.value)
 
 
-def test_an_upgrade_that_keeps_the_volume_renders(helm: Helm, chart_copy: Callable[[], Path]) -> None:
+def test_an_upgrade_that_keeps_the_volume_renders(helm: Helm, tmp_path: Path) -> None:
     """The same volume (sizes written alike or not) and other changes pass; the check reads the live object."""
-    chart = live_chart(chart_copy, installed(helm, "StatefulSet", ("aggregator.persistence.size=1Gi",)))
-    for sets in [("aggregator.persistence.size=1024Mi",), ("aggregator.persistence.size=1Gi", "runs[0].id=demo",
-                                                          "runs[0].algorithm=fedavg", "runs[0].rounds=9")]:
-        assert by_kind(helm.objects(chart=chart, sets=sets), "StatefulSet")
-    with pytest.raises(HelmError, match="keeps its state volume at 1Gi"):
-        helm.template(chart=chart)  # the default 8Gi is not what is installed
+    with cluster(tmp_path, installed(helm, "StatefulSet", ("aggregator.persistence.size=1Gi",))) as kc:
+        for sets in [("aggregator.persistence.size=1024Mi",),
+                     ("aggregator.persistence.size=1Gi", "runs[0].id=demo", "runs[0].algorithm=fedavg", "runs[0].rounds=9")]:
+            assert by_kind(against(helm, kc, sets), "StatefulSet")
+        with pytest.raises(HelmError, match="keeps its state volume at 1Gi"):
+            against(helm, kc)  # the default 8Gi is not what is installed
+    # No aggregator installed yet (a first install): nothing to compare, any size renders.
+    with cluster(tmp_path / "empty", []) as kc:
+        assert by_kind(against(helm, kc, ("aggregator.persistence.size=3Gi",)), "StatefulSet")
 
 
-def test_an_organization_state_claim_may_grow_never_shrink_nor_change_class(
-    helm: Helm, chart_copy: Callable[[], Path]
-) -> None:
+def test_an_organization_state_claim_may_grow_never_shrink_nor_change_class(helm: Helm, tmp_path: Path) -> None:
     """A state claim of 2Gi in class fast: 4Gi renders; 1Gi and class slow are refused with the claim's name."""
     on = ("clientDefaults.stateVolume.enabled=true", "clientDefaults.stateVolume.size=2Gi",
           "clientDefaults.stateVolume.storageClass=fast")
     claims = installed(helm, "PersistentVolumeClaim", on)
     assert sorted(c["metadata"]["name"] for c in claims) == ["fl-hetfed-org-a-state", "fl-hetfed-org-b-state"]
-    chart = live_chart(chart_copy, claims)
-    grown = by_kind(helm.objects(chart=chart, sets=(*on, "clientDefaults.stateVolume.size=4Gi")), "PersistentVolumeClaim")
-    assert {c["spec"]["resources"]["requests"]["storage"] for c in grown} == {"4Gi"}
-    with pytest.raises(HelmError, match=re.escape('organization "org-a": stateVolume.size: the claim fl-hetfed-org-a-state holds 2Gi')):
-        helm.template(chart=chart, sets=(*on, "clientDefaults.stateVolume.size=1Gi"))
-    with pytest.raises(HelmError, match=re.escape('stateVolume.storageClass: the claim fl-hetfed-org-a-state is in class "fast"')):
-        helm.template(chart=chart, sets=(*on, "clientDefaults.stateVolume.storageClass=slow"))
+    with cluster(tmp_path, claims) as kc:
+        grown = by_kind(against(helm, kc, (*on, "clientDefaults.stateVolume.size=4Gi")), "PersistentVolumeClaim")
+        assert {c["spec"]["resources"]["requests"]["storage"] for c in grown} == {"4Gi"}
+        with pytest.raises(HelmError, match=re.escape(
+                'organization "org-a": stateVolume.size: the claim fl-hetfed-org-a-state holds 2Gi')):
+            against(helm, kc, (*on, "clientDefaults.stateVolume.size=1Gi"))
+        with pytest.raises(HelmError, match=re.escape(
+                'stateVolume.storageClass: the claim fl-hetfed-org-a-state is in class "fast"')):
+            against(helm, kc, (*on, "clientDefaults.stateVolume.storageClass=slow"))
 
 
 def test_state_volume_claim_mount_and_config(helm: Helm) -> None:
@@ -273,3 +306,25 @@ def test_cross_silo_values_fail_clearly(helm: Helm, tmp_path: Path, values: dict
     with pytest.raises(HelmError) as info:
         helm.template(f)
     assert expected in str(info.value)
+
+
+def test_a_renewed_chart_made_certificate_replaces_only_its_pods(helm: Helm, tmp_path: Path) -> None:
+    """A new inline certificate for hospital-b changes its checksum/tls and Job name; hospital-a and the aggregator stay."""
+    mtls = CHART / "ci" / "mtls-values.yaml"
+    values = yaml.safe_load(mtls.read_text())
+    values["organizations"][1]["tls"]["cert"] = values["organizations"][1]["tls"]["cert"].replace("hospital-b", "renewed")
+    renewed = tmp_path / "renewed.yaml"
+    renewed.write_text(yaml.safe_dump(values))
+
+    def pods(objects: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+        out = {j["metadata"]["labels"]["hetfed.io/organization"]: (
+            j["metadata"]["name"], j["spec"]["template"]["metadata"]["annotations"].get("checksum/tls", ""))
+            for j in by_kind(objects, "Job")}
+        (sts,) = by_kind(objects, "StatefulSet")
+        out["aggregator"] = (sts["metadata"]["name"], json.dumps(sts["spec"]["template"], sort_keys=True))
+        return out
+
+    before, after = pods(helm.objects(mtls)), pods(helm.objects(renewed))
+    assert before["hospital-a"] == after["hospital-a"] and before["aggregator"] == after["aggregator"]
+    assert before["hospital-b"][0] != after["hospital-b"][0] and before["hospital-b"][1] != after["hospital-b"][1]
+    assert before["hospital-a"][1] == ""  # an existing Secret: the kubelet updates its files in place
