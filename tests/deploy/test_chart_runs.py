@@ -8,6 +8,7 @@ to the test's. Chart and binaries cannot drift apart.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -256,6 +257,7 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
         port = json.loads(ready.read_text())["port"]
 
         clients = {}
+        state_files: list[Path] = []
         npz_parts: dict[str, Path] = {}
         for c in rendered.clients:
             cfg: dict[str, Any] = tomllib.loads(c.toml)
@@ -273,6 +275,7 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
             if c.state_mount is not None:
                 assert cfg["state_dir"] == c.state_mount  # the volume; each run's client writes <run>/ in it
                 cfg["state_dir"] = str(workdir / "client-state" / c.organization)
+                state_files.append(Path(cfg["state_dir"]) / c.run / "client-state.pt")
             else:
                 assert "state_dir" not in cfg
             name = f"{c.organization}-{c.run}"
@@ -284,6 +287,8 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
         for name, proc in clients.items():
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert rc == 0, (workdir / f"{name}.log").read_text()[-3000:]
+        if importlib.util.find_spec("hetfed.client.state") is not None:  # the runtime that keeps private state
+            assert [f for f in state_files if not f.is_file()] == []
 
         channel_tls = TlsConfig(**pem(server["operators"][0]), server_name="127.0.0.1") if tls_on else None
         with make_channel(f"127.0.0.1:{port}", channel_tls) as channel:
