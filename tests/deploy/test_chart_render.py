@@ -44,10 +44,12 @@ def config_maps(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 
 
 def test_lint_strict_with_every_values_file(helm: Helm) -> None:
-    """helm lint --strict passes with the defaults, each ci values file and the README's example."""
+    """helm lint --strict passes with the defaults, each ci values file, the README's example and each cross-silo release."""
     helm.run("lint", "--strict", str(CHART))
-    for f in [*CI_VALUES, EXAMPLE_VALUES]:
-        out = helm.run("lint", "--strict", str(CHART), "-f", str(f))
+    silo = EXAMPLE_VALUES.parent / "cross-silo"
+    for files in [*([f] for f in CI_VALUES), [EXAMPLE_VALUES],
+                  *([silo / "federation.yaml", silo / f"{part}.yaml"] for part in ("aggregator", "hospital-a", "hospital-b"))]:
+        out = helm.run("lint", "--strict", str(CHART), *(a for f in files for a in ("-f", str(f))))
         assert "0 chart(s) failed" in out, out
 
 
@@ -76,8 +78,8 @@ def test_one_job_per_organization_with_its_own_selector_label(helm: Helm) -> Non
         assert job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
     # Two runs: organizations in both get one container per run, the others one.
     containers = {org: [c["name"] for c in pod_spec(j)["containers"]] for org, j in jobs.items()}
-    assert containers == {"hospital-a": ["fedavg", "fedprox"], "hospital-b": ["fedavg", "fedprox"],
-                          "hospital-c": ["fedavg"], "lab-d": ["fedavg"], "lab-e": ["fedavg", "fedprox"]}
+    assert containers == {"hospital-a": ["heads", "fedprox"], "hospital-b": ["heads"],
+                          "hospital-c": ["heads"], "lab-d": ["heads"], "lab-e": ["heads", "fedprox"]}
     # Selectors never carry values that change between releases.
     sts = by_kind(objects, "StatefulSet")[0]
     assert sts["spec"]["selector"]["matchLabels"] == {
@@ -118,19 +120,21 @@ def test_client_configs_are_rendered_per_organization_and_run(helm: Helm) -> Non
     assert a["organization"] == "hospital-a" and a["run"] == "fedprox"
     assert a["aggregator"] == "fl-hetfed-aggregator.federation.svc:50051"
     assert a["device"] == "cuda"
-    assert a["data"]["num_clients"] == 3 and a["data"]["client_index"] == 0
-    b = tomllib.loads(cms["fl-hetfed-hospital-b"]["fedavg.toml"])
-    assert b["model"] == {"name": "cnn", "latent_dim": 0}
+    assert a["data"]["num_clients"] == 2 and a["data"]["client_index"] == 0
+    assert a["model"] == {"name": "lenet", "latent_dim": 64}
+    b = tomllib.loads(cms["fl-hetfed-hospital-b"]["heads.toml"])
+    assert b["model"] == {"name": "cnn", "latent_dim": 64}
     assert b["data"]["num_clients"] == 5 and b["data"]["client_index"] == 1
-    c = tomllib.loads(cms["fl-hetfed-hospital-c"]["fedavg.toml"])
+    c = tomllib.loads(cms["fl-hetfed-hospital-c"]["heads.toml"])
     assert c["data"]["dataset"] == "npz" and c["data"]["path"] == "/data"
-    e = tomllib.loads(cms["fl-hetfed-lab-e"]["fedavg.toml"])
+    e = tomllib.loads(cms["fl-hetfed-lab-e"]["heads.toml"])
     assert e["metrics_port"] == -1
     agg = tomllib.loads(cms["fl-hetfed-aggregator"]["aggregator.toml"])
     runs = {r["id"]: r for r in agg["runs"]}
-    assert runs["fedavg"]["organizations"] == ["hospital-a", "hospital-b", "hospital-c", "lab-d", "lab-e"]
-    assert runs["fedavg"]["min_clients"] == 3 and isinstance(runs["fedavg"]["rounds"], int)
-    assert runs["fedavg"]["round_deadline_seconds"] == 900
+    assert runs["heads"]["organizations"] == ["hospital-a", "hospital-b", "hospital-c", "lab-d", "lab-e"]
+    assert runs["heads"]["algorithm"] == "fedavg_head"
+    assert runs["heads"]["min_clients"] == 3 and isinstance(runs["heads"]["rounds"], int)
+    assert runs["heads"]["round_deadline_seconds"] == 900
     assert runs["fedprox"]["algorithm_config"] == {"mu": 0.01}
     assert agg["server"]["max_requests_per_second"] == 20
     assert agg["server"]["state_dir"] == "/var/lib/hetfed"

@@ -86,7 +86,7 @@ def test_readme_example_values_render_and_validate(helm: Helm) -> None:
     assert named == made
     # The aggregator name the README's certificate is made for is the one clients dial.
     cfg = next(c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"] == "fl-hetfed-hospital-a")
-    assert 'aggregator = "fl-hetfed-aggregator.federation.svc:50051"' in cfg["data"]["mnist-fedavg.toml"]
+    assert 'aggregator = "fl-hetfed-aggregator.federation.svc:50051"' in cfg["data"]["mnist-head.toml"]
     assert "--aggregator-name fl-hetfed-aggregator.federation.svc" in readme
 
 

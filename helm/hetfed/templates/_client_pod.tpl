@@ -13,7 +13,7 @@ Call with (dict "root" $ "org" ORG "runs" RUNS).
 {{- end }}
 metadata:
   labels:
-    {{- include "hetfed.labels" $root | nindent 4 }}
+    {{- include "hetfed.podLabels" $root | nindent 4 }}
     app.kubernetes.io/component: client
     hetfed.io/organization: {{ $org.name }}
     {{- with $org.podLabels }}
@@ -58,6 +58,10 @@ spec:
   {{- end }}
   {{- with $org.affinity }}
   affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $org.initContainers }}
+  initContainers:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   containers:
@@ -111,6 +115,14 @@ spec:
           mountPath: {{ $org.dataVolume.mountPath }}
           readOnly: {{ $org.dataVolume.readOnly }}
         {{- end }}
+        {{- if $org.stateVolume.enabled }}
+        # The private state (the config's state_dir): each run's client keeps it in <mountPath>/<run id>.
+        - name: state
+          mountPath: {{ $org.stateVolume.mountPath }}
+        {{- end }}
+        {{- with $org.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
     {{- end }}
   volumes:
     - name: config
@@ -141,6 +153,14 @@ spec:
         {{- with $v.sizeLimit }}
         sizeLimit: {{ . }}
         {{- end }}
+    {{- end }}
+    {{- if $org.stateVolume.enabled }}
+    - name: state
+      persistentVolumeClaim:
+        claimName: {{ include "hetfed.client.stateClaim" (list $root $org) }}
+    {{- end }}
+    {{- with $org.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end }}
 

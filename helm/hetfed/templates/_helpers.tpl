@@ -48,6 +48,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: hetfed
 {{- end }}
 
+{{/*
+Labels of pod templates: no chart version, so a new chart version that changes nothing for a pod leaves its
+template, and a client Job's name, as they were (upgrades never replace a client mid-round for nothing).
+*/}}
+{{- define "hetfed.podLabels" -}}
+{{ include "hetfed.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: hetfed
+{{- end }}
+
 {{/* Labels that select the release's pods; they never change between releases (selectors are immutable). */}}
 {{- define "hetfed.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "hetfed.name" . }}
@@ -72,9 +82,24 @@ app.kubernetes.io/component: aggregator
 {{- end }}
 {{- end }}
 
-{{/* The DNS name clients dial: the aggregator Service in the release's namespace. */}}
+{{/* The DNS name of the aggregator Service in the release's namespace. */}}
 {{- define "hetfed.aggregator.host" -}}
 {{- printf "%s.%s.svc" (include "hetfed.aggregator.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{/* The address clients dial: `aggregator.address`, or this release's aggregator Service. */}}
+{{- define "hetfed.aggregator.address" -}}
+{{- if .Values.aggregator.address }}
+{{- .Values.aggregator.address }}
+{{- else }}
+{{- printf "%s:%d" (include "hetfed.aggregator.host" .) (int .Values.aggregator.service.grpcPort) }}
+{{- end }}
+{{- end }}
+
+{{/* The name of one organization's state claim. Call with (list $ ORG). */}}
+{{- define "hetfed.client.stateClaim" -}}
+{{- $org := index . 1 }}
+{{- default (include "hetfed.fit" (dict "name" (printf "%s-state" (include "hetfed.client.fullname" (list (index . 0) $org.name))))) $org.stateVolume.existingClaim }}
 {{- end }}
 
 {{/* The name of one organization's objects. Call with (list $ ORG). */}}
@@ -90,8 +115,18 @@ app.kubernetes.io/component: client
 hetfed.io/organization: {{ index . 1 }}
 {{- end }}
 
+{{/*
+An image reference: `<registry>/<repository>:<tag>`, where `global.imageRegistry` (when set) replaces the
+image's own `registry` and an empty registry leaves the repository as it is. Call with (dict "image" IMAGE "root" $).
+*/}}
 {{- define "hetfed.image" -}}
-{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- $registry := default .image.registry (get (default dict .root.Values.global) "imageRegistry") }}
+{{- $ref := printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- if $registry }}
+{{- printf "%s/%s" (trimSuffix "/" $registry) $ref }}
+{{- else }}
+{{- $ref }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -260,7 +295,7 @@ as JSON: {"items": [...]}. Each item gains "runs": the ids of the runs it takes 
 {{- $cfg := deepCopy $org.config }}
 {{- $_ := set $cfg "organization" $org.name }}
 {{- $_ := set $cfg "run" $run.id }}
-{{- $_ := set $cfg "aggregator" (printf "%s:%d" (include "hetfed.aggregator.host" $root) (int $root.Values.aggregator.service.grpcPort)) }}
+{{- $_ := set $cfg "aggregator" (include "hetfed.aggregator.address" $root) }}
 {{- $_ := set $cfg "device" $org.device }}
 {{- $_ := set $cfg "model" $org.model }}
 {{- $data := deepCopy $org.data }}
@@ -274,6 +309,9 @@ as JSON: {"items": [...]}. Each item gains "runs": the ids of the runs it takes 
 {{- $_ := set $data "path" $org.dataVolume.mountPath }}
 {{- end }}
 {{- $_ := set $cfg "data" $data }}
+{{- if $org.stateVolume.enabled }}
+{{- $_ := set $cfg "state_dir" $org.stateVolume.mountPath }}
+{{- end }}
 {{- $_ := set $cfg "metrics_port" ($org.metrics.enabled | ternary (int $org.metrics.port) -1) }}
 {{- $_ := set $cfg "metrics_host" "0.0.0.0" }}
 {{- if $root.Values.tls.enabled }}
@@ -308,10 +346,28 @@ Checks that need more than one value: a certificate for every party under mTLS, 
 names its source. Rendered (empty) by every template that depends on them.
 */}}
 {{- define "hetfed.validate" -}}
-{{- $orgs := (include "hetfed.organizations" . | fromJson).items }}
+{{- $orgs := list }}
+{{- range $o := (include "hetfed.organizations" . | fromJson).items }}
+{{- if $o.enabled }}
+{{- $orgs = append $orgs $o }}
+{{- end }}
+{{- end }}
+{{- $a := .Values.aggregator }}
+{{- if and (not $a.enabled) (not $orgs) }}
+{{- fail "aggregator.enabled is false and no organization is enabled: the release would deploy nothing" }}
+{{- end }}
+{{- if and (not $a.enabled) (not $a.address) }}
+{{- fail "aggregator.enabled is false: set aggregator.address, the host:port of the aggregator the organizations dial" }}
+{{- end }}
+{{- if and $a.address (not (regexMatch "^[^:/ ]+:[0-9]+$|^\\[[0-9a-fA-F:.]+\\]:[0-9]+$" $a.address)) }}
+{{- fail (printf "aggregator.address %q: expected host:port (for example aggregator.example.org:443)" $a.address) }}
+{{- end }}
+{{- if and (not .Values.tls.enabled) (or (not $a.enabled) $a.external.enabled) }}
+{{- fail "tls.enabled: an aggregator reached from outside the cluster (aggregator.external.enabled, or aggregator.enabled false) needs mTLS end to end" }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 {{- $needCa := false }}
-{{- if not .Values.tls.aggregator.existingSecret }}
+{{- if and $a.enabled (not .Values.tls.aggregator.existingSecret) }}
 {{- if not (and .Values.tls.aggregator.cert .Values.tls.aggregator.key) }}
 {{- fail "tls.enabled: set tls.aggregator.existingSecret, or tls.aggregator.cert and tls.aggregator.key (see `hetfed certs`)" }}
 {{- end }}
@@ -325,7 +381,7 @@ names its source. Rendered (empty) by every template that depends on them.
 {{- $needCa = true }}
 {{- end }}
 {{- end }}
-{{- if and .Values.tests.enabled (not .Values.tls.operator.existingSecret) }}
+{{- if and $a.enabled .Values.tests.enabled (not .Values.tls.operator.existingSecret) }}
 {{- if not (and .Values.tls.operator.cert .Values.tls.operator.key) }}
 {{- fail (printf "tls.enabled: the helm test calls Status as %q: set tls.operator.existingSecret, or tls.operator.cert and tls.operator.key, or tests.enabled=false" .Values.tls.operator.name) }}
 {{- end }}
@@ -343,8 +399,8 @@ names its source. Rendered (empty) by every template that depends on them.
 {{- if and (eq $v.type "hostPath") (not $v.hostPath) }}
 {{- fail (printf "organization %q: dataVolume.type hostPath needs dataVolume.hostPath" $o.name) }}
 {{- end }}
-{{- if and (eq (toString $o.data.dataset) "npz") (eq $v.type "none") }}
-{{- fail (printf "organization %q: data.dataset npz reads the organization's own files: set dataVolume.type" $o.name) }}
+{{- if and (eq (toString $o.data.dataset) "npz") (eq $v.type "none") (not $o.data.path) }}
+{{- fail (printf "organization %q: data.dataset npz reads the organization's own files: set dataVolume.type (or data.path on a volume of extraVolumes)" $o.name) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -360,4 +416,80 @@ prometheus.io/path: /metrics
 {{- define "hetfed.monitoringApi" -}}
 {{- $root := index . 0 }}
 {{- if and (index . 1) ($root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") }}true{{ end }}
+{{- end }}
+
+{{/*
+A live object as JSON ("{}" when there is none). `lookup` answers only against a cluster: under
+`helm template` and `helm lint` it is empty, so the upgrade checks below pass there. Call with
+(list $ API_VERSION KIND NAMESPACE NAME).
+*/}}
+{{- define "hetfed.lookup" -}}
+{{- lookup (index . 1) (index . 2) (index . 3) (index . 4) | default dict | toJson }}
+{{- end }}
+
+{{/* A storage quantity (512Mi, 8Gi, 1.5G, 1000) in bytes, as a float. */}}
+{{- define "hetfed.bytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "" 1.0 "K" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- $unit := regexFind "[KMGTPE]i?$" $q }}
+{{- mulf (float64 (trimSuffix $unit $q)) (get $units $unit) }}
+{{- end }}
+
+{{/*
+Refuse, before anything is applied, an upgrade that edits what Kubernetes cannot change in place: the
+aggregator StatefulSet's volumeClaimTemplates (aggregator.persistence enabled, size, storageClass,
+accessModes) and the class or access modes of an organization's state claim, or a shrunk claim.
+*/}}
+{{- define "hetfed.checkUpgrade" -}}
+{{- $a := .Values.aggregator }}
+{{- $p := $a.persistence }}
+{{- if $a.enabled }}
+{{- $name := include "hetfed.aggregator.fullname" . }}
+{{- $live := include "hetfed.lookup" (list . "apps/v1" "StatefulSet" .Release.Namespace $name) | fromJson }}
+{{- if $live }}
+{{- $was := dict }}
+{{- range $c := (default list $live.spec.volumeClaimTemplates) }}
+{{- if eq $c.metadata.name "state" }}
+{{- $was = $c.spec }}
+{{- end }}
+{{- end }}
+{{- $how := "to resize the state volume or move it to another class, follow docs/deploy.md, \"Resizing a state volume\"" }}
+{{- if ne (not (empty $was)) $p.enabled }}
+{{- fail (printf "aggregator.persistence.enabled: the StatefulSet %s was installed with persistence.enabled=%t; Kubernetes refuses to change a StatefulSet's volumeClaimTemplates. Keep %t, or start over (docs/deploy.md, \"Uninstalling and starting over\")" $name (not (empty $was)) (not (empty $was))) }}
+{{- end }}
+{{- if $was }}
+{{- $size := toString $was.resources.requests.storage }}
+{{- if ne (include "hetfed.bytes" $size) (include "hetfed.bytes" $p.size) }}
+{{- fail (printf "aggregator.persistence.size: the StatefulSet %s keeps its state volume at %s and Kubernetes refuses to change a StatefulSet's volumeClaimTemplates: keep size %s; %s" $name $size $size $how) }}
+{{- end }}
+{{- $class := toString (default "" $was.storageClassName) }}
+{{- if ne $class (toString $p.storageClass) }}
+{{- fail (printf "aggregator.persistence.storageClass: the StatefulSet %s keeps its state volume in class %q and Kubernetes refuses to change a StatefulSet's volumeClaimTemplates: keep storageClass %q; %s" $name $class $class $how) }}
+{{- end }}
+{{- if ne (toJson (default list $was.accessModes)) (toJson $p.accessModes) }}
+{{- fail (printf "aggregator.persistence.accessModes: the StatefulSet %s keeps its state volume with access modes %s and Kubernetes refuses to change a StatefulSet's volumeClaimTemplates: keep them" $name (toJson $was.accessModes)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $o := (include "hetfed.organizations" . | fromJson).items }}
+{{- $v := $o.stateVolume }}
+{{- if and $o.enabled $v.enabled (not $v.existingClaim) }}
+{{- $claim := include "hetfed.client.stateClaim" (list $ $o) }}
+{{- $live := include "hetfed.lookup" (list $ "v1" "PersistentVolumeClaim" $.Release.Namespace $claim) | fromJson }}
+{{- if $live }}
+{{- $class := toString (default "" $live.spec.storageClassName) }}
+{{- if and $v.storageClass (ne $class (toString $v.storageClass)) }}
+{{- fail (printf "organization %q: stateVolume.storageClass: the claim %s is in class %q and a claim's class cannot change: keep %q, or move the state to a new claim (docs/deploy.md, \"Resizing a state volume\")" $o.name $claim $class $class) }}
+{{- end }}
+{{- if ne (toJson (default list $live.spec.accessModes)) (toJson $v.accessModes) }}
+{{- fail (printf "organization %q: stateVolume.accessModes: the claim %s has access modes %s, which cannot change: keep them" $o.name $claim (toJson $live.spec.accessModes)) }}
+{{- end }}
+{{- $size := toString $live.spec.resources.requests.storage }}
+{{- if lt (float64 (include "hetfed.bytes" $v.size)) (float64 (include "hetfed.bytes" $size)) }}
+{{- fail (printf "organization %q: stateVolume.size: the claim %s holds %s and a claim never shrinks: keep %s or more" $o.name $claim $size $size) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
