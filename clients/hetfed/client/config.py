@@ -63,6 +63,10 @@ class ClientConfig:
     # Where this client writes local artifacts for its operator (model snapshots, probe latents;
     # hetfed.client.artifacts). Nothing written here is ever sent. None: write nothing.
     output_dir: str | None = None
+    # Where this client keeps its private state across restarts (private encoders and heads, personal
+    # models, optimizer state, the round it last finished), written atomically after each round and
+    # resumed from at start. None: every start is fresh.
+    state_dir: str | None = None
     # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
     # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
     report_timing: bool = False
