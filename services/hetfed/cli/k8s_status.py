@@ -270,8 +270,13 @@ def format_table(rows: Sequence[Row], status: list[RunStatus] | None) -> str:
     if status is not None:
         lines.append("")
         for run in status:
+            if run.refused_reason:
+                lines.append(f"run {run.run_id} ({run.algorithm}): REFUSED: {run.refused_reason}")
+                continue
             lines.append(f"run {run.run_id} ({run.algorithm}): {run.phase.value}, round {run.round} of "
                          f"{run.total_rounds}")
+            for r in run.refused:
+                lines.append(f"  organization {r.organization} refused for good ({r.reason}): {r.message}")
     return "\n".join(lines)
 
 
