@@ -75,7 +75,7 @@ def digest(value: Any) -> str:
         elif isinstance(v, torch.Tensor):
             t = v.detach().cpu().contiguous()
             h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(v, np.ndarray):
             walk(torch.from_numpy(np.ascontiguousarray(v)), path)
         else:
