@@ -79,6 +79,12 @@ def test_killed_client_resumes_its_private_model_bit_identical(
     assert "no state_dir configured; private state starts fresh" in (tmp_path / "b.log").read_text()
     status = agg.service.runs["r"].status()
     assert status.finished and [h.clients for h in status.history] == [2, 2, 2, 2]
+    # Started again after the end: a's state says it completed the run (exit 0); b, without state, cannot
+    # tell a finished run from a reinstall onto its kept state, and is refused for good (exit 2).
+    assert client_process("a3", client_config("a", 0, agg.port, state)).wait(timeout=120) == 0
+    assert "run r finished; this organization had completed it" in (tmp_path / "a3.log").read_text()
+    assert client_process("b2", client_config("b", 1, agg.port, None)).wait(timeout=120) == 2
+    assert "refused 'b' for good (run_finished): run 'r' finished after 4 rounds" in (tmp_path / "b2.log").read_text()
 
 
 def test_state_of_another_run_is_refused_with_exit_2(

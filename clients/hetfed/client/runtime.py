@@ -149,6 +149,16 @@ class ClientRuntime:
                  digest(half.private_state()))
         return store
 
+    def _evaluated_before(self) -> bool:
+        """Whether the state directory says this organization finished the run's evaluate round."""
+        from hetfed.client.state import StateFile
+
+        cfg = self.config
+        if not cfg.state_dir:
+            return False
+        return StateFile(cfg.state_dir, cfg.run, {
+            "run": cfg.run, "organization": cfg.organization}).evaluated()
+
     def run(self) -> list[tuple[int, EvalMetrics]]:
         """Take part in the run until it finishes; returns the metrics reported per round."""
         try:
@@ -156,7 +166,7 @@ class ClientRuntime:
         except RemoteError as err:
             # Non-retryable by reason: the same request fails again whoever retries it (a new pod included).
             reason = err.reason or err.code.name
-            details = " ".join(err.details.split())
+            details = " ".join(err.details.split()).removeprefix(f"{reason}: ")  # the text starts with the reason
             raise ClientError(f"the aggregator refused {self.config.organization!r} for good ({reason}): {details}",
                               permanent=True) from None
         finally:
@@ -178,7 +188,15 @@ class ClientRuntime:
         device = torch.device(resolve_device(cfg.device))
         data = load_client_data(cfg.data)
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
-        joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+        try:
+            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+        except RemoteError as err:
+            if err.reason == "run_finished" and self._evaluated_before():
+                # Killed between its last push and FINISH: the run it completed has ended; nothing to redo.
+                log.info("%s: run %s finished; this organization had completed it (%s)", cfg.organization,
+                         cfg.run, cfg.state_dir)
+                return self.reports
+            raise
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
         config = from_mapping(spec.config_type, json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
@@ -231,7 +249,7 @@ class ClientRuntime:
                 log.warning("round %d closed before our update arrived: %s", round_, err.details)
             if store is not None:  # after the aggregator has the update: a restart resumes after this round
                 log.info("%s: state after round %d saved (%s)", cfg.organization, round_,
-                         store.save(round_, half.private_state()))
+                         store.save(round_, half.private_state(), evaluated=ins.action is Action.EVALUATE))
             if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
                 tag = "final" if ins.action is Action.EVALUATE else "round-1"
                 write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.name)

@@ -113,13 +113,25 @@ class StateFile:
         state = unpack(raw["state"])
         return SavedState(int(raw["round"]), state, digest(state))
 
-    def save(self, round_: int, state: Mapping[str, Any]) -> str:
-        """Write the state atomically (temporary file, fsync, rename, directory fsync); returns its digest."""
+    def evaluated(self) -> bool:
+        """Whether the saved state is that after the run's evaluate round (False without a readable file)."""
+        try:
+            raw = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception:
+            return False
+        saved = raw.get("identity", {}) if isinstance(raw, dict) else {}
+        return bool(isinstance(raw, dict) and raw.get("evaluated")
+                    and all(saved.get(k) == v for k, v in self.identity.items()))
+
+    def save(self, round_: int, state: Mapping[str, Any], evaluated: bool = False) -> str:
+        """Write the state atomically (temporary file, fsync, rename, directory fsync); returns its digest.
+        ``evaluated``: this is the state after the run's evaluate round (the organization completed the run)."""
         packed = pack(state)
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, "identity": self.identity, "round": int(round_), "state": packed}, f)
+            torch.save({"format": FORMAT, "identity": self.identity, "round": int(round_), "evaluated": evaluated,
+                        "state": packed}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

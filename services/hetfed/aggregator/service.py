@@ -251,12 +251,9 @@ class AggregatorService:
 
     def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
         """Refuse a push before its chunks are read (a stale or foreign push, or one over the push limits)."""
-        run = self._run(run_id)
-        try:
-            run.admit_push(organization, round_)
-        except WireError as err:
-            run.refuse(organization, err)
-            raise
+        # A refusal here is not recorded as permanent: recording may close a round (disk writes), and this runs
+        # on the event loop; a client refused here was refused at Join first, or gets it on its next Join.
+        self._run(run_id).admit_push(organization, round_)
         return self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
 
     async def push(self, organization: str, run_id: str, round_: int, data: Bytes, digest: bytes, wire_bytes: int,
