@@ -321,7 +321,9 @@ class AggregatorService:
                 history = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
                                 for h in s.history)
                 own_status = tuple(o for o in s.organization_status if o.organization == who)
-                visible.append(dataclasses.replace(s, history=history, organization_status=own_status))
+                own_refusals = tuple(r for r in s.refused if r.organization == who)
+                visible.append(dataclasses.replace(s, history=history, organization_status=own_status,
+                                                   refused=own_refusals))
             return visible
 
         return [*await self.blocking(own), *refused]
