@@ -59,7 +59,7 @@ def pod(name: str, *, component: str, organization: str = "", phase: str = "Runn
         release: str = "fl") -> dict[str, Any]:
     """A Pod as the API server returns it, with the chart's labels."""
     labels = {"app.kubernetes.io/name": "hetfed", "app.kubernetes.io/instance": release,
-              "app.kubernetes.io/component": component}
+              "app.kubernetes.io/part-of": "hetfed", "app.kubernetes.io/component": component}
     if organization:
         labels["hetfed.io/organization"] = organization
     resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}

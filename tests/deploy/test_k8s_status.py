@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from tests.conftest import RawClient, run_config
 from tests.deploy.k8s_fake import api_server, kubeconfig, pod, pod_list, service_account
 
 PODS_PATH = "/api/v1/namespaces/federation/pods"
-SELECTOR = "app.kubernetes.io/name=hetfed,app.kubernetes.io/instance=fl"
+SELECTOR = "app.kubernetes.io/part-of=hetfed,app.kubernetes.io/instance=fl"
 W = np.array([1.0, 2.0, 3.0], np.float32)
 
 
@@ -160,3 +161,83 @@ def test_status_of_an_unreachable_aggregator_still_prints_the_pods(
     assert [line.split()[0] for line in captured.out.splitlines()[1:]] == ["(aggregator)", "org-a", "org-b"]
     (request, _), = httpserver.log
     assert parse_qs(request.query_string.decode())["labelSelector"] == [SELECTOR]
+
+
+def one_line_exit_2(capsys: pytest.CaptureFixture[str], rc: int) -> str:
+    """The command's single stderr line, after checking it exited 2 with no traceback."""
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("hetfed status: ")
+    return line
+
+
+def test_status_answers_a_403_in_one_line(tmp_path: Path, httpserver: HTTPServer,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    forbidden = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                 "message": 'pods is forbidden: User "dev" cannot list resource "pods" in the namespace "federation"'}
+    httpserver.expect_request(PODS_PATH, method="GET").respond_with_json(forbidden, status=403)
+    config = kubeconfig(tmp_path / "kc", httpserver.url_for("").rstrip("/"))
+    line = one_line_exit_2(capsys, hetfed_main(["status", "--kubeconfig", str(config), "--release", "fl"]))
+    assert "answered 403 Forbidden: pods is forbidden: User \"dev\" cannot list resource \"pods\"" in line
+
+
+def test_status_answers_an_unreachable_api_server_in_one_line(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = kubeconfig(tmp_path / "kc", url)
+    line = one_line_exit_2(capsys, hetfed_main(["status", "--kubeconfig", str(config), "--release", "fl",
+                                                "--aggregator", "127.0.0.1:1"]))
+    assert line.startswith(f"hetfed status: cannot reach the Kubernetes API server at {url}: ")
+
+
+def test_status_answers_a_bad_kubeconfig_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "kc"
+    bad.write_text("apiVersion: v1\nkind: Config\ncurrent-context: nowhere\ncontexts: []\n")
+    # Even with --aggregator: a kubeconfig that exists but is wrong is an error, not "outside a cluster".
+    line = one_line_exit_2(capsys, hetfed_main(["status", "--kubeconfig", str(bad), "--aggregator", "127.0.0.1:1"]))
+    assert line.startswith(f"hetfed status: cannot load kubeconfig {bad}: ") and "nowhere" in line
+
+
+def test_status_merges_every_kubeconfig_path(tmp_path: Path, httpserver: HTTPServer,
+                                             monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As kubectl: the context in one file, its cluster and user in another; the first file's values win."""
+    import json
+
+    contexts = tmp_path / "contexts"
+    contexts.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fed",
+        "contexts": [{"name": "fed", "context": {"cluster": "lab", "user": "me", "namespace": "federation"}}]}))
+    credentials = kubeconfig(tmp_path / "credentials", httpserver.url_for("").rstrip("/"), token="merged-token")
+    text = json.loads(credentials.read_text())
+    text["clusters"][0]["name"], text["users"][0]["name"] = "lab", "me"
+    text["contexts"], text["current-context"] = [], "ignored-second"
+    credentials.write_text(json.dumps(text))
+    httpserver.expect_ordered_request(PODS_PATH, method="GET", query_string={"labelSelector": SELECTOR},
+                                      headers={"Authorization": "Bearer merged-token"}).respond_with_json(release_pods())
+    monkeypatch.setenv("KUBECONFIG", os.pathsep.join([str(tmp_path / "missing"), str(contexts), str(credentials)]))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    rc = hetfed_main(["status", "--release", "fl", "--aggregator", "127.0.0.1:1", "--timeout", "1"])
+    httpserver.check_assertions()
+    assert rc == 1  # the pods were listed; only the (absent) aggregator did not answer
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["(aggregator)", "-"]
+
+
+def test_the_selector_matches_the_charts_pods_under_name_overrides(helm: Any) -> None:
+    """nameOverride and fullnameOverride change names and app.kubernetes.io/name; the selector still finds every
+    pod of the release (and its aggregator Service)."""
+    from hetfed.cli.k8s_status import selector
+
+    objects = helm.objects(sets=("nameOverride=fed", "fullnameOverride=hospital-fl"))
+
+    def matches(labels: dict[str, str], sel: str) -> bool:
+        return all(labels.get(k) == v for k, v in (part.split("=") for part in sel.split(",")))
+
+    templates = [o["spec"]["template"] for o in objects if o["kind"] in ("StatefulSet", "Job")]
+    assert templates and all(t["metadata"]["labels"]["app.kubernetes.io/name"] == "fed" for t in templates)
+    assert all(matches(t["metadata"]["labels"], selector("fl")) for t in templates)
+    services = [o for o in objects if o["kind"] == "Service"
+                and matches(o["metadata"].get("labels", {}), selector("fl", "aggregator"))]
+    assert any(p.get("name") == "grpc" for s in services for p in s["spec"]["ports"])

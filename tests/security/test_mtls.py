@@ -165,6 +165,11 @@ def test_status_is_scoped_to_the_callers_runs(certs: FederationCerts, tmp_path: 
         assert [r.run_id for r in status("org-b").runs] == ["ab", "b-only"]
         assert [r.run_id for r in status("hetfed-operator").runs] == ["ab", "b-only"]
         assert status("org-x").runs == []
+        # A refused outsider is listed to the operator only, never to the run's organizations.
+        with make_channel(f"127.0.0.1:{agg.port}", certs.client_tls("org-x")) as ch, pytest.raises(grpc.RpcError):
+            agrpc.AggregatorStub(ch).Join(apb.JoinRequest(run_id="ab"), timeout=10)
+        assert [r.organization_id for r in status("hetfed-operator", "ab").runs[0].refused] == ["org-x"]
+        assert list(status("org-a", "ab").runs[0].refused) == []
         with pytest.raises(grpc.RpcError) as err:
             status("org-a", "b-only")
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

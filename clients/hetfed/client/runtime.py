@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
@@ -27,12 +27,23 @@ from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
 from hetfed.wire.traffic import TrafficMetrics
 
+if TYPE_CHECKING:
+    from hetfed.client.algorithms.base import ClientHalf
+    from hetfed.client.state import StateFile
+
 log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
 
 
 class ClientError(RuntimeError):
-    """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable."""
+    """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable.
+
+    ``permanent``: no retry of the same process can succeed (a refusal by reason, a state directory that
+    belongs to another run); the CLI exits 2 so a Job's failure policy fails at once instead of retrying."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def backoff_delays(initial: float, maximum: float, multiplier: float, rng: random.Random) -> Iterator[float]:
@@ -74,6 +85,8 @@ class ClientRuntime:
         self.reports: list[tuple[int, EvalMetrics]] = []
         self._train_cpu = 0.0
         self._train_wall = 0.0
+        # The round the saved private state had finished (-1: started fresh).
+        self.resumed_round = -1
 
     def _retry(self, what: str, call: Callable[[], T]) -> T:
         """Run ``call``, retrying retryable failures with backoff until ``give_up_after_seconds``."""
@@ -103,12 +116,59 @@ class ClientRuntime:
         return [dataclasses.replace(p, extra={**p.extra, **timing}) if isinstance(p, EvalMetrics) else p
                 for p in upload]
 
+    def _resume(self, half: ClientHalf, algorithm: str, seed: int, current_round: int) -> StateFile | None:  # type: ignore[type-arg]
+        """The state file (None without ``state_dir``), its saved state loaded into ``half`` when there is one."""
+        from hetfed.client.state import StateFile, StateMismatchError, digest
+
+        cfg = self.config
+        if not cfg.state_dir:
+            log.info("%s: no state_dir configured; private state starts fresh and ends with this process",
+                     cfg.organization)
+            return None
+        store = StateFile(cfg.state_dir, cfg.run, {"run": cfg.run, "organization": cfg.organization,
+                                                   "algorithm": algorithm, "seed": seed, "model": cfg.model.name})
+        try:
+            saved = store.load()
+        except StateMismatchError as exc:
+            raise ClientError(str(exc), permanent=True) from None
+        if saved is None:
+            log.info("%s: no saved state in %s; private state starts fresh", cfg.organization, store.path)
+            return store
+        if saved.round > current_round:
+            raise ClientError(f"{store.path} holds the state after round {saved.round}, but run {cfg.run!r} is at "
+                              f"round {current_round}: the run was started over under the same id; move the file "
+                              "away to start this organization afresh", permanent=True)
+        try:
+            half.load_private_state(saved.state)
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise ClientError(f"{store.path} does not fit this organization's model ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:300]}); move it away to start afresh",
+                              permanent=True) from None
+        self.resumed_round = saved.round
+        log.info("%s: resumed from %s after round %d (%s)", cfg.organization, store.path, saved.round,
+                 digest(half.private_state()))
+        return store
+
+    def _evaluated_before(self) -> bool:
+        """Whether the state directory says this organization finished the run's evaluate round."""
+        from hetfed.client.state import StateFile
+
+        cfg = self.config
+        if not cfg.state_dir:
+            return False
+        return StateFile(cfg.state_dir, cfg.run, {
+            "run": cfg.run, "organization": cfg.organization}).evaluated()
+
     def run(self) -> list[tuple[int, EvalMetrics]]:
         """Take part in the run until it finishes; returns the metrics reported per round."""
         try:
             return self._run()
         except RemoteError as err:
-            raise ClientError(f"the aggregator refused {self.config.organization!r}: {err}") from None
+            # Non-retryable by reason: the same request fails again whoever retries it (a new pod included).
+            reason = err.reason or err.code.name
+            details = " ".join(err.details.split()).removeprefix(f"{reason}: ")  # the text starts with the reason
+            raise ClientError(f"the aggregator refused {self.config.organization!r} for good ({reason}): {details}",
+                              permanent=True) from None
         finally:
             self.client.close()
 
@@ -128,7 +188,15 @@ class ClientRuntime:
         device = torch.device(resolve_device(cfg.device))
         data = load_client_data(cfg.data)
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
-        joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+        try:
+            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+        except RemoteError as err:
+            if err.reason == "run_finished" and self._evaluated_before():
+                # Killed between its last push and FINISH: the run it completed has ended; nothing to redo.
+                log.info("%s: run %s finished; this organization had completed it (%s)", cfg.organization,
+                         cfg.run, cfg.state_dir)
+                return self.reports
+            raise
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
         config = from_mapping(spec.config_type, json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
@@ -153,7 +221,8 @@ class ClientRuntime:
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
         labels = (cfg.run, joined.algorithm, cfg.organization)
-        completed = -1
+        store = self._resume(half, joined.algorithm, int(joined.seed), int(joined.current_round))
+        completed = self.resumed_round
         while True:
             ins = self.client.pull(completed, cfg.pull_wait_seconds, spec)
             round_ = ins.round
@@ -178,6 +247,9 @@ class ClientRuntime:
                 if err.reason != "late":
                     raise
                 log.warning("round %d closed before our update arrived: %s", round_, err.details)
+            if store is not None:  # after the aggregator has the update: a restart resumes after this round
+                log.info("%s: state after round %d saved (%s)", cfg.organization, round_,
+                         store.save(round_, half.private_state(), evaluated=ins.action is Action.EVALUATE))
             if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
                 tag = "final" if ins.action is Action.EVALUATE else "round-1"
                 write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.name)

@@ -224,7 +224,7 @@ class RoundSummary(_message.Message):
     def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history", "organization_status")
+    __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history", "organization_status", "refused", "refused_reason")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class RunStatus(_message.Message):
     PUSHED_THIS_ROUND_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_STATUS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     state: RunState
@@ -243,7 +245,19 @@ class RunStatus(_message.Message):
     pushed_this_round: _containers.RepeatedScalarFieldContainer[str]
     history: _containers.RepeatedCompositeFieldContainer[RoundSummary]
     organization_status: _containers.RepeatedCompositeFieldContainer[OrganizationStatus]
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., pushed_this_round: _Optional[_Iterable[str]] = ..., history: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., organization_status: _Optional[_Iterable[_Union[OrganizationStatus, _Mapping]]] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedOrganization]
+    refused_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., pushed_this_round: _Optional[_Iterable[str]] = ..., history: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., organization_status: _Optional[_Iterable[_Union[OrganizationStatus, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RefusedOrganization, _Mapping]]] = ..., refused_reason: _Optional[str] = ...) -> None: ...
+
+class RefusedOrganization(_message.Message):
+    __slots__ = ("organization_id", "reason", "message")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    reason: str
+    message: str
+    def __init__(self, organization_id: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OrganizationStatus(_message.Message):
     __slots__ = ("organization_id", "joined", "last_round_pushed", "bytes_up", "bytes_down")

@@ -49,6 +49,10 @@ REASONS: dict[str, Reason] = {
     "not_joined": Reason("FAILED_PRECONDITION", False),
     "replayed": Reason("ALREADY_EXISTS", False),
     "unknown_run": Reason("NOT_FOUND", False),
+    # The run has finished: joining it again cannot train (a reinstall onto a finished run's state).
+    "run_finished": Reason("FAILED_PRECONDITION", False),
+    # The aggregator does not host this run: its stored state conflicts with its config (Status says why).
+    "run_refused": Reason("FAILED_PRECONDITION", False),
     # Resource limits that clear by themselves: another push of the same organization is still in flight.
     "too_many_streams": Reason("RESOURCE_EXHAUSTED", True),
     "buffer_full": Reason("RESOURCE_EXHAUSTED", True),

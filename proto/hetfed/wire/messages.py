@@ -380,6 +380,15 @@ class OrganizationStatus:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """An organization refused for a reason no retry can fix (its latest such refusal)."""
+
+    organization: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class RunStatus:
     """A run's state and per-round history."""
 
@@ -392,6 +401,9 @@ class RunStatus:
     pushed_this_round: tuple[str, ...] = ()
     history: tuple[RoundSummary, ...] = ()
     organization_status: tuple[OrganizationStatus, ...] = ()
+    refused: tuple[Refusal, ...] = ()
+    # Non-empty when the aggregator does not host the run (its stored state conflicts with its config): why.
+    refused_reason: str = ""
 
     @property
     def finished(self) -> bool:
@@ -410,8 +422,10 @@ def run_status_to_proto(status: RunStatus, summaries: Sequence[apb.RoundSummary]
         run_id=status.run_id, algorithm=status.algorithm,
         state=_STATE_TO_PROTO[status.phase],  # type: ignore[arg-type]
         round=status.round, total_rounds=status.total_rounds, organizations=list(status.organizations),
-        pushed_this_round=list(status.pushed_this_round),
+        pushed_this_round=list(status.pushed_this_round), refused_reason=status.refused_reason,
     )
+    for r in status.refused:
+        out.refused.add(organization_id=r.organization, reason=r.reason, message=r.message)
     out.history.extend(summaries)
     for s in status.history[len(summaries):]:
         encode_round_summary(s, out.history.add())
@@ -457,7 +471,8 @@ def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
     )
     return RunStatus(msg.run_id, msg.algorithm, _STATE_FROM_PROTO.get(msg.state, Phase.TRAIN),  # type: ignore[call-overload]
                      int(msg.round), int(msg.total_rounds), tuple(msg.organizations),
-                     tuple(msg.pushed_this_round), history, organizations)
+                     tuple(msg.pushed_this_round), history, organizations,
+                     tuple(Refusal(r.organization_id, r.reason, r.message) for r in msg.refused), msg.refused_reason)
 
 
 def _metrics_from_proto(m: object) -> EvalMetrics:

@@ -487,9 +487,27 @@ class AggregatorClient:
         self._traffic = traffic
         self._retry: Retry = retry or call_once  # type: ignore[assignment]
         self._timeout = call_timeout
+        self._address, self._tls = address, tls
+        self._tls_signature = tls.signature() if tls else None
         self._channel = make_channel(address, tls)
         self._bind(self._channel)
         self._metadata = () if tls else ((ORGANIZATION_METADATA_KEY, organization),)
+
+    def _follow_renewed_files(self) -> None:
+        """After the TLS files changed (a renewed certificate), make the next call on a new connection with them."""
+        if self._tls is None:
+            return
+        signature = self._tls.signature()
+        if signature is None or signature == self._tls_signature:
+            return
+        try:
+            channel = make_channel(self._address, self._tls)
+        except OSError:  # a renewal half-written: the next call looks again
+            return
+        self._tls_signature = signature
+        old, self._channel = self._channel, channel
+        self._bind(channel)
+        old.close()
 
     def _bind(self, channel: grpc.Channel) -> None:
         """Make the calls on ``channel`` (the client's own, or one wrapped by interceptors)."""
@@ -515,6 +533,7 @@ class AggregatorClient:
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
         def once() -> T:
+            self._follow_renewed_files()
             try:
                 return call()
             except grpc.RpcError as err:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,8 @@ from grpc_health.v1 import health_pb2
 from hetfed.wire.config import check
 from hetfed.wire.errors import WireError
 from hetfed.wire.identity import organization_of_pem
+
+log = logging.getLogger("hetfed.transport")
 
 # Chunks are at most a few MiB, so a generous per-message limit never binds a whole payload.
 MAX_GRPC_MESSAGE_BYTES = 64 << 20
@@ -47,6 +52,89 @@ class TlsConfig:
     def read(self) -> tuple[bytes, bytes, bytes]:
         """(certificate chain, private key, CA certificates) as bytes."""
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
+
+    def signature(self) -> tuple[tuple[int, int, int], ...] | None:
+        """(mtime, size, inode) of the three files, following links (a Secret volume swaps its ``..data`` link);
+        None while one cannot be read."""
+        try:
+            stats = [os.stat(p) for p in (self.cert, self.key, self.ca)]
+        except OSError:
+            return None
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+
+
+def matching_pair(cert: bytes, key: bytes) -> str:
+    """Why ``cert`` (the chain's first certificate) and ``key`` do not belong together ("" when they do)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        leaf = x509.load_pem_x509_certificate(cert)
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as exc:
+        return f"cannot be parsed ({exc})"
+    der = serialization.Encoding.DER
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    if leaf.public_key().public_bytes(der, spki) != private.public_key().public_bytes(der, spki):
+        return "the key does not match the certificate"
+    return ""
+
+
+class CertificateReloader:
+    """The server's certificate, key and client CA, re-read from their files when they change (cert-manager or
+    ``hetfed certs`` renewing them under a running aggregator): gRPC asks ``fetch`` at every new handshake.
+
+    The files are looked at (stat) on each handshake and read only when their signature changed; a new set
+    is served only when it differs and its key matches its certificate (a half-written renewal keeps the old
+    set until it is whole). Connections already open keep the certificate they were made with."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.tls = tls
+        self._lock = threading.Lock()
+        self._signature = tls.signature()
+        self._served = tls.read()
+        self._refused: tuple[bytes, bytes, bytes] | None = None
+        self.reloads = 0
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The configuration of the files as served now."""
+        cert, key, ca = self._served
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when the files changed into a usable set, else None (gRPC keeps the current)."""
+        try:
+            with self._lock:
+                signature = self.tls.signature()
+                if signature is None or signature == self._signature:
+                    return None
+                files = self.tls.read()
+                self._signature = signature
+                if files == self._served or files == self._refused:
+                    return None
+                why = matching_pair(files[0], files[1])
+                if why:
+                    self._refused = files
+                    log.warning("the renewed certificate in %s is not served: %s; the previous one still is",
+                                self.tls.cert, why)
+                    return None
+                self._served, self._refused = files, None
+                self.reloads += 1
+            log.info("serving the renewed certificate, key and client CA from %s, %s and %s", self.tls.cert,
+                     self.tls.key, self.tls.ca)
+            return self.configuration()
+        except Exception as exc:  # never fail a handshake over a reload: the current set stays
+            log.warning("the TLS files could not be re-read (%s: %s); the previous ones are served",
+                        type(exc).__name__, exc)
+            return None
+
+
+def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, CertificateReloader]:
+    """mTLS server credentials that follow the files' renewals (``CertificateReloader``)."""
+    reloader = CertificateReloader(tls)
+    creds = grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader.fetch,
+                                                require_client_authentication=True)
+    return creds, reloader
 
 
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
@@ -88,8 +176,7 @@ def make_server(address: str, tls: TlsConfig | None, stream_window_bytes: int = 
     if tls is None:
         port = server.add_insecure_port(address)
     else:
-        cert, key, ca = tls.read()
-        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        creds, _ = server_credentials(tls)
         port = server.add_secure_port(address, creds)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")

@@ -31,7 +31,7 @@ from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.crashpoints import crash_point
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.org_ledger import OrganizationLedger
-from hetfed.aggregator.store import Disk, RunStore, StateError, StorageError
+from hetfed.aggregator.store import Disk, RunConflictError, RunStore, StateError, StorageError
 from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
 from hetfed.wire.errors import WireError
@@ -43,6 +43,7 @@ from hetfed.wire.messages import (
     ParsedUpdate,
     PullRequest,
     PushReply,
+    Refusal,
     RoundSummary,
     RunStatus,
 )
@@ -131,6 +132,8 @@ class Changes:
 
 # Long-polls woken per event-loop iteration when a run changes (see ``Changes.notify``).
 WAKE_BATCH = 32
+# Non-members refused lately that Status lists (their names are the caller's choice: bounded).
+MAX_LISTED_STRANGERS = 16
 # Per-organization instruction messages a run keeps built (memory does not grow with the federation).
 PER_ORGANIZATION_INSTRUCTIONS = 8
 
@@ -265,6 +268,10 @@ class Run:
         self._committing: set[str] = set()  # organizations whose logged update is being synced, not yet folded
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
+        # Members refused for a reason no retry can fix: organization -> (reason, message). They no longer hold a
+        # round open. A few non-members refused lately are kept for Status (never in metrics: unbounded names).
+        self.refused: dict[str, tuple[str, str]] = {}
+        self._strangers: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
@@ -282,8 +289,12 @@ class Run:
         self._figure_names: dict[str, set[str]] = {}
         self._mean_names: set[str] = set()
         self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
-        with self._lock:
-            self._restore()
+        try:
+            with self._lock:
+                self._restore()
+        except BaseException:
+            self.store.close()  # its lock too: the aggregator may go on serving the other runs
+            raise
         self.commit_pending()
         self._publish_round_gauges()
 
@@ -303,6 +314,8 @@ class Run:
             "declared": sorted(self.declared if declared is None else declared),
             "examples": dict(sorted((self.examples if examples is None else examples).items())),
             "organizations": self.ledger.to_json(),
+            "algorithm": self.cfg.algorithm,
+            "refused": {org: list(v) for org, v in sorted(self.refused.items())},
         }
 
     def _restore(self) -> None:
@@ -318,6 +331,11 @@ class Run:
             return
         meta = loaded.meta
         where = self.store.checkpoint_path
+        stored = meta.get("algorithm") if isinstance(meta, dict) else None
+        if stored is not None and stored != self.cfg.algorithm:
+            raise RunConflictError(f"run {self.cfg.id!r}: its state in {self.store.dir} was written by algorithm "
+                                   f"{stored!r}, the config now names {self.cfg.algorithm!r}; give the run a new id, "
+                                   "or remove that directory to start it over")
         try:
             self.phase, self.round = Phase(meta["phase"]), int(meta["round"])
             self.schema = contract.schema_from_json(meta["schema"])
@@ -325,6 +343,8 @@ class Run:
             self.declared = set(meta.get("declared", meta["joined"]))
             self.examples = {str(k): int(v) for k, v in meta.get("examples", {}).items()}
             self.ledger = OrganizationLedger.from_json(meta.get("organizations"))
+            self.refused = {str(o): (str(v[0]), str(v[1])) for o, v in meta.get("refused", {}).items()
+                            if o in self.cfg.organizations}
         except (KeyError, ValueError, TypeError) as exc:
             raise StateError(f"run {self.cfg.id!r}: {where} holds invalid metadata ({type(exc).__name__}: {exc})") \
                 from None
@@ -336,8 +356,11 @@ class Run:
         try:
             self.half.load_state(loaded.arrays)
         except Exception as exc:
-            raise StateError(f"run {self.cfg.id!r}: the arrays in {where} do not fit algorithm "
-                             f"{self.cfg.algorithm!r} ({type(exc).__name__}: {exc})") from None
+            raise RunConflictError(f"run {self.cfg.id!r}: the arrays in {where} do not fit algorithm "
+                                   f"{self.cfg.algorithm!r} as configured ({type(exc).__name__}: {exc}); give the "
+                                   "run a new id, or remove its state directory to start it over") from None
+        for org, (reason, _) in self.refused.items():
+            self.metrics.refused_organizations.labels(self.cfg.id, org, reason).set(1)
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = bool(self.joined)
         if self.phase is Phase.FINISHED:
@@ -410,6 +433,10 @@ class Run:
         if organization not in self.cfg.organizations:
             raise WireError("unknown_organization", f"organization {clip(organization, 64)!r} is not part of run "
                                                     f"{self.cfg.id!r}")
+        if self.phase is Phase.FINISHED:
+            raise WireError("run_finished", f"run {self.cfg.id!r} finished after {len(self.history)} rounds (its "
+                                            f"state is in {self.store.dir}); to train again give the run a new id, "
+                                            "or remove its state to start it over")
         if self.cfg.seed_set is not None:
             got = request.seed_set
             want = self.cfg.seed_set
@@ -451,6 +478,7 @@ class Run:
                 except StorageError as exc:
                     self._storage_failed(exc)
                 self.schema, self.joined, self.declared, self.examples = schema, joined, declared, examples
+            self._unrefuse_locked(organization)
             if not self._deadline_armed:
                 # The first round's clock starts when the first organization arrives.
                 self._deadline_armed = True
@@ -692,6 +720,50 @@ class Run:
                 self.metrics.client_metric.remove(*labels, gone)
             self._figure_names[organization] = set(figures)
 
+    # ----------------------------------------------------------------- refusals
+    def refuse(self, organization: str, err: WireError) -> None:
+        """Record that ``organization`` was refused for a reason no retry can fix: shown in Status, an Event, a
+        metric (members only); a member no longer holds the open round, which closes if everyone else pushed."""
+        if err.retryable or err.reason == "late":
+            return
+        org = clip(organization, 64)
+        entry = (err.reason, clip(err.message))
+        with self._lock:
+            if organization not in self.cfg.organizations:
+                self._strangers[org] = entry
+                self._strangers.move_to_end(org)
+                while len(self._strangers) > MAX_LISTED_STRANGERS:
+                    self._strangers.popitem(last=False)
+            elif self.refused.get(organization) != entry:
+                old = self.refused.get(organization)
+                if old is not None:
+                    self.metrics.refused_organizations.remove(self.cfg.id, organization, old[0])
+                self.refused[organization] = entry
+                self.metrics.refused_organizations.labels(self.cfg.id, organization, err.reason).set(1)
+                log.error("run %s: organization %r refused for good (%s): %s; %s", self.cfg.id, organization,
+                          err.reason, entry[1], "its earlier admission stands" if self._admitted(organization)
+                          else "rounds no longer wait for it")
+                k8s_events.emit("OrganizationRefused", f"run {self.cfg.id}: organization {organization} refused "
+                                f"({err.reason}): {entry[1]}", warning=True)
+                self._try_close_locked()
+        self.commit_pending()
+
+    def _admitted(self, organization: str) -> bool:
+        """Whether the organization joined (and declared, when the run asks for it)."""
+        return organization in self.joined and (not self.spec.shared_schema or organization in self.declared)
+
+    def _given_up(self, organization: str) -> bool:
+        """Refused for good and never admitted: rounds no longer wait for it. A refusal of an admitted
+        organization (a new pod with another model while the old one still runs) is shown; its admission stands."""
+        return organization in self.refused and not self._admitted(organization)
+
+    def _unrefuse_locked(self, organization: str) -> None:
+        """An organization that joined after all is no longer refused."""
+        old = self.refused.pop(organization, None)
+        if old is not None:
+            self.metrics.refused_organizations.remove(self.cfg.id, organization, old[0])
+            log.info("run %s: organization %r, refused earlier (%s), joined", self.cfg.id, organization, old[0])
+
     # ----------------------------------------------------------------- closing rounds
     def tick(self) -> None:
         """Close the open round if its deadline has passed with a quorum (retrying a close, or the checkpoint of
@@ -715,7 +787,8 @@ class Run:
     def _maybe_close_locked(self) -> None:
         if self.phase is Phase.FINISHED or not self.pushed:
             return
-        everyone = len(self.pushed) == len(self.cfg.organizations)
+        # Everyone who can still push: an organization refused for good, never admitted, no longer holds it open.
+        everyone = all(org in self.pushed or self._given_up(org) for org in self.cfg.organizations)
         overdue = (
             self._deadline_armed
             and time.monotonic() - self.current.started >= self.cfg.round_deadline_seconds
@@ -843,4 +916,6 @@ class Run:
                 pushed_this_round=tuple(sorted(self.pushed)),
                 history=tuple(history),
                 organization_status=self.ledger.statuses(self.cfg.organizations, self.joined),
+                refused=tuple(Refusal(o, r, m) for o, (r, m) in [*sorted(self.refused.items()),
+                                                                  *self._strangers.items()]),
             )

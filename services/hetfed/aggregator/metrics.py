@@ -34,6 +34,14 @@ class AggregatorMetrics:
             "hetfed_clients_per_round", "Organizations whose update the last closed round used",
             ["run", "algorithm"], registry=r,
         )
+        self.refused_organizations = Gauge(
+            "hetfed_refused_organizations", "1 for each member organization refused for a reason no retry can fix "
+            "(it no longer holds rounds open), by its latest reason", ["run", "organization", "reason"], registry=r,
+        )
+        self.refused_runs = Gauge(
+            "hetfed_refused_runs", "1 for each configured run the aggregator does not host: its stored state "
+            "conflicts with its config (Status and the log say why)", ["run"], registry=r,
+        )
         self.current_round = Gauge("hetfed_current_round", "The open round", ["run", "algorithm"], registry=r)
         self.client_train_loss = Gauge(
             "hetfed_reported_train_loss", "Training loss an organization reported for its last round",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -23,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from hetfed.aggregator import k8s_events
-from hetfed.aggregator.config import AggregatorConfig
+from hetfed.aggregator.config import AggregatorConfig, RunConfig
 from hetfed.aggregator.engine import Limits, Run
 from hetfed.aggregator.memory import Trimmer
 from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.store import Disk
+from hetfed.aggregator.store import Disk, RunConflictError
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
@@ -168,9 +169,14 @@ class AggregatorService:
         limits = Limits(s.chunk_bytes, s.max_update_bytes, s.max_tensor_elements, s.max_examples_per_organization,
                         s.max_metrics_per_report, s.max_name_chars, s.max_declared_tensors)
         self.runs: dict[str, Run] = {}
+        # Runs not hosted because their stored state conflicts with their config: run id -> (config, why).
+        self.refused_runs: dict[str, tuple[RunConfig, str]] = {}
         try:
             for r in config.runs:
-                self.runs[r.id] = Run(r, s.state_dir, metrics, limits, disk)
+                try:
+                    self.runs[r.id] = Run(r, s.state_dir, metrics, limits, disk)
+                except RunConflictError as exc:
+                    self._refuse_run(r, str(exc))
         except BaseException:
             for run in self.runs.values():
                 run.close()
@@ -182,6 +188,13 @@ class AggregatorService:
         self._executor = ThreadPoolExecutor(max_workers=s.worker_threads, thread_name_prefix="hetfed-work")
         self._stopping = False
 
+    def _refuse_run(self, run: RunConfig, why: str) -> None:
+        """Serve the other runs; this one is answered ``run_refused`` and shown in Status, the log and an Event."""
+        self.refused_runs[run.id] = (run, why)
+        self.metrics.refused_runs.labels(run.id).set(1)
+        log.error("run %s is not served: %s", run.id, why)
+        k8s_events.emit("RunRefused", f"run {run.id} is not served: {why}", warning=True)
+
     async def blocking(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the bounded worker pool (it may block on disk or compute) and await its result."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -189,6 +202,8 @@ class AggregatorService:
     # ------------------------------------------------------------------ helpers
     def _run(self, run_id: str) -> Run:
         run = self.runs.get(run_id)
+        if run is None and run_id in self.refused_runs:
+            raise WireError("run_refused", f"run {clip(run_id, 64)!r} is not served: {self.refused_runs[run_id][1]}")
         if run is None:
             raise WireError("unknown_run", f"no run {clip(run_id, 64)!r} on this aggregator (runs: {sorted(self.runs)})")
         return run
@@ -219,7 +234,11 @@ class AggregatorService:
     async def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization to a run."""
         run = self._run(request.run_id)
-        return await self.blocking(lambda: run.join(organization, request))
+        try:
+            return await self.blocking(lambda: run.join(organization, request))
+        except WireError as err:
+            await self.blocking(functools.partial(run.refuse, organization, err))
+            raise
 
     async def pull(self, organization: str, request: PullRequest) -> Pulled:
         """Long-poll for the organization's next instructions, waiting without a thread; WAIT when none came."""
@@ -239,6 +258,8 @@ class AggregatorService:
 
     def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
         """Refuse a push before its chunks are read (a stale or foreign push, or one over the push limits)."""
+        # A refusal here is not recorded as permanent: recording may close a round (disk writes), and this runs
+        # on the event loop; a client refused here was refused at Join first, or gets it on its next Join.
         self._run(run_id).admit_push(organization, round_)
         return self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
 
@@ -256,7 +277,11 @@ class AggregatorService:
             up = with_envelope(update.payload_traffic, wire_bytes, messages=chunks)
             return run.push(organization, round_, update, digest, up, defer_commit=True)
 
-        reply = await self.blocking(work)
+        try:
+            reply = await self.blocking(work)
+        except WireError as err:
+            await self.blocking(functools.partial(run.refuse, organization, err))
+            raise
         # A push that closed the round is acknowledged at once; the round's checkpoint is written in the pool
         # meanwhile (the next round's pushes wait for it, its instructions do not).
         self._commit_soon(run)
@@ -283,14 +308,17 @@ class AggregatorService:
     async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """Run state and history. Under mTLS an operator (server.operators) sees every run; an organization sees
         only the runs it belongs to, with only its own reported metrics."""
-        runs = [self._run(run_id)] if run_id else list(self.runs.values())
+        refused = [self._refused_status(rid) for rid in ([run_id] if run_id else self.refused_runs)
+                   if rid in self.refused_runs]
+        runs = [] if refused and run_id else [self._run(run_id)] if run_id else list(self.runs.values())
         who = caller.certificate
         if who is not None:
             self._limit(who)
         if who is None or who in self.config.server.operators:
-            return await self.blocking(lambda: [r.status() for r in runs])
+            return [*await self.blocking(lambda: [r.status() for r in runs]), *refused]
+        refused = [s for s in refused if who in s.organizations]
         mine = [run for run in runs if who in run.cfg.organizations]
-        if run_id and not mine:
+        if run_id and not mine and not refused:
             raise WireError("unknown_organization", f"organization {who!r} is not part of run {clip(run_id, 64)!r}")
 
         def own() -> list[RunStatus]:
@@ -300,10 +328,18 @@ class AggregatorService:
                 history = tuple(dataclasses.replace(h, reports={o: m for o, m in h.reports.items() if o == who})
                                 for h in s.history)
                 own_status = tuple(o for o in s.organization_status if o.organization == who)
-                visible.append(dataclasses.replace(s, history=history, organization_status=own_status))
+                own_refusals = tuple(r for r in s.refused if r.organization == who)
+                visible.append(dataclasses.replace(s, history=history, organization_status=own_status,
+                                                   refused=own_refusals))
             return visible
 
-        return await self.blocking(own)
+        return [*await self.blocking(own), *refused]
+
+    def _refused_status(self, run_id: str) -> RunStatus:
+        """The Status of a run the aggregator does not host: its config and why."""
+        cfg, why = self.refused_runs[run_id]
+        return RunStatus(run_id=cfg.id, algorithm=cfg.algorithm, phase=cfg.spec.first_phase,
+                         round=0, total_rounds=cfg.rounds, organizations=tuple(cfg.organizations), refused_reason=why)
 
     def tick(self) -> None:
         """Close overdue rounds, retrying closes that failed (blocking: call it from the worker pool)."""

@@ -68,6 +68,11 @@ class StateError(Exception):
     """The state directory cannot be resumed as it is; the message names the file and what is wrong."""
 
 
+class RunConflictError(StateError):
+    """A run's stored state is sound but conflicts with its config (another algorithm under the same id): the
+    aggregator refuses that run and serves the others."""
+
+
 class Disk:
     """The store's file operations, in one place so tests and the fault harness can make any of them fail."""
 

@@ -64,7 +64,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
         ClientRuntime(load_client_config(args.config)).run()
     except ClientError as exc:
         print(f"hetfed client: {exc}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR if exc.permanent else 1
     return 0
 
 

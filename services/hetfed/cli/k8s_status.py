@@ -1,11 +1,13 @@
 """``hetfed status``: a release's pods (from the Kubernetes API) joined with the aggregator's ``Status``.
 
-Pods are found by the chart's labels (``app.kubernetes.io/name=hetfed``, ``app.kubernetes.io/instance=
-<release>``); the aggregator's address is its Service's DNS name (inside the cluster) or ``--aggregator``
+Pods are found by labels the chart sets whatever ``nameOverride`` or ``fullnameOverride`` say
+(``app.kubernetes.io/part-of=hetfed``, ``app.kubernetes.io/instance=<release>``); the aggregator's address is its Service's DNS name (inside the cluster) or ``--aggregator``
 (outside, after ``kubectl port-forward``). One row per organization and run: the newest pod's phase,
 node, GPUs and restarts beside the organization's last accepted round and its bytes up and down. Inside
 a pod the in-cluster configuration is used, elsewhere a kubeconfig; without either, the table is built
-from the aggregator alone (with ``--aggregator``) after a clear message.
+from the aggregator alone (with ``--aggregator``) after a clear message. Every ``KUBECONFIG`` path is merged
+as kubectl does. A kubeconfig that cannot be loaded, an API server that refuses (403) or cannot be reached
+ends the command with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ if TYPE_CHECKING:
 
 SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 NAME_LABEL = "app.kubernetes.io/name"
+# Set by the chart on every object and pod, whatever nameOverride/fullnameOverride (app.kubernetes.io/name follows
+# nameOverride, so it cannot select a release installed with one).
+PART_OF_LABEL = "app.kubernetes.io/part-of"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 ORGANIZATION_LABEL = "hetfed.io/organization"
 GPU_RESOURCE = "nvidia.com/gpu"
+# Seconds (connect, read) for each API request.
+REQUEST_TIMEOUT = (10.0, 30.0)
 
 
 class KubernetesUnavailableError(RuntimeError):
     """No in-cluster configuration and no kubeconfig, or no kubernetes package."""
+
+
+class KubernetesFailedError(RuntimeError):
+    """A kubeconfig that cannot be loaded, or an API server that refused or could not be reached."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ def kubernetes_client(
             f"the kubernetes package is not installed ({exc}): pip install 'hetfed[kubernetes]'"
         ) from None
     configuration = client.Configuration()
+    configuration.retries = 0  # an unreachable server is reported at once, not after urllib3's retries
     if kubeconfig is None and in_cluster(env, serviceaccount_dir):
         InClusterConfigLoader(
             str(serviceaccount_dir / "token"), str(serviceaccount_dir / "ca.crt"), environ=env
@@ -120,26 +132,96 @@ def kubernetes_client(
         ns_file = serviceaccount_dir / "namespace"
         return client.ApiClient(configuration), namespace or (ns_file.read_text().strip() if ns_file.is_file()
                                                               else "default")
-    path = kubeconfig or env.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
-    if not Path(path).is_file():
+    paths = kubeconfig_paths(kubeconfig, env)
+    found = [p for p in paths if Path(p).is_file()]
+    if not found:
         raise KubernetesUnavailableError(
-            f"not inside a cluster and no kubeconfig at {path}: pass --kubeconfig, set KUBECONFIG, "
+            f"not inside a cluster and no kubeconfig at {os.pathsep.join(paths)}: pass --kubeconfig, set KUBECONFIG, "
             "or run inside the cluster"
         )
+    path = os.pathsep.join(found)
     try:
-        kube_config.load_kube_config(config_file=path, context=context, client_configuration=configuration,
-                                     persist_config=False)
-        contexts, active = kube_config.list_kube_config_contexts(config_file=path)
+        merged = merge_kubeconfigs(found)
+        kube_config.load_kube_config_from_dict(merged, context=context, client_configuration=configuration,
+                                               persist_config=False)
     except Exception as exc:
-        raise KubernetesUnavailableError(f"cannot load kubeconfig {path}: {exc}") from None
+        raise KubernetesFailedError(f"cannot load kubeconfig {path}: {' '.join(str(exc).split())}") from None
+    contexts = merged.get("contexts") or []
+    active = next((c for c in contexts if c.get("name") == merged.get("current-context")), None)
     chosen = next((c for c in contexts if c.get("name") == context), active) if context else active
     ns = namespace or (chosen or {}).get("context", {}).get("namespace") or "default"
     return client.ApiClient(configuration), ns
 
 
+def kubeconfig_paths(kubeconfig: str | None, environ: Mapping[str, str]) -> list[str]:
+    """The kubeconfig files to merge: ``--kubeconfig``, else every ``KUBECONFIG`` path, else ~/.kube/config."""
+    if kubeconfig:
+        return [kubeconfig]
+    paths = [p for p in environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+    return paths or [str(Path.home() / ".kube" / "config")]
+
+
+# Kubeconfig fields that name files, resolved against the directory of the file that holds them.
+_FILE_FIELDS = {"clusters": ("certificate-authority",), "users": ("client-certificate", "client-key", "tokenFile")}
+
+
+def merge_kubeconfigs(paths: Sequence[str]) -> dict[str, Any]:
+    """The kubeconfig files merged as kubectl merges KUBECONFIG: the first file to set a value, or to name a
+    cluster, context or user, wins; relative file names are resolved against their own file's directory."""
+    import yaml
+
+    merged: dict[str, Any] = {"clusters": [], "contexts": [], "users": []}
+    for path in paths:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is None:
+            continue
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path} is not a kubeconfig mapping")
+        base = Path(path).resolve().parent
+        for key, value in loaded.items():
+            if key in merged and isinstance(merged[key], list):
+                names = {item.get("name") for item in merged[key]}
+                for item in value or []:
+                    if item.get("name") in names:
+                        continue
+                    entry = dict(item)
+                    section = key if key in _FILE_FIELDS else ""
+                    inner = dict(entry.get(key[:-1], {}) or {})
+                    for field in _FILE_FIELDS.get(section, ()):
+                        if inner.get(field) and not Path(inner[field]).is_absolute():
+                            inner[field] = str(base / inner[field])
+                    if inner:
+                        entry[key[:-1]] = inner
+                    merged[key].append(entry)
+            elif key not in merged and value not in (None, ""):
+                merged[key] = value
+    return merged
+
+
+def api_failure(exc: BaseException, api: Any) -> str:
+    """One line for a failed API request: the status and message the server gave, or why it was not reached."""
+    host = getattr(getattr(api, "configuration", None), "host", "the API server")
+    status = getattr(exc, "status", None)
+    if status:  # kubernetes.client.ApiException: the server answered
+        reason = getattr(exc, "reason", "") or ""
+        message = ""
+        body = getattr(exc, "body", None)
+        if body:
+            try:
+                import json
+
+                answer = json.loads(body)  # a metav1.Status: its reason and message
+                message = str(answer.get("message", ""))
+                reason = str(answer.get("reason") or reason)
+            except (ValueError, AttributeError):
+                message = str(body)[:200]
+        return f"the Kubernetes API server at {host} answered {status} {reason}" + (f": {message}" if message else "")
+    return f"cannot reach the Kubernetes API server at {host}: {' '.join(str(exc).split())[:300]}"
+
+
 def selector(release: str | None, component: str | None = None) -> str:
     """The chart's label selector for a release (every release of hetfed when None)."""
-    parts = [f"{NAME_LABEL}=hetfed"]
+    parts = [f"{PART_OF_LABEL}=hetfed"]
     if release:
         parts.append(f"{INSTANCE_LABEL}={release}")
     if component:
@@ -173,7 +255,8 @@ def list_pods(api: Any, namespace: str, release: str | None) -> list[PodInfo]:
     """The release's pods (one request, by label selector)."""
     from kubernetes import client
 
-    pods = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector(release))
+    pods = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector(release),
+                                                     _request_timeout=REQUEST_TIMEOUT)
     infos = [_pod_info(p) for p in pods.items]
     releases = {((p.metadata.labels if p.metadata else None) or {}).get(INSTANCE_LABEL, "") for p in pods.items}
     if release is None and len(releases) > 1:
@@ -187,7 +270,7 @@ def aggregator_address(api: Any, namespace: str, release: str | None) -> str:
     from kubernetes import client
 
     services = client.CoreV1Api(api).list_namespaced_service(
-        namespace, label_selector=selector(release, "aggregator")
+        namespace, label_selector=selector(release, "aggregator"), _request_timeout=REQUEST_TIMEOUT
     )
     for svc in services.items:
         if svc.spec is None or svc.metadata is None or svc.spec.cluster_ip == "None":  # headless: the StatefulSet's
@@ -270,8 +353,13 @@ def format_table(rows: Sequence[Row], status: list[RunStatus] | None) -> str:
     if status is not None:
         lines.append("")
         for run in status:
+            if run.refused_reason:
+                lines.append(f"run {run.run_id} ({run.algorithm}): REFUSED: {run.refused_reason}")
+                continue
             lines.append(f"run {run.run_id} ({run.algorithm}): {run.phase.value}, round {run.round} of "
                          f"{run.total_rounds}")
+            for r in run.refused:
+                lines.append(f"  organization {r.organization} refused for good ({r.reason}): {r.message}")
     return "\n".join(lines)
 
 
@@ -282,17 +370,28 @@ def main(args: argparse.Namespace) -> int:
     address = args.aggregator
     try:
         api, namespace = kubernetes_client(args.kubeconfig, args.context, args.namespace)
+    except KubernetesFailedError as exc:
+        print(f"hetfed status: {exc}", file=sys.stderr)
+        return 2
     except KubernetesUnavailableError as exc:
         if not address:
             print(f"hetfed status: {exc}", file=sys.stderr)
             return 2
         print(f"hetfed status: {exc}; showing the aggregator's Status only", file=sys.stderr)
     else:
-        pods = list_pods(api, namespace, args.release)
-        if not pods:
-            print(f"hetfed status: no pods match {selector(args.release)} in namespace {namespace}", file=sys.stderr)
-        if not address:
-            address = aggregator_address(api, namespace, args.release)
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            pods = list_pods(api, namespace, args.release)
+            if not pods:
+                print(f"hetfed status: no pods match {selector(args.release)} in namespace {namespace}",
+                      file=sys.stderr)
+            if not address:
+                address = aggregator_address(api, namespace, args.release)
+        except (ApiException, HTTPError, OSError) as exc:
+            print(f"hetfed status: {api_failure(exc, api)}", file=sys.stderr)
+            return 2
     status = None
     try:
         status = fetch_status(address, tls, args.timeout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -70,8 +70,24 @@ class ClientContext(Generic[C]):
         )
 
 
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(on_device(v, device) for v in value)
+    return value
+
+
 class ClientHalf(Generic[C]):
     """Hooks the client runtime calls; the round loop lives in the runtime, the training loop in ``training``."""
+
+    # Attributes beyond the model that carry state from one round to the next (modules and optimizers by
+    # their state_dict, tensors, numpy arrays, numbers, strings, containers of these); ``private_state``
+    # saves them with the model, so a restarted client resumes them.
+    private_attributes: tuple[str, ...] = ()
 
     def __init__(self, ctx: ClientContext[C]) -> None:
         self.ctx = ctx
@@ -100,6 +116,25 @@ class ClientHalf(Generic[C]):
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The final evaluation of what this organization would deploy."""
         raise NotImplementedError
+
+    def private_state(self) -> dict[str, Any]:
+        """What this organization keeps across rounds: the model's state and every ``private_attributes`` entry
+        (live references; the runtime copies them when it writes the state directory)."""
+        state: dict[str, Any] = {"model": self.ctx.model.state_dict()}
+        for name in self.private_attributes:
+            value = getattr(self, name)
+            state[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        return state
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        """Resume from what ``private_state`` returned in an earlier process (a half built the same way)."""
+        self.ctx.model.load_state_dict(state["model"])
+        for name in self.private_attributes:
+            current, saved = getattr(self, name), state[name]
+            if hasattr(current, "load_state_dict"):
+                current.load_state_dict(saved)
+            else:
+                setattr(self, name, on_device(saved, self.ctx.device))
 
     def deployed_model(self) -> SplitModel:
         """The model this organization would deploy (what local artifacts snapshot)."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +61,19 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         if self._optimizer is None or not self.config.keep_optimizer_state:
             self._optimizer = make_optimizer(self.parameters(), self.config)
         return self._optimizer
+
+    def private_state(self) -> dict[str, Any]:
+        """The model's state, and the optimiser's when it carries over rounds (``keep_optimizer_state``)."""
+        state = super().private_state()
+        if self.config.keep_optimizer_state and self._optimizer is not None:
+            state["optimizer"] = self._optimizer.state_dict()
+        return state
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        """Resume the model (and the optimiser it kept)."""
+        super().load_private_state(state)
+        if "optimizer" in state:
+            self.optimizer().load_state_dict(state["optimizer"])
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """What the local optimiser updates (the model's trainable parameters)."""

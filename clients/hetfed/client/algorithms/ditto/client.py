@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,7 @@ class LayerDrift:
                                    train_steps=config.mmdd_steps, seed=seed)
         else:
             raise ValueError(f"no drift measure for measure {config.measure!r}")
+        self.width = width
         self.refits = 0
 
     @property
@@ -115,6 +117,8 @@ class LayerDrift:
 class DittoClient(ModelAveragingClient[DittoConfig]):
     """Ditto: ``ctx.model`` is the global model w_G (declared and uploaded); ``personal`` is w_L (never sent)."""
 
+    private_attributes = ("personal",)
+
     def __init__(self, ctx: ClientContext[DittoConfig]) -> None:
         super().__init__(ctx)
         if ctx.build_model is None:
@@ -133,6 +137,36 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         self.drifts: dict[str, LayerDrift] = {}
         # w_L's optimiser, kept across rounds with keep_optimizer_state (w_G's is the base class's).
         self._personal_optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ private state
+    def private_state(self) -> dict[str, Any]:
+        """FedAvg's state, w_L, w_L's optimiser when kept, and each layer's drift measure (kernel and its optimiser)."""
+        state = super().private_state()
+        if self.config.keep_optimizer_state and self._personal_optimizer is not None:
+            state["personal_optimizer"] = self._personal_optimizer.state_dict()
+        drifts: dict[str, Any] = {}
+        for layer, d in self.drifts.items():
+            entry: dict[str, Any] = {"width": d.width, "refits": d.refits, "module": d.module.state_dict()}
+            if isinstance(d.module, MmdDLoss):
+                entry["optimizer"] = d.module.optimizer.state_dict()
+                entry["shuffle_rng"] = d.module._shuffle_rng.get_state()
+            drifts[layer] = entry
+        state["drifts"] = drifts
+        return state
+
+    def load_private_state(self, state: Mapping[str, Any]) -> None:
+        """Resume w_G, w_L, their optimisers and the drift measures."""
+        super().load_private_state(state)
+        if "personal_optimizer" in state:
+            self._personal_optimizer = make_optimizer(trainable(self.personal), self.config)
+            self._personal_optimizer.load_state_dict(state["personal_optimizer"])
+        for layer, entry in state.get("drifts", {}).items():
+            d = self.drift_for(layer, int(entry["width"]))
+            d.module.load_state_dict(entry["module"])
+            d.refits = int(entry["refits"])
+            if isinstance(d.module, MmdDLoss):
+                d.module.optimizer.load_state_dict(entry["optimizer"])
+                d.module._shuffle_rng.set_state(entry["shuffle_rng"])
 
     # ------------------------------------------------------------------ the personal objective
     @property

@@ -47,6 +47,10 @@ _BATCH_STREAM = 0xB1C
 class FedCMAClient(ClientHalf[FedCMAConfig]):
     """Fed-CMA worker: private encoder and head, class-conditional alignment to the global means."""
 
+    # What the server sent last (the next round's consensus and alignment targets) and whether v̄⁰ was taken;
+    # the fixed batches B_i^k are drawn again from the run seed, identically.
+    private_attributes = ("_head_initialised", "global_means", "global_present", "class_totals", "global_head")
+
     def __init__(self, ctx: ClientContext[FedCMAConfig]) -> None:
         super().__init__(ctx)
         self.cfg = ctx.config

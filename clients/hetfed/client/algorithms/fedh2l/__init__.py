@@ -42,6 +42,9 @@ from hetfed.wire.specs.fedh2l import FedH2LConfig
 class FedH2LClient(ClientHalf[FedH2LConfig]):
     """One FedH2L node: a private model of any architecture, two optimisers, the shared seed set."""
 
+    # Both optimisers, and g_loc with the confidence it waits to be used with in the next round's learn step.
+    private_attributes = ("opt_local", "opt_global", "g_loc", "private_batch_accuracy")
+
     def __init__(self, ctx: ClientContext[FedH2LConfig]) -> None:
         super().__init__(ctx)
         public = ctx.data.public

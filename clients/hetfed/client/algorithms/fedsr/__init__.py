@@ -48,6 +48,9 @@ def _seed(*parts: object) -> int:
 class FedSRClient(ModelAveragingClient[FedSRConfig]):
     """FedAvg's client with a probabilistic model, the L2R and CMI terms and sampled predictions."""
 
+    # r(z|y) of the CMI term: private unless shared_reference (then it is loaded each round anyway).
+    private_attributes = ("cmi",)
+
     @classmethod
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
                    latent_dim: int | None, bounded_latent: bool, config: FedSRConfig) -> SplitModel:

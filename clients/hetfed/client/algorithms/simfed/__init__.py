@@ -53,6 +53,9 @@ def criteria_set_id(seed: int, count: int, input_shape: tuple[int, ...]) -> str:
 class SimFedClient(ClientHalf[SimFedConfig]):
     """Trains the factorised model from its personalised factors; uploads factors and criteria embeddings."""
 
+    # The mask entries the last upload left out (keep_unsent_mask) and the last reported figures.
+    private_attributes = ("unsent", "figures")
+
     @classmethod
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
                    latent_dim: int | None, bounded_latent: bool, config: SimFedConfig) -> SplitModel:
