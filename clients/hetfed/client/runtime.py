@@ -167,8 +167,8 @@ class ClientRuntime:
             # Non-retryable by reason: the same request fails again whoever retries it (a new pod included).
             reason = err.reason or err.code.name
             details = " ".join(err.details.split()).removeprefix(f"{reason}: ")  # the text starts with the reason
-            raise ClientError(f"the aggregator refused {self.config.organization!r} for good ({reason}): {details}",
-                              permanent=True) from None
+            raise ClientError(f"{err.code.name}: the aggregator refused {self.config.organization!r} for good "
+                              f"({reason}): {details}", permanent=True) from None
         finally:
             self.client.close()
 
