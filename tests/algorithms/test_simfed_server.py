@@ -50,6 +50,25 @@ def test_similarity_sets_hold_the_organization_and_those_above_tau() -> None:
     assert [s.tolist() for s in similarity_sets(SIGMA, 1.5)] == [[0], [1], [2]]  # k is always in J_k
 
 
+def test_a_minimum_set_size_adds_the_most_similar_organizations_top_m() -> None:
+    # The authors' minimum_aggr (server.py): the top max(|{σ ≥ τ}|, m) by σ, the organization first.
+    assert [s.tolist() for s in similarity_sets(SIGMA, 0.9, minimum=2)] == [[0, 1], [0, 1], [1, 2]]
+    assert [s.tolist() for s in similarity_sets(SIGMA, 1.5, minimum=2)] == [[0, 1], [0, 1], [1, 2]]
+    assert [s.tolist() for s in similarity_sets(SIGMA, 0.9, minimum=3)] == [[0, 1, 2]] * 3
+    assert [s.tolist() for s in similarity_sets(SIGMA, 0.9, minimum=7)] == [[0, 1, 2]] * 3
+    s4 = np.array([[1.0, 0.5, 0.2, 0.5], [0.5, 1.0, 0.9, 0.1], [0.2, 0.9, 1.0, 0.3], [0.5, 0.1, 0.3, 1.0]])
+    # Ties (σ_01 = σ_03 = 0.5) go to the lower index.
+    assert [s.tolist() for s in similarity_sets(s4, 0.95, minimum=2)] == [[0, 1], [1, 2], [1, 2], [0, 3]]
+    assert [s.tolist() for s in similarity_sets(s4, 0.8, minimum=3)] == [[0, 1, 3], [0, 1, 2], [1, 2, 3], [0, 2, 3]]
+    # More organizations above τ than m: the threshold set stands.
+    assert [s.tolist() for s in similarity_sets(s4, 0.4, minimum=2)] == [[0, 1, 3], [0, 1, 2], [1, 2], [0, 3]]
+    _, sets, weights = match(Z, 0.9, ALPHA_3_TO_1, minimum=2)
+    assert [s.tolist() for s in sets] == [[0, 1], [0, 1], [1, 2]]
+    np.testing.assert_allclose(weights[0], [0.75, 0.25], rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="minimum similarity-set size"):
+        similarity_sets(SIGMA, 0.9, minimum=0)
+
+
 def test_reflection_weights_and_eq8_by_hand() -> None:
     w = reflection_weights(SIGMA[0], np.array([0, 1]), ALPHA_3_TO_1)
     np.testing.assert_allclose(w, [0.75, 0.25], rtol=0, atol=1e-15)

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, LATENT = 3, 3, 84  # LeNet's latent width
 OPTS = LocalRunOptions(algorithms=("simfed",), clients=CLIENTS, rounds=ROUNDS, dataset="digits", partition="dirichlet",
                        models=("lenet",), data={"permute_labels": True},
-                       extra_algorithm_config={"simfed": {"local_epochs": 1, "batch_size": 32}})
+                       extra_algorithm_config={"simfed": {"local_epochs": 1, "batch_size": 32,
+                                                          "mask_init": "sparse"}})
 
 
 @pytest.fixture(scope="module")

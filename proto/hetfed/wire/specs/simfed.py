@@ -28,20 +28,34 @@ class SimFedConfig(TrainConfig):
     weight_decay: float = 1e-4
     batch_size: int = 128
     # τ: organization j is in k's similarity set J_k when σ_kj = cos(z_N,k, z_N,j) ≥ τ (k always is).
+    # Paper §5.1: τ = 0.9. The authors' code (wyjeong/Factorized-FL main.py) uses τ = 0 for permuted labels.
     tau: float = 0.9
-    # α: reflection weights softmax_{j∈J_k}(α·σ_kj) (eq. 8).
+    # α: reflection weights softmax_{j∈J_k}(α·σ_kj) (eq. 8). Paper §5.1: 30; authors' code (permuted): 1.
     alpha: float = 30.0
+    # m: J_k holds at least the m organizations of highest σ_kj (k first, σ_kk = 1), even below τ. The
+    # paper has no such floor (1: J_k = {j : σ_kj ≥ τ}); the authors' server.py takes the top
+    # max(|{σ ≥ τ}|, minimum_aggr) by σ, with minimum_aggr = 10 of 20 clients for permuted labels (main.py).
+    min_similarity_set: int = 1
+    # Which factors are reflected, so which travel: "u", "uv" or "uvm" (u, v and the mask). Eq. 8 reflects
+    # every factor θ (paper); the authors' code shares u only (--aggr u, "uvm" for the "plus" model).
+    # Unshared factors stay the organization's own and are not sent.
+    shared_factors: Literal["u", "uv", "uvm"] = "uvm"
     # λ₁: weight of the mask sparsity term λ₁·Σ‖μ‖₁ in the local objective (eq. 7).
     lambda1: float = 1e-4
-    # Mask entries with |μ| ≤ mask_threshold are not sent (the rest travel as indices and values).
+    # Mask entries with |μ| ≤ mask_threshold are not sent (the rest travel as indices and values); the
+    # organization keeps every entry: unsent ones are added back to the mask it receives.
     mask_threshold: float = 3e-3
-    # Share of each mask's entries that start non-zero (0: μ = 0 and every layer starts at rank 1).
+    # How masks start (the paper gives no initial values): "reference" as the authors' layers.py (dense
+    # masks drawn in full, convolution masks zero), "sparse" (a share mask_init_density non-zero, every
+    # layer), "zero" (μ = 0 everywhere: every layer starts at rank 1).
+    mask_init: Literal["reference", "sparse", "zero"] = "reference"
+    # Share of each mask's entries that start non-zero under mask_init = "sparse".
     mask_init_density: float = 0.1
     # False: W = u × v only (the paper's "w/o masks" ablation, Table 4).
     masks: bool = True
-    # After a download the client trains from the received factors (Algorithm 1); mask entries it did not
-    # send are then zero. True: it adds its unsent (sub-threshold) entries back to the received mask.
-    keep_unsent_mask: bool = False
+    # Keep each organization's optimiser (its SGD momentum) from round to round; the authors' client
+    # builds its optimiser once (init_state). Without momentum it changes nothing.
+    keep_optimizer_state: bool = True
     # Number B of criteria inputs x_N ~ N(0, 1) (the paper uses one).
     criteria_inputs: int = 1
     # "similarity": J_k and softmax weights from σ; "random": k plus random_partners organizations drawn
@@ -55,6 +69,11 @@ class SimFedConfig(TrainConfig):
         check(0.0 <= self.alpha < 1e6, f"alpha must lie in [0, 1e6), got {self.alpha}")
         check(self.lambda1 >= 0.0, f"lambda1 must be >= 0, got {self.lambda1}")
         check(self.mask_threshold >= 0.0, f"mask_threshold must be >= 0, got {self.mask_threshold}")
+        check(self.min_similarity_set >= 1, f"min_similarity_set must be >= 1, got {self.min_similarity_set}")
+        check(self.shared_factors in ("u", "uv", "uvm"),
+              f"shared_factors must be 'u', 'uv' or 'uvm', got {self.shared_factors!r}")
+        check(self.mask_init in ("reference", "sparse", "zero"),
+              f"mask_init must be 'reference', 'sparse' or 'zero', got {self.mask_init!r}")
         check(0.0 <= self.mask_init_density <= 1.0,
               f"mask_init_density must lie in [0, 1], got {self.mask_init_density}")
         check(1 <= self.criteria_inputs <= 1024, f"criteria_inputs must lie in [1, 1024], got {self.criteria_inputs}")
@@ -73,8 +92,10 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.FACTORIZED_WEIGHTS}),
     model_private=True,
     figures=(
-        Figure("mask_density", "mask density", "mask_density",
+        Figure("mask_density", "sent mask density", "mask_density",
                "share of the mask entries an organization sent in its last upload"),
+        Figure("trained_mask_density", "trained mask density", "trained_mask_density",
+               "share of the non-zero entries of the mask an organization trained (sent or not)"),
     ),
     local_defaults={
         # The paper's SGD (no momentum, lr 5e-2, batch 128); 5 local epochs per round so that 20 rounds train

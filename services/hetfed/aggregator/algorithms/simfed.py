@@ -102,15 +102,25 @@ def _square(sigma: np.ndarray) -> np.ndarray:
     return s
 
 
-def similarity_sets(sigma: np.ndarray, tau: float) -> list[np.ndarray]:
-    """J_k = {j : σ_kj ≥ τ} for every k, as increasing int64 index arrays that always contain k."""
+def similarity_sets(sigma: np.ndarray, tau: float, minimum: int = 1) -> list[np.ndarray]:
+    """J_k = {j : σ_kj ≥ τ} ∪ the ``minimum`` organizations of highest σ_kj (k first), as increasing int64 arrays.
+
+    ``minimum`` = 1 is the paper's set (k is always in it). A larger ``minimum`` is the authors' floor
+    (``minimum_aggr``, server.py): the top max(|{σ ≥ τ}|, minimum) by σ; ties go to the lower index.
+    """
     s = _square(sigma)
     if not math.isfinite(tau):
         raise ValueError(f"tau must be finite, got {tau}")
+    if minimum < 1:
+        raise ValueError(f"the minimum similarity-set size must be >= 1, got {minimum}")
     sets = []
     for k in range(s.shape[0]):
         member = s[k] >= tau
         member[k] = True
+        if minimum > 1:
+            others = np.array([j for j in range(s.shape[0]) if j != k], dtype=np.int64)
+            ranked = others[np.lexsort((others, -s[k, others]))]  # σ descending, then index
+            member[ranked[: minimum - 1]] = True
         sets.append(np.flatnonzero(member).astype(np.int64))
     return sets
 
@@ -177,7 +187,9 @@ def _scatter(indices: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
         )
     if idx.size and not np.issubdtype(idx.dtype, np.integer):
         raise ValueError(f"sparse mask indices must be integers, got {idx.dtype}")
-    if idx.size and (idx.min() < 0 or idx.max() >= size or np.unique(idx).size != idx.size):
+    # Increasing indices (what the wire carries) are distinct without a sort or hash (np.unique is slow).
+    if idx.size and (idx.min() < 0 or idx.max() >= size
+                     or (np.any(np.diff(idx) <= 0) and np.unique(idx).size != idx.size)):
         raise ValueError(f"sparse mask indices must be distinct and lie in [0, {size})")
     if not np.all(np.isfinite(val)):
         raise ValueError("sparse mask values hold non-finite numbers")
@@ -215,11 +227,11 @@ def reflect_sparse(
 
 
 def match(
-    embeddings: Sequence[np.ndarray], tau: float, alpha: float
+    embeddings: Sequence[np.ndarray], tau: float, alpha: float, minimum: int = 1
 ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """Similarity matching: σ, the sets J_k (σ_kj ≥ τ, with k) and the reflection weights softmax(α·σ_kj)."""
+    """Similarity matching: σ, the sets J_k (σ_kj ≥ τ, with k, at least ``minimum``) and softmax(α·σ_kj)."""
     sigma = cosine_similarity_matrix(embeddings)
-    sets = similarity_sets(sigma, tau)
+    sets = similarity_sets(sigma, tau, minimum)
     return sigma, sets, [reflection_weights(sigma[k], members, alpha) for k, members in enumerate(sets)]
 
 
@@ -400,7 +412,7 @@ class SimFedServer(ServerHalf[SimFedConfig]):
                                           [self.run.seed, RANDOM_MATCHING_STREAM, round_])
             weights = [np.full(m.size, 1.0 / m.size) for m in sets]
         else:
-            sets = similarity_sets(self.sigma, self.config.tau)
+            sets = similarity_sets(self.sigma, self.config.tau, self.config.min_similarity_set)
             weights = [reflection_weights(self.sigma[k], m, self.config.alpha) for k, m in enumerate(sets)]
         self.sets = {org: (tuple(self.order[j] for j in sets[k]), weights[k]) for k, org in enumerate(self.order)}
 
@@ -466,9 +478,10 @@ def _layout(fw: FactorizedWeights, fail: Callable[[str, str], WireError]) -> tup
     for layer in fw.layers:
         u, v = np.asarray(layer.u), np.asarray(layer.v)
         shape = tuple(int(d) for d in layer.mask_shape)
-        if u.ndim != 1 or v.ndim != 1 or shape != (u.size, v.size):
+        # v is empty when it is not shared (shared_factors = "u"): the organization keeps its own.
+        if u.ndim != 1 or v.ndim != 1 or len(shape) != 2 or shape[0] != u.size or v.size not in (0, shape[1]):
             raise fail("shape_mismatch", f"{layer.name}: u {list(u.shape)} and v {list(v.shape)} must be vectors "
-                                         f"of the mask's shape {list(shape)}")
+                                         f"of the mask's shape {list(shape)} (v may be empty)")
         idx, val = np.asarray(layer.mask_indices), np.asarray(layer.mask_values)
         if idx.ndim != 1 or val.ndim != 1 or idx.size != val.size:
             raise fail("shape_mismatch", f"{layer.name}: mask indices {list(idx.shape)} and values "

@@ -28,9 +28,10 @@ What the paper defines and how it is read here:
   (every hidden unit a multiple of one vector), and that trained markedly slower (see _init_factors).
 * The L1 term λ₁·Σ_l ‖μ_l‖₁ (eq. 7) is computed on the mask parameters, so it adds λ₁·sign(μ) to their
   gradient (0 where μ = 0).
-* Sending: mask entries with |μ| ≤ threshold are dropped (threshold 0 keeps exactly the non-zeros); the
-  rest travel as flat int64 indices (row-major, strictly increasing) into the mask's shape plus float32
-  values. Decoding scatters them into zeros exactly.
+* Sending: mask entries with |μ| ≤ threshold are left off the wire (threshold 0 keeps exactly the
+  non-zeros); the rest travel as flat int64 indices (row-major, strictly increasing) into the mask's shape
+  plus float32 values. Decoding scatters them into zeros exactly. The sender keeps its unsent entries
+  (``unsent_mask``) and adds them back to the mask it receives, so they are never lost.
 * Criteria inputs (eqs. 1-2): x_N ~ N(0, 1) elementwise with the model's input shape, drawn with numpy's
   PCG64 from a seed (identical in every process and platform), never sent; z_N = E(x_N) in eval mode.
 """
@@ -64,6 +65,8 @@ __all__ = [
     "factorized_layers",
     "load_factors",
     "mask_density",
+    "trained_mask_density",
+    "unsent_mask",
 ]
 
 # Independent numpy streams derived from a seed: default_rng([seed, stream, ...]).
@@ -266,7 +269,7 @@ FactorizedModule = FactorizedLinear | FactorizedConv2d
 
 
 def _replace(
-    module: nn.Module, prefix: str, seed: int, masks: bool, density: float, counter: list[int]
+    module: nn.Module, prefix: str, seed: int, masks: bool, density: tuple[float, float], counter: list[int]
 ) -> None:
     for child_name, child in module.named_children():
         new: nn.Module | None = None
@@ -274,9 +277,9 @@ def _replace(
             rng = np.random.default_rng([int(seed), FACTOR_INIT_STREAM, counter[0]])
             counter[0] += 1
             if isinstance(child, nn.Linear):
-                new = FactorizedLinear.from_linear(child, rng, mask=masks, mask_density=density)
+                new = FactorizedLinear.from_linear(child, rng, mask=masks, mask_density=density[0])
             else:
-                new = FactorizedConv2d.from_conv(child, rng, mask=masks, mask_density=density)
+                new = FactorizedConv2d.from_conv(child, rng, mask=masks, mask_density=density[1])
             setattr(module, child_name, new)
         elif isinstance(child, nn.modules.conv._ConvNd):
             raise ValueError(
@@ -287,20 +290,24 @@ def _replace(
 
 
 def factorize_model(
-    model: SplitModel, *, seed: int, masks: bool = True, mask_density: float = MASK_INIT_DENSITY
+    model: SplitModel, *, seed: int, masks: bool = True, mask_density: float = MASK_INIT_DENSITY,
+    conv_mask_density: float | None = None,
 ) -> SplitModel:
     """A copy of ``model`` whose encoder's nn.Linear and nn.Conv2d layers are factorised; the head stays dense.
 
     Each replaced layer keeps its bias; u, v and μ are drawn from ``seed`` (one numpy stream per layer, in
     module order), so every process builds the same factors; ``mask_density`` is the share of μ's entries
-    that start non-zero (0: μ = 0, the factorised weight starts at rank 1). ``masks=False`` builds the
+    that start non-zero (0: μ = 0, the factorised weight starts at rank 1), in convolutions
+    ``conv_mask_density`` when given (the authors' layers.py: dense masks drawn in full, convolution masks
+    zero, i.e. 1 and 0). ``masks=False`` builds the
     paper's "w/o masks φ" ablation (W = u × v only). ``model`` itself is left unchanged.
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     out = copy.deepcopy(model)
     counter = [0]
-    _replace(out.encoder, "encoder.", seed, masks, float(mask_density), counter)
+    conv = mask_density if conv_mask_density is None else conv_mask_density
+    _replace(out.encoder, "encoder.", seed, masks, (float(mask_density), float(conv)), counter)
     if counter[0] == 0:
         raise ValueError("the model's encoder has no nn.Linear or nn.Conv2d layer to factorise")
     return out
@@ -316,12 +323,14 @@ def build_factorized_model(
     seed: int = 0,
     masks: bool = True,
     mask_density: float = MASK_INIT_DENSITY,
+    conv_mask_density: float | None = None,
 ) -> SplitModel:
     """:func:`hetfed.client.models.build_model` with the encoder factorised (same seed for weights and factors)."""
     dense = build_model(
         name, input_shape, num_classes, latent_dim=latent_dim, bounded_latent=bounded_latent, seed=seed
     )
-    return factorize_model(dense, seed=seed, masks=masks, mask_density=mask_density)
+    return factorize_model(dense, seed=seed, masks=masks, mask_density=mask_density,
+                           conv_mask_density=conv_mask_density)
 
 
 def factorized_layers(model: nn.Module) -> list[tuple[str, FactorizedModule]]:
@@ -396,19 +405,34 @@ def mask_density(weights: FactorizedWeights) -> float:
     return sent / total if total else 0.0
 
 
-def encode_factors(model: nn.Module, threshold: float, num_examples: int = 0) -> FactorizedWeights:
-    """The ``FactorizedWeights`` payload of a model: u, v (float32) and the thresholded sparse mask of each layer."""
+def trained_mask_density(model: nn.Module) -> float:
+    """Non-zero mask entries over all mask entries of the model's factorised layers (0 without masks)."""
+    masks = [layer.mask.detach() for _, layer in factorized_layers(model) if layer.mask is not None]
+    total = sum(m.numel() for m in masks)
+    return sum(int(torch.count_nonzero(m)) for m in masks) / total if total else 0.0
+
+
+def encode_factors(model: nn.Module, threshold: float, num_examples: int = 0,
+                   shared: str = "uvm") -> FactorizedWeights:
+    """The ``FactorizedWeights`` payload of a model: u, v (float32) and the thresholded sparse mask of each layer.
+
+    ``shared`` names the factors that travel ("u", "uv" or "uvm"); v is left empty and the mask without
+    entries when they are not shared (the organization keeps its own).
+    """
+    if shared not in ("u", "uv", "uvm"):
+        raise ValueError(f"shared factors must be 'u', 'uv' or 'uvm', got {shared!r}")
     layers = []
     for name, layer in factorized_layers(model):
-        if layer.mask is None:
+        if layer.mask is None or "m" not in shared:
             idx, val = np.zeros(0, np.int64), np.zeros(0, np.float32)
         else:
             idx, val = encode_mask(layer.mask.detach().cpu().numpy(), threshold)
+        v = layer.v.detach().cpu().to(torch.float32).numpy().copy() if "v" in shared else np.zeros(0, np.float32)
         layers.append(
             FactorizedLayer(
                 name=name,
                 u=layer.u.detach().cpu().to(torch.float32).numpy().copy(),
-                v=layer.v.detach().cpu().to(torch.float32).numpy().copy(),
+                v=v,
                 mask_indices=idx,
                 mask_values=val,
                 mask_shape=layer.mask_shape,
@@ -417,8 +441,23 @@ def encode_factors(model: nn.Module, threshold: float, num_examples: int = 0) ->
     return FactorizedWeights(layers=tuple(layers), num_examples=int(num_examples))
 
 
-def load_factors(model: nn.Module, weights: FactorizedWeights) -> None:
-    """Set every factorised layer's u, v and μ from a payload (μ = 0 off the sent entries); all or nothing."""
+def unsent_mask(model: nn.Module, threshold: float) -> list[torch.Tensor | None]:
+    """Per factorised layer, the mask entries ``encode_factors`` leaves out (|μ| ≤ threshold), zeros elsewhere."""
+    return [None if layer.mask is None else
+            torch.where(layer.mask.detach().abs() > threshold, torch.zeros_like(layer.mask), layer.mask.detach())
+            for _, layer in factorized_layers(model)]
+
+
+def load_factors(model: nn.Module, weights: FactorizedWeights, shared: str = "uvm",
+                 unsent: Sequence[torch.Tensor | None] | None = None) -> None:
+    """Set every factorised layer's shared factors from a payload; all or nothing.
+
+    u always; v and μ when ``shared`` names them (else the model keeps its own). The received mask is
+    zero off its entries; ``unsent`` (from :func:`unsent_mask` at the last upload) is added to it, so that
+    the entries this organization did not send survive the round.
+    """
+    if shared not in ("u", "uv", "uvm"):
+        raise ValueError(f"shared factors must be 'u', 'uv' or 'uvm', got {shared!r}")
     own = dict(factorized_layers(model))
     got = {layer.name: layer for layer in weights.layers}
     if len(got) != len(weights.layers):
@@ -428,32 +467,38 @@ def load_factors(model: nn.Module, weights: FactorizedWeights) -> None:
         raise ValueError(
             f"factorised weights do not match the model: missing {missing}, unexpected {unexpected}"
         )
-    staged: list[tuple[FactorizedModule, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-    for name, layer in own.items():
+    rests = list(unsent) if unsent is not None else [None] * len(own)
+    if len(rests) != len(own):
+        raise ValueError(f"{len(rests)} unsent masks for {len(own)} factorised layers")
+    staged: list[tuple[FactorizedModule, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    for (name, layer), rest in zip(own.items(), rests, strict=True):
         sent = got[name]
         u, v = np.asarray(sent.u), np.asarray(sent.v)
-        if u.shape != tuple(layer.u.shape) or v.shape != tuple(layer.v.shape):
+        v_shape = tuple(layer.v.shape) if "v" in shared else (0,)
+        if u.shape != tuple(layer.u.shape) or v.shape != v_shape:
             raise ValueError(
-                f"{name}: u, v have shapes {u.shape}, {v.shape}; expected {tuple(layer.u.shape)}, {tuple(layer.v.shape)}"
+                f"{name}: u, v have shapes {u.shape}, {v.shape}; expected {tuple(layer.u.shape)}, {v_shape}"
             )
         if not (np.all(np.isfinite(u)) and np.all(np.isfinite(v))):
             raise ValueError(f"{name}: u or v holds non-finite values")
         if tuple(sent.mask_shape) != layer.mask_shape:
             raise ValueError(f"{name}: mask shape {tuple(sent.mask_shape)}, expected {layer.mask_shape}")
         mask: torch.Tensor | None = None
-        if layer.mask is not None:
+        if layer.mask is not None and "m" in shared:
             mask = torch.from_numpy(decode_mask(sent.mask_indices, sent.mask_values, layer.mask_shape))
+            if rest is not None:
+                mask = mask + rest.to(mask.device)
         elif np.asarray(sent.mask_indices).size:
             raise ValueError(
-                f"{name}: the model has no mask but {np.asarray(sent.mask_indices).size} mask entries came"
+                f"{name}: the model takes no mask but {np.asarray(sent.mask_indices).size} mask entries came"
             )
-        staged.append(
-            (layer, torch.from_numpy(u.astype(np.float32)), torch.from_numpy(v.astype(np.float32)), mask)
-        )
+        v_t = torch.from_numpy(v.astype(np.float32)) if "v" in shared else None
+        staged.append((layer, torch.from_numpy(u.astype(np.float32)), v_t, mask))
     with torch.no_grad():
         for layer, u_t, v_t, m_t in staged:
             layer.u.copy_(u_t)
-            layer.v.copy_(v_t)
+            if v_t is not None:
+                layer.v.copy_(v_t)
             if layer.mask is not None and m_t is not None:
                 layer.mask.copy_(m_t)
 
