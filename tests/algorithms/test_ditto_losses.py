@@ -555,3 +555,55 @@ def test_refit_schedule() -> None:
 def test_kernel_dtype_is_float64() -> None:
     assert KERNEL_DTYPE is torch.float64
     assert MmdDLoss(3).featurizer[0].weight.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference code's forms (issue 23): the QP's shift and fallback, β's random start
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fl4health_qp_form_on_a_diagonal_three_kernel_case_by_hand() -> None:
+    # Diagonal Q̂ = diag(0.1, 0.2, 0.4), d̂ = (1, 2, 1): min βᵀAβ with d̂ᵀβ = 1 gives β_j ∝ d_j/A_jj, then Σβ = 1.
+    d = np.array([1.0, 2.0, 1.0])
+    q = np.diag([0.1, 0.2, 0.4])
+    uniform = np.full(3, 1.0 / 3.0)
+    for form, diag in (("paper", [0.1 + 1e-3, 0.2 + 1e-3, 0.4 + 1e-3]),
+                       ("fl4health", [0.2 + 1e-5, 0.4 + 1e-5, 0.8 + 1e-5])):  # 2Q̂ + 1e-5·I
+        raw = [d[j] / diag[j] for j in range(3)]
+        want = [r / sum(raw) for r in raw]
+        beta, how = choose_kernel_weights(d, q, uniform, 1e-3, form)  # type: ignore[arg-type]
+        assert how == "qp"
+        np.testing.assert_allclose(beta, want, rtol=1e-12, atol=0)
+
+
+def test_fl4health_fallback_divides_by_the_shifted_variance_without_a_root() -> None:
+    # No d̂_j > 0: the paper picks argmax d_j/sqrt(Q_jj + ε), the reference code argmax d_j/(2Q_jj + 1e-5).
+    d = np.array([-0.1, -0.2, -0.4])
+    q = np.diag([0.01, 0.1, 1.0])
+    # paper: -0.1/0.1049 = -0.953, -0.2/0.3178 = -0.629, -0.4/1.0005 = -0.3998 -> kernel 2
+    # fl4health: -0.1/0.02001 = -4.998, -0.2/0.20001 = -1.0, -0.4/2.00001 = -0.2 -> kernel 2 as well; make it differ:
+    q2 = np.diag([0.0004, 0.1, 1.0])
+    # paper: -0.1/sqrt(0.0014) = -2.673, -0.629, -0.3998 -> 2; fl4health: -0.1/0.00081 = -123, -1.0, -0.2 -> 2
+    d2 = np.array([-0.001, -0.2, -0.4])
+    # paper: -0.001/0.03742 = -0.0267 -> 0; fl4health: -0.001/0.00081 = -1.2346, -1.0, -0.2 -> 2
+    for dd, qq, want_paper, want_ref in ((d, q, 2, 2), (d2, q2, 0, 2)):
+        beta_p, how_p = choose_kernel_weights(dd, qq, np.full(3, 1 / 3), 1e-3, "paper")
+        beta_r, how_r = choose_kernel_weights(dd, qq, np.full(3, 1 / 3), 1e-3, "fl4health")
+        assert how_p == how_r == "single_kernel"
+        assert int(np.argmax(beta_p)) == want_paper and int(np.argmax(beta_r)) == want_ref
+
+
+def test_beta_random_start_is_the_seeded_uniform_draw_normalised() -> None:
+    gammas = [0.5, 1.0, 2.0]
+    u = torch.rand(3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    loss = MkMmdLoss(gammas, beta_init="random", seed=7)
+    want = [float(v) / float(u.sum()) for v in u]
+    np.testing.assert_allclose(loss.beta.numpy(), want, rtol=1e-15, atol=0)
+    assert float(loss.beta.sum()) == pytest.approx(1.0, rel=1e-15)
+    np.testing.assert_array_equal(MkMmdLoss(gammas).beta.numpy(), np.full(3, 1.0 / 3.0))
+    assert torch.equal(MkMmdLoss(gammas, beta_init="random", seed=7).beta, loss.beta)
+    assert not torch.equal(MkMmdLoss(gammas, beta_init="random", seed=8).beta, loss.beta)
+    with pytest.raises(ValueError, match="beta_init"):
+        MkMmdLoss(gammas, beta_init="ones")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="qp_form"):
+        MkMmdLoss(gammas, qp_form="cvxpy")  # type: ignore[arg-type]

@@ -58,6 +58,10 @@ KERNEL_DTYPE = torch.float64
 MKMMD_QP_EPSILON = 1e-3
 """The paper's stabilising shift ε of Q̂ + εI (§3.3). The reference code uses 2·Q̂ + 1e-5·I in a ½zᵀQz QP."""
 
+FL4HEALTH_QP_SHIFT = 1e-5
+"""The reference code's shift: it solves min ½βᵀ(2Q̂ + 1e-5·I)β (mkmmd_loss.py, ``optimize_betas``'s lambda_m),
+the same β as min βᵀ(Q̂ + 5e-6·I)β."""
+
 MMDD_VARIANCE_REG = 1e-8
 """The paper's λ of the regularised variance estimate (§3.4, Liu et al. 2020 eq. 5)."""
 
@@ -65,10 +69,14 @@ BandwidthForm = Literal["rate", "scale"]
 MmdEstimator = Literal["unbiased", "biased"]
 DeepKernelForm = Literal["paper", "liu"]
 RefitOutcome = Literal["qp", "single_kernel", "kept"]
+QpForm = Literal["paper", "fl4health"]
+BetaInit = Literal["uniform", "random"]
 
 _BANDWIDTH_FORMS: tuple[str, ...] = ("rate", "scale")
 _ESTIMATORS: tuple[str, ...] = ("unbiased", "biased")
 _DEEP_KERNEL_FORMS: tuple[str, ...] = ("paper", "liu")
+_QP_FORMS: tuple[str, ...] = ("paper", "fl4health")
+_BETA_INITS: tuple[str, ...] = ("uniform", "random")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,7 +364,8 @@ def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD
 
 
 def choose_kernel_weights(
-    d_hat: np.ndarray, q_hat: np.ndarray, previous: np.ndarray, epsilon: float = MKMMD_QP_EPSILON
+    d_hat: np.ndarray, q_hat: np.ndarray, previous: np.ndarray, epsilon: float = MKMMD_QP_EPSILON,
+    form: QpForm = "paper",
 ) -> tuple[np.ndarray, RefitOutcome]:
     """New kernel weights β (summing to 1) and how they were found: "qp", "single_kernel" or "kept".
 
@@ -364,19 +373,27 @@ def choose_kernel_weights(
     σ̂_j = sqrt(Q̂_jj + ε) (Gretton et al.'s suggestion, §3.3; ε keeps 0/0 away when both samples coincide). The
     QP fails or the data are not finite: ``previous`` is kept. The QP starts from ``previous``'s support (the
     solution does not depend on it).
+
+    ``form`` "fl4health" is the reference code's: the QP on 2Q̂ + 1e-5·I in its ½-form (``epsilon`` unused;
+    the same β as Q̂ + 5e-6·I) and the fallback kernel maximising d̂_j/(2Q̂_jj + 1e-5), without a square root.
     """
+    _check_choice("qp form", form, _QP_FORMS)
     d = np.asarray(d_hat, dtype=np.float64).reshape(-1)
     q = np.asarray(q_hat, dtype=np.float64)
     prev = np.asarray(previous, dtype=np.float64).reshape(-1).copy()
     if not (np.all(np.isfinite(d)) and np.all(np.isfinite(q))):
         return prev, "kept"
     if not (d > 0).any():
-        sigma = np.sqrt(np.clip(np.diag(q), 0.0, None) + float(epsilon))
+        if form == "paper":
+            scale = np.sqrt(np.clip(np.diag(q), 0.0, None) + float(epsilon))
+        else:
+            scale = 2.0 * np.diag(q) + FL4HEALTH_QP_SHIFT
         beta = np.zeros_like(d)
-        beta[int(np.argmax(d / sigma))] = 1.0
+        beta[int(np.argmax(d / scale))] = 1.0
         return beta, "single_kernel"
+    shift = float(epsilon) if form == "paper" else FL4HEALTH_QP_SHIFT / 2.0
     try:
-        beta = solve_kernel_qp(d, q, epsilon, warm=prev > 0)
+        beta = solve_kernel_qp(d, q, shift, warm=prev > 0)
     except KernelQpError:
         return prev, "kept"
     beta = np.clip(beta, 0.0, None)
@@ -400,9 +417,12 @@ class MkMmdLoss(nn.Module):
       code's Ditto client does it, and the γ grid (‖a − b‖² ≤ 4 on unit rows) is only sensible with it, so it is
       on by default.
     - ``epsilon``: the QP's shift ε (paper 1e-3).
+    - ``qp_form``: "paper", Q̂ + εI; "fl4health", the reference code's 2Q̂ + 1e-5·I in a ½-form QP and its
+      fallback (see :func:`choose_kernel_weights`).
+    - ``beta_init``: "uniform" 1/d each; "random", the reference code's torch.rand start normalised to sum 1
+      (drawn from ``seed``). It matters until the first refit and as the QP's warm start.
 
-    β starts uniform (1/d each; the reference code draws a random start) and is a buffer, so it persists in
-    ``state_dict`` across rounds.
+    β is a buffer, so it persists in ``state_dict`` across rounds.
     """
 
     gammas: torch.Tensor
@@ -416,6 +436,9 @@ class MkMmdLoss(nn.Module):
         normalize_features: bool = True,
         bandwidth_form: BandwidthForm = "rate",
         estimator: MmdEstimator = "unbiased",
+        qp_form: QpForm = "paper",
+        beta_init: BetaInit = "uniform",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         g = paper_gammas() if gammas is None else torch.as_tensor(gammas, dtype=KERNEL_DTYPE).reshape(-1).clone()
@@ -428,7 +451,15 @@ class MkMmdLoss(nn.Module):
         self.bandwidth_form: BandwidthForm = bandwidth_form
         self.estimator: MmdEstimator = estimator
         self.register_buffer("gammas", g)
-        self.register_buffer("beta", torch.full_like(g, 1.0 / g.numel()))
+        _check_choice("qp_form", qp_form, _QP_FORMS)
+        _check_choice("beta_init", beta_init, _BETA_INITS)
+        self.qp_form: QpForm = qp_form
+        if beta_init == "uniform":
+            start = torch.full_like(g, 1.0 / g.numel())
+        else:  # the reference code's torch.rand start, normalised to sum 1, from this module's own seed
+            u = torch.rand(g.numel(), generator=torch.Generator().manual_seed(int(seed)), dtype=KERNEL_DTYPE)
+            start = u / u.sum()
+        self.register_buffer("beta", start)
         self.last_refit: RefitOutcome | None = None
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,7 +492,7 @@ class MkMmdLoss(nn.Module):
     @torch.no_grad()
     def _set_beta(self, d_hat: torch.Tensor, q_hat: torch.Tensor) -> RefitOutcome:
         beta, how = choose_kernel_weights(
-            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon
+            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon, self.qp_form
         )
         self.beta.copy_(torch.as_tensor(beta, dtype=self.beta.dtype))
         self.last_refit = how
