@@ -52,18 +52,28 @@ def epoch_cost(algorithm: str, config: dict[str, Any], seed: int = 100) -> tuple
 
 
 def main() -> None:
-    """Print each variant's CPU seconds per local epoch (the best of --repeat)."""
+    """Print each variant's CPU seconds per local epoch (the least of --repeat) and its ratio to Ditto's.
+
+    Ditto is timed again beside every variant (alternating, the least of each): on a shared machine the
+    ratio of two runs made side by side carries over far better than either time alone.
+    """
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--repeat", type=int, default=2, help="rounds timed per variant; the least CPU time is shown")
     args = p.parse_args()
     torch.set_num_threads(1)
     epoch_cost("ditto", {})  # warm up torch's first-call costs
-    print(f"{'variant':<20} {'CPU s / epoch':>14} {'wall s':>8}")
+    base_algorithm, base_config = VARIANTS["ditto"]
+    print(f"{'variant':<20} {'CPU s / epoch':>14} {'wall s':>8} {'Ditto CPU s':>12} {'x Ditto':>8}")
     for name in args.variants.split(","):
         algorithm, config = VARIANTS[name]
-        cpu, wall = min(epoch_cost(algorithm, config) for _ in range(args.repeat))
-        print(f"{name:<20} {cpu:>14.2f} {wall:>8.2f}", flush=True)
+        runs, base = [], []
+        for _ in range(args.repeat):
+            base.append(epoch_cost(base_algorithm, base_config))
+            runs.append(epoch_cost(algorithm, config))
+        cpu, wall = min(runs)
+        ditto_cpu = min(base)[0]
+        print(f"{name:<20} {cpu:>14.2f} {wall:>8.2f} {ditto_cpu:>12.2f} {cpu / ditto_cpu:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

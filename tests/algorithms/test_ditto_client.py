@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -184,6 +185,25 @@ def test_double_softmax_is_cross_entropy_of_the_softmax() -> None:
     expected = -torch.log(torch.exp(p[0, 0]) / torch.exp(p[0]).sum())
     torch.testing.assert_close(half.classification()(Batch(logits, y), Forward(logits)), expected)
     assert _half().classification()(Batch(logits, y), Forward(logits)) == F.cross_entropy(logits, y)
+
+
+def test_double_softmax_is_fl4health_loss_on_a_two_example_batch() -> None:
+    # FL4Health's Synthetic model ends in nn.Softmax(dim=1) and trains with nn.CrossEntropyLoss (mean reduction):
+    # loss = mean_i [log Σ_k exp(s_ik) − s_i,y_i] with s = softmax(logits), computed here by hand in float64.
+    logits = [[1.0, -0.5, 0.25], [0.0, 2.0, -1.0]]
+    labels = [2, 1]
+    want = 0.0
+    for row, y in zip(logits, labels, strict=True):
+        e = [math.exp(v) for v in row]
+        s = [v / sum(e) for v in e]
+        want += math.log(sum(math.exp(v) for v in s)) - s[y]
+    want /= 2
+    half = _half(double_softmax=True)
+    t = torch.tensor(logits, dtype=torch.float64)
+    y = torch.tensor(labels)
+    got = half.classification()(Batch(t, y), Forward(t))
+    assert float(got) == pytest.approx(want, rel=1e-15, abs=0)
+    assert float(torch.nn.CrossEntropyLoss()(torch.nn.Softmax(dim=1)(t), y)) == float(got)
 
 
 def test_proximal_gradient_is_the_gradient_of_the_penalty() -> None:

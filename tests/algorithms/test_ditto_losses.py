@@ -12,6 +12,7 @@ from scipy import optimize
 from torch import nn
 from torch.nn import functional as F
 
+from hetfed.client.algorithms.ditto import losses as ditto_losses
 from hetfed.client.algorithms.ditto.losses import (
     KERNEL_DTYPE,
     CosineDrift,
@@ -24,12 +25,14 @@ from hetfed.client.algorithms.ditto.losses import (
     gather_features,
     mkmmd_covariance,
     mkmmd_estimates,
+    mkmmd_statistics,
     mmd2_unbiased,
     mmd2_variance,
     nonnegative_qp,
     pair_statistics,
     paper_gammas,
     solve_kernel_qp,
+    squared_distances,
 )
 from hetfed.client.models import SplitModel
 
@@ -112,6 +115,42 @@ def test_mkmmd_estimates_and_covariance_match_a_float64_loop(estimator: str, for
     q_hat = mkmmd_covariance(h, d_hat, estimator)
     np.testing.assert_allclose(d_hat.numpy(), want_d, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(q_hat.numpy(), want_q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("estimator", ["unbiased", "biased"])
+@pytest.mark.parametrize("form", ["rate", "scale"])
+def test_mkmmd_statistics_half_pairs_match_the_float64_loop(estimator: str, form: str) -> None:
+    # The refit's path (half the pairs, chunked, merged) gives the full-tensor loop's d̂ and Q̂.
+    x = _rows(1, 6, 3)
+    y = _rows(2, 6, 3, shift=0.4)
+    gammas = [0.25, 1.0, 3.0]
+    want_d, want_q = _loop_estimates_and_cov(x.numpy(), y.numpy(), gammas, form, estimator)
+    d_hat, q_hat = mkmmd_statistics(x, y, torch.tensor(gammas, dtype=torch.float64), form, estimator)
+    np.testing.assert_allclose(d_hat.numpy(), want_d, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(q_hat.numpy(), want_q, rtol=1e-12, atol=1e-14)
+
+
+def test_mkmmd_statistics_chunks_merge_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks of 4 pairs over 15 (and the squaring path on the paper's grid) give the one-chunk figures.
+    x, y = _rows(5, 6, 3), _rows(6, 6, 3, shift=0.2)
+    whole = mkmmd_statistics(x, y, paper_gammas(), "rate", "biased")
+    monkeypatch.setattr(ditto_losses, "_STATISTICS_CHUNK", 4)
+    monkeypatch.setattr(ditto_losses, "_SQUARING_MIN_ELEMENTS", 1)
+    parts = mkmmd_statistics(x, y, paper_gammas(), "rate", "biased")
+    np.testing.assert_allclose(parts[0].numpy(), whole[0].numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(parts[1].numpy(), whole[1].numpy(), rtol=1e-11, atol=1e-15)
+
+
+@pytest.mark.parametrize("form", ["rate", "scale"])
+def test_rbf_squaring_path_equals_exp_on_three_distances(form: str) -> None:
+    # k_{j+4} = k_j² on the 2^{p/4} grid: the squared values against math.exp on three hand-picked distances.
+    sq = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64).repeat(2000)  # over the size threshold
+    got = ditto_losses._rbf(sq, paper_gammas(), form)
+    assert ditto_losses._doubling_period(paper_gammas() if form == "rate" else 1.0 / paper_gammas()) == 4
+    for j, g in enumerate(paper_gammas().tolist()):
+        for i, d in enumerate((0.0, 0.5, 3.0)):
+            want = math.exp(-g * d) if form == "rate" else math.exp(-d / g)
+            assert float(got[j, i]) == pytest.approx(want, rel=1e-14, abs=0.0)
 
 
 def test_mkmmd_module_normalises_rows_and_weights_kernels_by_beta() -> None:
@@ -372,6 +411,22 @@ def test_mmdd_kernel_estimate_and_variance_match_a_float64_loop(form: str) -> No
     assert float(var) == pytest.approx(want_var, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("form", ["paper", "liu"])
+def test_mmdd_shuffled_criterion_is_the_objective_on_the_shuffled_pairs(form: str) -> None:
+    # The refit's criterion (row sums, no permuted matrices) equals MMD²_u/σ̂ of (x, y[perm]), value and gradient.
+    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
+    x, y = _rows(7, 6, 3), _rows(8, 6, 3, shift=0.5)
+    perm = torch.tensor([2, 0, 5, 1, 4, 3])
+    mmd2, var = loss.objective(x, y[perm])
+    want = mmd2 / torch.sqrt(var.clamp_min(1e-8))
+    z = torch.cat([x, y])
+    got = loss.shuffled_criterion(z, squared_distances(z, z), perm)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    params = list(loss.parameters())
+    for a, b in zip(torch.autograd.grad(want, params), torch.autograd.grad(got, params), strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-9, atol=1e-12)
+
+
 def test_mmdd_training_moves_the_kernel_and_its_state_persists() -> None:
     loss = MmdDLoss(4, sigma_phi_init=1.0, seed=0)
     x = _rows(9, 40, 4)
@@ -500,3 +555,55 @@ def test_refit_schedule() -> None:
 def test_kernel_dtype_is_float64() -> None:
     assert KERNEL_DTYPE is torch.float64
     assert MmdDLoss(3).featurizer[0].weight.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference code's forms (issue 23): the QP's shift and fallback, β's random start
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fl4health_qp_form_on_a_diagonal_three_kernel_case_by_hand() -> None:
+    # Diagonal Q̂ = diag(0.1, 0.2, 0.4), d̂ = (1, 2, 1): min βᵀAβ with d̂ᵀβ = 1 gives β_j ∝ d_j/A_jj, then Σβ = 1.
+    d = np.array([1.0, 2.0, 1.0])
+    q = np.diag([0.1, 0.2, 0.4])
+    uniform = np.full(3, 1.0 / 3.0)
+    for form, diag in (("paper", [0.1 + 1e-3, 0.2 + 1e-3, 0.4 + 1e-3]),
+                       ("fl4health", [0.2 + 1e-5, 0.4 + 1e-5, 0.8 + 1e-5])):  # 2Q̂ + 1e-5·I
+        raw = [d[j] / diag[j] for j in range(3)]
+        want = [r / sum(raw) for r in raw]
+        beta, how = choose_kernel_weights(d, q, uniform, 1e-3, form)  # type: ignore[arg-type]
+        assert how == "qp"
+        np.testing.assert_allclose(beta, want, rtol=1e-12, atol=0)
+
+
+def test_fl4health_fallback_divides_by_the_shifted_variance_without_a_root() -> None:
+    # No d̂_j > 0: the paper picks argmax d_j/sqrt(Q_jj + ε), the reference code argmax d_j/(2Q_jj + 1e-5).
+    d = np.array([-0.1, -0.2, -0.4])
+    q = np.diag([0.01, 0.1, 1.0])
+    # paper: -0.1/0.1049 = -0.953, -0.2/0.3178 = -0.629, -0.4/1.0005 = -0.3998 -> kernel 2
+    # fl4health: -0.1/0.02001 = -4.998, -0.2/0.20001 = -1.0, -0.4/2.00001 = -0.2 -> kernel 2 as well; make it differ:
+    q2 = np.diag([0.0004, 0.1, 1.0])
+    # paper: -0.1/sqrt(0.0014) = -2.673, -0.629, -0.3998 -> 2; fl4health: -0.1/0.00081 = -123, -1.0, -0.2 -> 2
+    d2 = np.array([-0.001, -0.2, -0.4])
+    # paper: -0.001/0.03742 = -0.0267 -> 0; fl4health: -0.001/0.00081 = -1.2346, -1.0, -0.2 -> 2
+    for dd, qq, want_paper, want_ref in ((d, q, 2, 2), (d2, q2, 0, 2)):
+        beta_p, how_p = choose_kernel_weights(dd, qq, np.full(3, 1 / 3), 1e-3, "paper")
+        beta_r, how_r = choose_kernel_weights(dd, qq, np.full(3, 1 / 3), 1e-3, "fl4health")
+        assert how_p == how_r == "single_kernel"
+        assert int(np.argmax(beta_p)) == want_paper and int(np.argmax(beta_r)) == want_ref
+
+
+def test_beta_random_start_is_the_seeded_uniform_draw_normalised() -> None:
+    gammas = [0.5, 1.0, 2.0]
+    u = torch.rand(3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    loss = MkMmdLoss(gammas, beta_init="random", seed=7)
+    want = [float(v) / float(u.sum()) for v in u]
+    np.testing.assert_allclose(loss.beta.numpy(), want, rtol=1e-15, atol=0)
+    assert float(loss.beta.sum()) == pytest.approx(1.0, rel=1e-15)
+    np.testing.assert_array_equal(MkMmdLoss(gammas).beta.numpy(), np.full(3, 1.0 / 3.0))
+    assert torch.equal(MkMmdLoss(gammas, beta_init="random", seed=7).beta, loss.beta)
+    assert not torch.equal(MkMmdLoss(gammas, beta_init="random", seed=8).beta, loss.beta)
+    with pytest.raises(ValueError, match="beta_init"):
+        MkMmdLoss(gammas, beta_init="ones")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="qp_form"):
+        MkMmdLoss(gammas, qp_form="cvxpy")  # type: ignore[arg-type]

@@ -400,3 +400,28 @@ def test_npz_errors_name_the_file_and_array(tmp_path: Path) -> None:
     (tmp_path / "test.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match=r"test\.npz: not a readable \.npz archive"):
         load_npz_dir(tmp_path)
+
+
+def test_data_seed_fixes_the_data_set_whatever_the_run_seed() -> None:
+    base = {"dataset": "synthetic", "partition": "natural", "num_clients": 8, "client_index": 3, "data_seed": 11}
+    a = load_client_data(DataConfig(seed=1, **base))
+    b = load_client_data(DataConfig(seed=2, **base))
+    c = load_client_data(DataConfig(seed=11, dataset="synthetic", partition="natural", num_clients=8, client_index=3))
+    for d in (b, c):
+        assert np.array_equal(a.train.x, d.train.x) and np.array_equal(a.test.y, d.test.y)
+
+
+def test_synthetic_random_split_is_fl4health_64_16_20() -> None:
+    cfg = DataConfig(dataset="synthetic", partition="natural", num_clients=8, client_index=0, seed=4,
+                     split="random", validation_fraction=0.2)
+    data = load_client_data(cfg)
+    assert (len(data.train), len(data.test)) == (3200, 1000)  # 5,000 rows: 20% test, then 20% of 4,000 aside
+    full = load_client_data(DataConfig(dataset="synthetic", partition="natural", num_clients=8, client_index=0,
+                                       seed=4, split="random"))
+    assert len(full.train) == 4000 and np.array_equal(full.test.x, data.test.x)
+    rows = {r.tobytes() for r in full.train.x}
+    assert all(r.tobytes() in rows for r in data.train.x)  # the training rows are a subset; the test rows are kept
+    with pytest.raises(ValueError, match="synthetic"):
+        DataConfig(dataset="digits", split="random")
+    with pytest.raises(ValueError, match="validation_fraction"):
+        DataConfig(dataset="synthetic", partition="natural", validation_fraction=0.95)

@@ -9,6 +9,8 @@ by explicit arguments; the global numpy RNG is never used. The datasets and part
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetfed.client.data.config import DataConfig
 from hetfed.client.data.core import (
     HOLDOUT_FRACTION,
@@ -64,11 +66,15 @@ __all__ = [
 
 def load_client_data(cfg: DataConfig) -> ClientData:
     """This organization's train set, own test set and further held-out sets, as ``cfg`` describes."""
+    if cfg.data_seed is not None:  # one fixed data set whatever the run's (training) seed
+        cfg = dataclasses.replace(cfg, seed=cfg.data_seed)
     data: ClientData = resolve(DATASETS[cfg.dataset].partitions[cfg.partition].loader)(cfg)
     return permuted(data, cfg.seed, cfg.client_index) if cfg.permute_labels else data
 
 
 def load_seed_set(cfg: DataConfig) -> SeedSet | None:
     """The shared seed set every organization holds under ``cfg``'s partition (None if it provides none)."""
+    if cfg.data_seed is not None:
+        cfg = dataclasses.replace(cfg, seed=cfg.data_seed)
     ref = DATASETS[cfg.dataset].partitions[cfg.partition].seed_set
     return resolve(ref)(cfg) if ref else None  # type: ignore[no-any-return]

@@ -38,6 +38,15 @@ class DataConfig:
     # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
     # organization's labels go through its own permutation drawn from (seed, client_index).
     permute_labels: bool = False
+    # The seed of the data itself (generation, partition and split); None: the run's `seed`. A fixed value keeps
+    # one data set while the training seed varies (the Ditto+MMD paper's protocol: one data set, seeds 2021-2023).
+    data_seed: int | None = None
+    # How `synthetic` holds out each organization's test rows: "stratified" 20% per class (hetfed's own choice),
+    # or "random" 20% at random (FL4Health's split_data_and_targets). `validation_fraction` of the remaining rows
+    # is then set aside unused (FL4Health: 0.2, so train/validation/test = 64/16/20; the paper evaluates the last
+    # model, so the validation rows only shrink the training set as in the reference runs).
+    split: Literal["stratified", "random"] = "stratified"
+    validation_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, tuple(DATASETS))
@@ -76,6 +85,16 @@ class DataConfig:
                 f"works with dataset {' or '.join(repr(d) for d in with_it)}"
                 + (f" {PARTITIONS[self.partition].requirement}" if PARTITIONS[self.partition].requirement else "")
             )
+        if self.data_seed is not None:
+            check_int("data.data_seed", self.data_seed, minimum=0)
+        check_choice("data.split", self.split, ("stratified", "random"))
+        check_float("data.validation_fraction", self.validation_fraction, minimum=0.0, inclusive=True)
+        if self.validation_fraction >= 0.9:
+            raise ValueError(f"data.validation_fraction must be < 0.9, got {self.validation_fraction:g}")
+        if self.dataset != "synthetic" and (self.split != "stratified" or self.validation_fraction != 0.0):
+            raise ValueError(f"data.split and data.validation_fraction apply to dataset 'synthetic' only, got "
+                             f"split {self.split!r}, validation_fraction {self.validation_fraction:g} for "
+                             f"dataset {self.dataset!r}")
         check_int("data.target_domain", self.target_domain, minimum=0)
         if self.partition == "rotated_lodo":
             if self.target_domain > self.num_clients:

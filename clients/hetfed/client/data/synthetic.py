@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from hetfed.client.data.config import DataConfig
@@ -39,12 +41,28 @@ def generate_synthetic(num_samples: int, alpha: float, beta: float, seed: Seed) 
     return ArrayDataset(x.astype(np.float32), y.astype(np.int64))
 
 
+def random_holdout(n: int, fraction: float, seed: Seed) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices 0..n−1 into (kept, held_out), holding out round(fraction·n) rows drawn at random."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_hold = math.floor(fraction * n + 0.5)
+    return np.sort(order[n_hold:]).astype(np.int64), np.sort(order[:n_hold]).astype(np.int64)
+
+
 def load_synthetic(cfg: DataConfig) -> ClientData:
+    """One organization's Synthetic(α, β) data, its test rows held out as ``cfg.split`` says."""
     i = cfg.client_index
     data = generate_synthetic(
         cfg.synthetic_samples, cfg.synthetic_alpha, cfg.synthetic_beta, (cfg.seed, STREAM_SYNTHETIC, i)
     )
-    keep, hold = stratified_holdout(data.y, HOLDOUT_FRACTION, (cfg.seed, STREAM_SYNTHETIC_SPLIT, i))
+    split_seed = (cfg.seed, STREAM_SYNTHETIC_SPLIT, i)
+    if cfg.split == "stratified":
+        keep, hold = stratified_holdout(data.y, HOLDOUT_FRACTION, split_seed)
+    else:
+        keep, hold = random_holdout(len(data.y), HOLDOUT_FRACTION, split_seed)
+    if cfg.validation_fraction > 0.0:  # set aside, unused: the training set shrinks as in the reference runs
+        n_val = math.floor(cfg.validation_fraction * keep.size + 0.5)
+        order = np.random.default_rng((*split_seed, 1)).permutation(keep.size)
+        keep = np.sort(keep[order[n_val:]])
     return ClientData(
         train=data.subset(keep),
         test=data.subset(hold),

@@ -51,6 +51,11 @@ class DittoConfig(FedAvgConfig):
     mkmmd_bandwidth: Literal["rate", "scale"] = "rate"
     # MK-MMD estimate: "unbiased" U-statistic over pairs i ≠ k, or the reference code's "biased" mean of all pairs.
     mkmmd_estimator: Literal["unbiased", "biased"] = "unbiased"
+    # MK-MMD's QP: "paper" β minimising βᵀ(Q̂ + qp_epsilon·I)β; "fl4health" the reference code's ½βᵀ(2Q̂ + 1e-5·I)β
+    # and its fallback kernel d̂_j/(2Q̂_jj + 1e-5) when no d̂_j is positive.
+    mkmmd_qp: Literal["paper", "fl4health"] = "paper"
+    # MK-MMD's β before the first refit: "uniform" 1/d each, or the reference code's "random" start (seeded).
+    mkmmd_beta_init: Literal["uniform", "random"] = "uniform"
     # MK-MMD: divide each feature row by its L2 norm first (reference code; the γ grid assumes unit rows).
     mkmmd_normalize: bool = True
     # Train both models on CrossEntropy(softmax(logits)) instead of CrossEntropy(logits): the reference code's
@@ -72,6 +77,9 @@ class DittoConfig(FedAvgConfig):
         check(self.mmdd_steps >= 0, f"mmdd_steps must be >= 0, got {self.mmdd_steps}")
         check(self.mmdd_lr > 0, f"mmdd_lr must be > 0, got {self.mmdd_lr}")
         check(self.qp_epsilon > 0, f"qp_epsilon must be > 0, got {self.qp_epsilon}")
+        check(self.mkmmd_qp in ("paper", "fl4health"), f"mkmmd_qp must be paper or fl4health, got {self.mkmmd_qp!r}")
+        check(self.mkmmd_beta_init in ("uniform", "random"),
+              f"mkmmd_beta_init must be uniform or random, got {self.mkmmd_beta_init!r}")
 
 
 @dataclass(frozen=True)

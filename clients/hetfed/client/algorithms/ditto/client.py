@@ -72,7 +72,8 @@ class LayerDrift:
             self.module = CosineDrift()
         elif config.measure == "mkmmd":
             self.module = MkMmdLoss(epsilon=config.qp_epsilon, normalize_features=config.mkmmd_normalize,
-                                    bandwidth_form=config.mkmmd_bandwidth, estimator=config.mkmmd_estimator)
+                                    bandwidth_form=config.mkmmd_bandwidth, estimator=config.mkmmd_estimator,
+                                    qp_form=config.mkmmd_qp, beta_init=config.mkmmd_beta_init, seed=seed)
         elif config.measure == "mmdd":
             self.module = MmdDLoss(width, kernel_form=config.mmdd_kernel, lr=config.mmdd_lr,
                                    train_steps=config.mmdd_steps, seed=seed)

@@ -41,6 +41,7 @@ __all__ = [
     "gather_features",
     "mkmmd_covariance",
     "mkmmd_estimates",
+    "mkmmd_statistics",
     "mmd2_unbiased",
     "mmd2_variance",
     "named_layer",
@@ -57,6 +58,10 @@ KERNEL_DTYPE = torch.float64
 MKMMD_QP_EPSILON = 1e-3
 """The paper's stabilising shift ε of Q̂ + εI (§3.3). The reference code uses 2·Q̂ + 1e-5·I in a ½zᵀQz QP."""
 
+FL4HEALTH_QP_SHIFT = 1e-5
+"""The reference code's shift: it solves min ½βᵀ(2Q̂ + 1e-5·I)β (mkmmd_loss.py, ``optimize_betas``'s lambda_m),
+the same β as min βᵀ(Q̂ + 5e-6·I)β."""
+
 MMDD_VARIANCE_REG = 1e-8
 """The paper's λ of the regularised variance estimate (§3.4, Liu et al. 2020 eq. 5)."""
 
@@ -64,10 +69,14 @@ BandwidthForm = Literal["rate", "scale"]
 MmdEstimator = Literal["unbiased", "biased"]
 DeepKernelForm = Literal["paper", "liu"]
 RefitOutcome = Literal["qp", "single_kernel", "kept"]
+QpForm = Literal["paper", "fl4health"]
+BetaInit = Literal["uniform", "random"]
 
 _BANDWIDTH_FORMS: tuple[str, ...] = ("rate", "scale")
 _ESTIMATORS: tuple[str, ...] = ("unbiased", "biased")
 _DEEP_KERNEL_FORMS: tuple[str, ...] = ("paper", "liu")
+_QP_FORMS: tuple[str, ...] = ("paper", "fl4health")
+_BETA_INITS: tuple[str, ...] = ("uniform", "random")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,11 +100,41 @@ def squared_distances(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (xx + yy.transpose(0, 1) - 2.0 * (x @ y.transpose(0, 1))).clamp_min(0.0)
 
 
+_SQUARING_MIN_ELEMENTS = 4096
+"""Distance arrays at least this large take the squaring path of :func:`_rbf` (smaller ones: one exp call)."""
+
+
+def _doubling_period(rates: torch.Tensor) -> int:
+    """The p with r[j + p] = 2·r[j] for the rates r in ascending order (to 1e-12), or 0: then k_{j+p} = k_j²."""
+    r = sorted(rates.detach().cpu().tolist())
+    for p in range(1, len(r)):
+        if all(abs(r[j + p] - 2.0 * r[j]) <= 1e-12 * r[j + p] for j in range(len(r) - p)):
+            return p
+    return 0
+
+
 def _rbf(sq: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm) -> torch.Tensor:
-    g = gammas.view(-1, 1, 1)
-    return torch.exp(-g * sq) if form == "rate" else torch.exp(-sq / g)
+    """exp(−rate_j·sq) for every kernel j, stacked (d, ...sq): rate γ_j ("rate") or 1/γ_j ("scale").
 
-
+    On a large ``sq`` whose rates double every p kernels in ascending order (the paper's 2^{p/4} grid: p = 4),
+    only the p smallest rates call exp and each other kernel is the square of the one whose rate is half its
+    own (exp(−2a) = exp(−a)²): the same values to a few ulp, at a fraction of the cost (issue 23's profile:
+    exp was most of a 500-row refit). Not on a graph: the in-place writes are gradient-free.
+    """
+    rates = gammas if form == "rate" else 1.0 / gammas
+    differentiable = torch.is_grad_enabled() and (sq.requires_grad or rates.requires_grad)
+    period = _doubling_period(rates) if sq.numel() >= _SQUARING_MIN_ELEMENTS and not differentiable else 0
+    if period == 0:
+        return torch.exp(-rates.view(-1, *([1] * sq.dim())) * sq)
+    order = torch.argsort(rates.detach().cpu()).tolist()
+    out = torch.empty((rates.numel(), *sq.shape), dtype=torch.result_type(sq, rates), device=sq.device)
+    for s, j in enumerate(order):
+        if s < period:
+            torch.exp(sq * -float(rates[j]), out=out[j])
+        else:
+            half = out[order[s - period]]
+            torch.mul(half, half, out=out[j])
+    return out
 def _as_feature_pair(x: torch.Tensor, y: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten both samples to (n, features) in KERNEL_DTYPE, checking they are same-size with n ≥ 2."""
     if x.dim() < 2 or y.dim() < 2:
@@ -174,6 +213,52 @@ def mkmmd_covariance(h: torch.Tensor, d_hat: torch.Tensor, estimator: MmdEstimat
         flat = flat[:, off_diagonal]
     centred = flat - d_hat.reshape(d, 1)
     return (centred @ centred.transpose(0, 1)) / (flat.shape[1] - 1)
+
+
+_STATISTICS_CHUNK = 8192
+"""Pairs per chunk in :func:`mkmmd_statistics`: the (d, 4, chunk) kernel block stays in cache (about 5 MB)."""
+
+
+@torch.no_grad()
+def mkmmd_statistics(x: torch.Tensor, y: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm = "rate",
+                     estimator: MmdEstimator = "unbiased") -> tuple[torch.Tensor, torch.Tensor]:
+    """(d̂, Q̂) of :func:`mkmmd_estimates` and :func:`mkmmd_covariance`, without gradients, from half the pairs.
+
+    h_j(i, k) is symmetric in (i, k), so the pairs i < k carry every off-diagonal value twice; the diagonal
+    counts for the biased estimator only. The pairs go in chunks whose mean and centred cross-products are
+    merged exactly (Chan et al.'s pairwise update), so no (d, n, n) tensor is built: the refit on s = 50
+    batches (500 rows) took 0.4 s with the full tensors (issue 23's profile).
+    """
+    _check_choice("bandwidth_form", form, _BANDWIDTH_FORMS)
+    _check_choice("estimator", estimator, _ESTIMATORS)
+    if x.shape != y.shape or x.dim() != 2 or x.shape[0] < 2:
+        raise ValueError(f"mkmmd_statistics needs two (n, features) samples of one shape, n >= 2, got {x.shape} "
+                         f"and {y.shape}")
+    n = x.shape[0]
+    d = gammas.numel()
+    i, k = torch.triu_indices(n, n, offset=1, device=x.device)
+    dxx, dyy, dxy = squared_distances(x, x), squared_distances(y, y), squared_distances(x, y)
+    upper = torch.stack([dxx[i, k], dyy[i, k], dxy[i, k], dxy[k, i]])  # (4, n(n−1)/2)
+    # Weighted groups (values, weight per value): each off-diagonal pair twice; the diagonal once if biased.
+    groups: list[tuple[torch.Tensor, float]] = []
+    for start in range(0, upper.shape[1], _STATISTICS_CHUNK):
+        kern = _rbf(upper[:, start:start + _STATISTICS_CHUNK], gammas, form)  # (d, 4, chunk)
+        groups.append((kern[:, 0] + kern[:, 1] - kern[:, 2] - kern[:, 3], 2.0))
+    if estimator == "biased":  # k(x_i, x_i) = k(y_i, y_i) = 1, so h_j(i, i) = 2 − 2·k_j(x_i, y_i)
+        groups.append((2.0 - 2.0 * _rbf(dxy.diagonal().unsqueeze(0), gammas, form)[:, 0], 1.0))
+    count = 0.0
+    mean = x.new_zeros(d)
+    m2 = x.new_zeros((d, d))
+    for h, w in groups:
+        nb = w * h.shape[1]
+        mb = h.mean(dim=1)
+        c = h - mb.unsqueeze(1)
+        delta = mb - mean
+        total = count + nb
+        m2 = m2 + w * (c @ c.transpose(0, 1)) + torch.outer(delta, delta) * (count * nb / total)
+        mean = mean + delta * (nb / total)
+        count = total
+    return mean, m2 / (count - 1)
 
 
 class KernelQpError(RuntimeError):
@@ -279,7 +364,8 @@ def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD
 
 
 def choose_kernel_weights(
-    d_hat: np.ndarray, q_hat: np.ndarray, previous: np.ndarray, epsilon: float = MKMMD_QP_EPSILON
+    d_hat: np.ndarray, q_hat: np.ndarray, previous: np.ndarray, epsilon: float = MKMMD_QP_EPSILON,
+    form: QpForm = "paper",
 ) -> tuple[np.ndarray, RefitOutcome]:
     """New kernel weights β (summing to 1) and how they were found: "qp", "single_kernel" or "kept".
 
@@ -287,19 +373,27 @@ def choose_kernel_weights(
     σ̂_j = sqrt(Q̂_jj + ε) (Gretton et al.'s suggestion, §3.3; ε keeps 0/0 away when both samples coincide). The
     QP fails or the data are not finite: ``previous`` is kept. The QP starts from ``previous``'s support (the
     solution does not depend on it).
+
+    ``form`` "fl4health" is the reference code's: the QP on 2Q̂ + 1e-5·I in its ½-form (``epsilon`` unused;
+    the same β as Q̂ + 5e-6·I) and the fallback kernel maximising d̂_j/(2Q̂_jj + 1e-5), without a square root.
     """
+    _check_choice("qp form", form, _QP_FORMS)
     d = np.asarray(d_hat, dtype=np.float64).reshape(-1)
     q = np.asarray(q_hat, dtype=np.float64)
     prev = np.asarray(previous, dtype=np.float64).reshape(-1).copy()
     if not (np.all(np.isfinite(d)) and np.all(np.isfinite(q))):
         return prev, "kept"
     if not (d > 0).any():
-        sigma = np.sqrt(np.clip(np.diag(q), 0.0, None) + float(epsilon))
+        if form == "paper":
+            scale = np.sqrt(np.clip(np.diag(q), 0.0, None) + float(epsilon))
+        else:
+            scale = 2.0 * np.diag(q) + FL4HEALTH_QP_SHIFT
         beta = np.zeros_like(d)
-        beta[int(np.argmax(d / sigma))] = 1.0
+        beta[int(np.argmax(d / scale))] = 1.0
         return beta, "single_kernel"
+    shift = float(epsilon) if form == "paper" else FL4HEALTH_QP_SHIFT / 2.0
     try:
-        beta = solve_kernel_qp(d, q, epsilon, warm=prev > 0)
+        beta = solve_kernel_qp(d, q, shift, warm=prev > 0)
     except KernelQpError:
         return prev, "kept"
     beta = np.clip(beta, 0.0, None)
@@ -323,9 +417,12 @@ class MkMmdLoss(nn.Module):
       code's Ditto client does it, and the γ grid (‖a − b‖² ≤ 4 on unit rows) is only sensible with it, so it is
       on by default.
     - ``epsilon``: the QP's shift ε (paper 1e-3).
+    - ``qp_form``: "paper", Q̂ + εI; "fl4health", the reference code's 2Q̂ + 1e-5·I in a ½-form QP and its
+      fallback (see :func:`choose_kernel_weights`).
+    - ``beta_init``: "uniform" 1/d each; "random", the reference code's torch.rand start normalised to sum 1
+      (drawn from ``seed``). It matters until the first refit and as the QP's warm start.
 
-    β starts uniform (1/d each; the reference code draws a random start) and is a buffer, so it persists in
-    ``state_dict`` across rounds.
+    β is a buffer, so it persists in ``state_dict`` across rounds.
     """
 
     gammas: torch.Tensor
@@ -339,6 +436,9 @@ class MkMmdLoss(nn.Module):
         normalize_features: bool = True,
         bandwidth_form: BandwidthForm = "rate",
         estimator: MmdEstimator = "unbiased",
+        qp_form: QpForm = "paper",
+        beta_init: BetaInit = "uniform",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         g = paper_gammas() if gammas is None else torch.as_tensor(gammas, dtype=KERNEL_DTYPE).reshape(-1).clone()
@@ -351,7 +451,15 @@ class MkMmdLoss(nn.Module):
         self.bandwidth_form: BandwidthForm = bandwidth_form
         self.estimator: MmdEstimator = estimator
         self.register_buffer("gammas", g)
-        self.register_buffer("beta", torch.full_like(g, 1.0 / g.numel()))
+        _check_choice("qp_form", qp_form, _QP_FORMS)
+        _check_choice("beta_init", beta_init, _BETA_INITS)
+        self.qp_form: QpForm = qp_form
+        if beta_init == "uniform":
+            start = torch.full_like(g, 1.0 / g.numel())
+        else:  # the reference code's torch.rand start, normalised to sum 1, from this module's own seed
+            u = torch.rand(g.numel(), generator=torch.Generator().manual_seed(int(seed)), dtype=KERNEL_DTYPE)
+            start = u / u.sum()
+        self.register_buffer("beta", start)
         self.last_refit: RefitOutcome | None = None
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,9 +481,7 @@ class MkMmdLoss(nn.Module):
     def statistics(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(d̂, Q̂) of two samples, without gradients (float64)."""
         xf, yf = self._prepare(x, y)
-        h = pair_statistics(xf, yf, self.gammas, self.bandwidth_form)
-        d_hat = mkmmd_estimates(h, self.estimator)
-        return d_hat, mkmmd_covariance(h, d_hat, self.estimator)
+        return mkmmd_statistics(xf, yf, self.gammas, self.bandwidth_form, self.estimator)
 
     @torch.no_grad()
     def refit(self, x: torch.Tensor, y: torch.Tensor) -> RefitOutcome:
@@ -386,7 +492,7 @@ class MkMmdLoss(nn.Module):
     @torch.no_grad()
     def _set_beta(self, d_hat: torch.Tensor, q_hat: torch.Tensor) -> RefitOutcome:
         beta, how = choose_kernel_weights(
-            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon
+            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon, self.qp_form
         )
         self.beta.copy_(torch.as_tensor(beta, dtype=self.beta.dtype))
         self.last_refit = how
@@ -559,20 +665,59 @@ class MmdDLoss(nn.Module):
         kxx, kyy, kxy = self.kernel_matrices(x, y, train=True)
         return mmd2_unbiased(kxx, kyy, kxy), mmd2_variance(kxx, kyy, kxy)
 
+    def shuffled_criterion(self, z: torch.Tensor, d_in: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """MMD²_u/σ̂ of (x, y[perm]) with gradients into ω, from z = [x; y] and its cached distances d_in.
+
+        The same value as :meth:`objective` on (x, y[perm]) without building a permuted or sliced matrix: every
+        term of MMD²_u and σ̂² is a sum of H's rows, and the rows of H for (x, y[perm]) are
+        rowsum(K_xx)_i + rowsum(K_yy)_π(i) − rowsum(K_xy)_i − colsum(K_xy)_π(i), read off K·S with S the two
+        block indicators; the trace needs only K_xy[i, π(i)]. About half a kernel step's former cost (issue 23).
+        """
+        n = z.shape[0] // 2
+        phi = self.featurizer(z)
+        eps = torch.sigmoid(self.eps_logit)
+        # The (2n, 2n) matrices see no scalar parameter: ε multiplies their (2n, 2) block sums only.
+        k_phi = torch.exp(squared_distances(phi, phi) / -(self.sigma_phi_root**2))
+        q = torch.exp(d_in / -(self.sigma_q_root**2))
+        first = k_phi if self.kernel_form == "paper" else k_phi * q  # K = (1 − ε)·first + ε·q
+        blocks = z.new_zeros((2 * n, 2))
+        blocks[:n, 0] = 1.0
+        blocks[n:, 1] = 1.0
+        sums = (1.0 - eps) * (first @ blocks) + eps * (q @ blocks)  # (2n, 2): row sums over x and y columns
+        pi = perm + n
+        rows = sums[:n, 0] + sums[pi, 1] - sums[:n, 1] - sums[pi, 0]  # H·1 for (x, y[perm])
+
+        def entries(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            # k_ω(z_r, z_c) for listed pairs, from the rows themselves (no gather from, or gradient into, a
+            # (2n, 2n) matrix): the diagonal and the pairs (x_i, y_π(i)) of the trace
+            e_phi = torch.exp(((phi[r] - phi[c]) ** 2).sum(dim=1) / -(self.sigma_phi_root**2))
+            e_q = torch.exp(((z[r] - z[c]) ** 2).sum(dim=1) / -(self.sigma_q_root**2))
+            f = e_phi if self.kernel_form == "paper" else e_phi * e_q
+            return (1.0 - eps) * f + eps * e_q
+
+        ar = torch.arange(n, device=z.device)
+        trace = (2.0 * entries(ar, ar) - 2.0 * entries(ar, pi)).sum()  # K_xx,ii = K_yy,ii: a point with itself
+        total = rows.sum()
+        mmd2 = (total - trace) / (n * (n - 1))
+        var = (4.0 / n**3) * (rows * rows).sum() - (4.0 / n**4) * total**2 + MMDD_VARIANCE_REG
+        return mmd2 / torch.sqrt(var.clamp_min(MMDD_VARIANCE_REG))
+
     def train_kernel(self, x: torch.Tensor, y: torch.Tensor, steps: int | None = None) -> list[float]:
         """Take ``steps`` (default ``train_steps``) AdamW steps on −MMD²_u/σ̂; returns the criterion MMD²_u/σ̂ before each."""
         n_steps = self.train_steps if steps is None else int(steps)
-        xd, yd = x.detach(), y.detach()
+        xd, yd = _as_feature_pair(x.detach(), y.detach(), "MMD-D")
+        n = xd.shape[0]
+        z = torch.cat([xd, yd], dim=0)
+        d_in = squared_distances(z, z)  # the inputs do not change during the refit: computed once
         values: list[float] = []
         with torch.enable_grad():
             for _ in range(n_steps):
-                ys = yd
                 if self.shuffle_pairs:
-                    perm = torch.randperm(yd.shape[0], generator=self._shuffle_rng).to(yd.device)
-                    ys = yd[perm]
+                    perm = torch.randperm(n, generator=self._shuffle_rng).to(z.device)
+                else:
+                    perm = torch.arange(n, device=z.device)
                 self.optimizer.zero_grad(set_to_none=True)
-                mmd2, var = self.objective(xd, ys)
-                criterion = mmd2 / torch.sqrt(var.clamp_min(MMDD_VARIANCE_REG))
+                criterion = self.shuffled_criterion(z, d_in, perm)
                 (-criterion).backward()
                 self.optimizer.step()
                 values.append(float(criterion.detach()))
