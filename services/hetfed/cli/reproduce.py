@@ -518,7 +518,7 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
         "|---|" + "---|" * len(_settings_header(grid)),
     ]
     for m in grid.methods:
-        lines.append(f"| {m.label} | " + " | ".join(_settings(grid, m)) + " |")
+        lines.append(f"| {m.label} | " + " | ".join(_settings(grid, m, data.get("rounds"))) + " |")
     lines.append("")
     # Only the cells measured (a run restricted with --cell leaves the others out).
     cells = [c for c in grid.cells() if any(r["cell"] == c for r in rows)] or grid.cells()
@@ -575,9 +575,12 @@ def _settings_header(grid: Grid) -> list[str]:
     return ["algorithm", "models", "rounds", "config"]
 
 
-def _settings(grid: Grid, m: Method) -> list[str]:
+def _settings(grid: Grid, m: Method, rounds: int | None = None) -> list[str]:
+    """A method's settings as run: ``rounds`` is the command's --rounds when it overrode the grid's."""
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in {**m.config, **m.options}.items())
-    return [f"`{m.algorithm}`", ", ".join(m.models) or "default", str(m.rounds or grid.rounds), config or "-"]
+    ran = rounds or m.rounds or grid.rounds
+    shown = str(ran) if ran == (m.rounds or grid.rounds) else f"{ran} (the grid declares {m.rounds or grid.rounds})"
+    return [f"`{m.algorithm}`", ", ".join(m.models) or "default", shown, config or "-"]
 
 
 def _bytes_section(grid: Grid, rows: Sequence[Mapping[str, Any]], refs: Mapping[str, float]) -> list[str]:
@@ -715,6 +718,7 @@ def main(name: str, argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
         "jobs": args.jobs,
+        "rounds": args.rounds,
         "ran": len(pending),
         "wall_seconds": time.monotonic() - started,
         "load": [load0, os.getloadavg()[0]],
