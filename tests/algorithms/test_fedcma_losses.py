@@ -15,7 +15,7 @@ from hetfed.client.algorithms.fedcma.losses import (
 )
 from hetfed.client.data import ArrayDataset, ClientData
 from hetfed.client.models import build_model
-from hetfed.client.training import Batch, Forward, cross_entropy
+from hetfed.client.training import Batch, Forward, cross_entropy, eval_mode
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Received
 from hetfed.wire.specs.fedcma import FedCMAConfig
 
@@ -197,3 +197,94 @@ def test_a_model_of_the_wrong_width_is_refused_at_setup() -> None:
     client.cfg = FedCMAConfig(latent_dim=3, num_classes=3)
     with pytest.raises(ValueError, match="latent_dim=3"):
         client.setup(round_seed=1)
+
+
+def _bn_running_stats(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+            for b in (m.running_mean, m.running_var)]
+
+
+def test_reference_head_consensus_is_lambda1_times_the_squared_distance() -> None:
+    for alignment in ("paper", "reference"):  # the head term's form does not depend on the alignment's
+        client = make_client(head_consensus="reference", alignment=alignment, lambda1=0.8)
+        client.setup(round_seed=1)
+        client._receive(received([[0, 0]] * 3, [False] * 3, [10, 12, 6], np.zeros((3, 2)), np.zeros(3)))
+        with torch.no_grad():
+            client.ctx.model.head.weight.fill_(0.5)
+            client.ctx.model.head.bias.copy_(torch.tensor([1.0, 0.0, -2.0]))
+        x, y = client.ctx.train.x, client.ctx.train.y
+        # λ1·(||W - 0||² + ||b - 0||²) = 0.8·(6·0.25 + 1 + 4) = 5.2, no 1/2 and no p_i
+        assert extra_terms(client, x, y).item() == pytest.approx(5.2, rel=1e-6)
+
+
+def test_paper_head_consensus_keeps_p_weights_under_the_reference_alignment() -> None:
+    client = make_client(alignment="reference", head_consensus="paper")
+    client.setup(round_seed=1)
+    client._receive(received([[0, 0]] * 3, [False] * 3, [10, 12, 6], np.zeros((3, 2)), np.zeros(3)))
+    with torch.no_grad():
+        client.ctx.model.head.weight.fill_(1.0)
+    x, y = client.ctx.train.x, client.ctx.train.y
+    assert extra_terms(client, x, y).item() == pytest.approx(0.25 * (8 / 28) * 6)
+
+
+def test_reference_alignment_on_the_client_is_the_batch_mse_against_the_set_means() -> None:
+    client = make_client(alignment="reference", head_consensus="reference", lambda1=0.5, lambda2=2.0, server_lr=0.5)
+    client.setup(round_seed=1)
+    v_w, v_b = np.zeros((3, 2)), np.zeros(3)
+    client._receive(received([[0.2, 0.8], [0.6, 0.4], [0, 0]], [True, True, False], [10, 12, 6], v_w, v_b))
+    model = client.ctx.model
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.head.bias.zero_()
+    x, y = client.ctx.train.x[2:7], client.ctx.train.y[2:7]  # classes 0, 0, 0, 1, 1
+    with torch.no_grad():
+        z = model.embed(x).double().numpy()
+    e = np.array([[0.2, 0.8], [0.6, 0.4]])
+    yb = y.numpy()
+    want = 2.0 * sum(((z[yb == k] - e[k]) ** 2).mean() for k in (0, 1))
+    assert extra_terms(client, x, y).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_alignment_bn_chooses_which_statistics_normalise_the_fixed_batches() -> None:
+    rec = received([[0.2, 0.8], [0.6, 0.4], [0, 0]], [True, True, False], [10, 12, 6], np.zeros((3, 2)), np.zeros(3))
+    p, e = np.array([5 / 10, 3 / 12]), np.array([[0.2, 0.8], [0.6, 0.4]])
+    for mode in ("train", "eval"):
+        client = make_client("fedgen_cnn", alignment_bn=mode)
+        client.setup(round_seed=1)
+        client._receive(rec)
+        model, fixed = client.ctx.model, client.fixed_batch()
+        model.train()
+        with torch.no_grad():  # the latents eq. 5 should see: the fixed batches' own statistics, or the running ones
+            if mode == "eval":
+                with eval_mode(model):
+                    z = model.embed(fixed.x).double().numpy()
+            else:
+                z = model.embed(fixed.x).double().numpy()
+        yb = fixed.y.numpy()
+        want = 0.5 * 0.5 * sum(p[k] / (yb == k).sum() * ((z[yb == k] - e[k]) ** 2).sum() for k in (0, 1))
+        x, y = client.ctx.train.x[:2], client.ctx.train.y[:2]
+        got = client.terms()[-1](Batch(x, y), Forward(torch.zeros(2, 3))).item()
+        assert got == pytest.approx(want, rel=1e-5), mode
+        assert model.training  # the mode is restored after an eval-mode pass
+
+
+def test_alignment_bn_eval_does_not_touch_running_statistics() -> None:
+    rec = received([[0.2, 0.8], [0.6, 0.4], [0, 0]], [True, True, False], [10, 12, 6], np.zeros((3, 2)), np.zeros(3))
+    for mode, changes in (("train", True), ("eval", False)):
+        client = make_client("fedgen_cnn", alignment_bn=mode)
+        client.setup(round_seed=1)
+        client._receive(rec)
+        model = client.ctx.model
+        model.train()
+        before = _bn_running_stats(model)
+        x, y = client.ctx.train.x[:2], client.ctx.train.y[:2]
+        client.terms()[-1](Batch(x, y), Forward(torch.zeros(2, 3)))  # the alignment pass alone
+        moved = any(not torch.equal(a, b) for a, b in zip(before, _bn_running_stats(model), strict=True))
+        assert moved is changes, mode
+
+
+def test_keep_optimizer_state_carries_momentum_across_rounds() -> None:
+    kept, fresh = make_client(keep_optimizer_state=True), make_client(keep_optimizer_state=False)
+    assert kept.optimizer() is kept.optimizer()
+    assert fresh.optimizer() is not fresh.optimizer()
+    assert FedCMAConfig().keep_optimizer_state  # the reference code's default

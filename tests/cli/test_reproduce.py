@@ -214,3 +214,45 @@ def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         rp.main("fedh2l", ["--jobs", "0"])
     assert exc.value.code == 2 and "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+def _summary(per_round: list[dict[str, tuple[float, int, int]]]) -> dict[str, Any]:
+    """A run summary whose round r reports, per organization, (accuracy, test examples, evaluated round)."""
+    rounds = [{"round": 0, "per_organization": {}}]
+    for r, report in enumerate(per_round, start=1):
+        rounds.append({"round": r, "per_organization": {
+            org: {"test_accuracy": acc, "num_test_examples": n, "evaluated_round": float(ev)}
+            for org, (acc, n, ev) in report.items()}})
+    return {"rounds": rounds}
+
+
+def test_best_rounds_is_the_mean_of_the_n_best_evaluated_rounds_pooled_or_averaged() -> None:
+    summary = _summary([
+        {"a": (0.5, 10, 0), "b": (1.0, 30, 0)},    # pooled (5 + 30) / 40 = 0.875, mean 0.75
+        {"a": (0.0, 10, 1), "b": (0.5, 30, 1)},    # pooled 0.375, mean 0.25
+        {"a": (1.0, 10, 2), "b": (0.75, 30, 2)},   # pooled 0.8125, mean 0.875
+        {"a": (1.0, 10, 2), "b": (1.0, 30, 2)},    # the evaluate round re-scores round 2: it replaces it
+    ])
+    assert rp.per_round("pooled", "test_accuracy", summary) == {0: 0.875, 1: 0.375, 2: 1.0}
+    assert rp.per_round("mean", "test_accuracy", summary) == {0: 0.75, 1: 0.25, 2: 1.0}
+    pooled2 = rp.GridFigure("p", "p", "pooled:test_accuracy", best_rounds=2)
+    mean2 = rp.GridFigure("m", "m", "mean:test_accuracy", best_rounds=2)
+    final = rp.GridFigure("f", "f", "pooled:test_accuracy")
+    assert rp.figure_value(pooled2, summary, Path("."), 0) == 0.9375  # (1.0 + 0.875) / 2
+    assert rp.figure_value(mean2, summary, Path("."), 0) == 0.875     # (1.0 + 0.75) / 2
+    assert rp.figure_value(final, summary, Path("."), 0) == 1.0
+    assert rp.best_rounds_mean({0: 0.25}, 5) == 0.25 and rp.best_rounds_mean({}, 5) is None
+    with pytest.raises(ValueError, match="best_rounds needs a 'mean:' or 'pooled:' source"):
+        rp.GridFigure("x", "x", "final_test_accuracy", best_rounds=5)
+
+
+def test_cell_filters_select_the_grid_cells_to_run() -> None:
+    grid = rp.load_grid("fedcma")
+    cells = rp.select_cells(grid, ["alpha=0.05"])
+    assert cells == [{"dataset": "mnist5k", "alpha": 0.05}, {"dataset": "fmnist", "alpha": 0.05}]
+    assert rp.select_cells(grid, ["alpha=0.02,0.1", "dataset=fmnist"]) == [
+        {"dataset": "fmnist", "alpha": 0.02}, {"dataset": "fmnist", "alpha": 0.1}]
+    with pytest.raises(ValueError, match=r"0\.5 not among"):
+        rp.select_cells(grid, ["alpha=0.5"])
+    with pytest.raises(ValueError, match="AXIS one of dataset, alpha"):
+        rp.select_cells(grid, ["seed=1"])

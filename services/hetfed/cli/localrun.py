@@ -174,6 +174,13 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         builtin = sorted(n for n, e in DATASETS.items() if e.builtin)
         raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(builtin)}")
     entry = DATASETS[opts.dataset]
+    if entry.check:
+        from hetfed.client.data import DatasetUnavailableError, resolve
+
+        try:
+            resolve(entry.check)()
+        except DatasetUnavailableError as exc:
+            raise ConfigError(str(exc)) from None
     layered = {s.name: s.defaults_for(opts.dataset).over(entry.defaults.over(BASE)) for s in specs}
     # One partition for every run of the federation: the user's, else the one the algorithms need, else the
     # dataset's.

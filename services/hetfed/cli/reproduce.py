@@ -81,6 +81,15 @@ class GridFigure:
     source: str
     # Shown as a percentage (×100) with two decimals; else as a number.
     percent: bool = True
+    # 0: the final report. N > 0 (``mean:``/``pooled:`` sources): the mean of the N best evaluated rounds, each
+    # round's figure taken over the organizations that report it (FedGen's statistic: utils/plot_utils.py, TOP_N = 5).
+    best_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.best_rounds < 0:
+            raise ValueError(f"figure {self.key!r}: best_rounds must be >= 0, got {self.best_rounds}")
+        if self.best_rounds and self.source.partition(":")[0] not in ("mean", "pooled"):
+            raise ValueError(f"figure {self.key!r}: best_rounds needs a 'mean:' or 'pooled:' source, got {self.source!r}")
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,38 @@ def throughput(summary: Mapping[str, Any], aggregator_rate: float | None) -> dic
     }
 
 
+def _over_organizations(kind: str, key: str, report: Mapping[str, Mapping[str, float]]) -> float | None:
+    """A per-organization figure over one round's reports: their mean, or pooled (weighted by test examples)."""
+    if kind == "mean":
+        values = [m[key] for m in report.values() if key in m]
+        return statistics.fmean(values) if values else None
+    n = sum(m["num_test_examples"] for m in report.values() if key in m)
+    return sum(m[key] * m["num_test_examples"] for m in report.values() if key in m) / n if n else None
+
+
+def per_round(kind: str, key: str, summary: Mapping[str, Any]) -> dict[int, float]:
+    """A per-organization figure (``mean`` or ``pooled``) of every evaluated round, by the round it scores.
+
+    A round's reports count once per evaluated round (the later report wins: an evaluate round repeats the last
+    training round's with more figures); rounds where no organization reports ``key`` are left out.
+    """
+    out: dict[int, float] = {}
+    for entry in summary["rounds"]:
+        report = entry["per_organization"]
+        value = _over_organizations(kind, key, report) if report else None
+        if value is None:
+            continue
+        evaluated = [m["evaluated_round"] for m in report.values() if key in m and "evaluated_round" in m]
+        out[int(max(evaluated)) if evaluated else int(entry["round"])] = value
+    return out
+
+
+def best_rounds_mean(values: Mapping[int, float], n: int) -> float | None:
+    """The mean of the ``n`` largest values (all of them when fewer were evaluated); None when there are none."""
+    top = sorted(values.values(), reverse=True)[:n]
+    return statistics.fmean(top) if top else None
+
+
 def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, seed: int) -> float | None:
     """One figure of one federation's summary."""
     final = summary["rounds"][-1]["per_organization"]
@@ -287,12 +328,10 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
         return steady_bytes(summary)
     if kind == "figure":
         return summary["final_figures"].get(key)
-    if kind == "mean":
-        values = [m[key] for m in final.values() if key in m]
-        return statistics.fmean(values) if values else None
-    if kind == "pooled":
-        n = sum(m["num_test_examples"] for m in final.values() if key in m)
-        return sum(m[key] * m["num_test_examples"] for m in final.values() if key in m) / n if n else None
+    if kind in ("mean", "pooled"):
+        if fig.best_rounds:
+            return best_rounds_mean(per_round(kind, key, summary), fig.best_rounds)
+        return _over_organizations(kind, key, final)
     if kind == "diagnostic":
         from hetfed.client.diagnostics import DIAGNOSTICS
 
@@ -479,12 +518,14 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
         "|---|" + "---|" * len(_settings_header(grid)),
     ]
     for m in grid.methods:
-        lines.append(f"| {m.label} | " + " | ".join(_settings(grid, m)) + " |")
+        lines.append(f"| {m.label} | " + " | ".join(_settings(grid, m, data.get("rounds"))) + " |")
     lines.append("")
-    groups: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [(c, [c]) for c in grid.cells() or [{}]]
-    if grid.mean_over_cells and len(grid.cells()) > 1:
+    # Only the cells measured (a run restricted with --cell leaves the others out).
+    cells = [c for c in grid.cells() if any(r["cell"] == c for r in rows)] or grid.cells()
+    groups: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [(c, [c]) for c in cells or [{}]]
+    if grid.mean_over_cells and len(cells) > 1:
         # Per seed, the mean over every cell; a paper value for it names the group (e.g. "mean of 0, 5").
-        groups.append((_averaged_name(grid.cells()), grid.cells()))
+        groups.append((_averaged_name(cells), cells))
     for cell, members in groups:
         if grid.axes:
             lines += [f"### {_cell_name(cell)}", ""]
@@ -520,10 +561,10 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
         lines += _bytes_section(grid, rows, data["bytes_references"])
     if grid.throughput:
         lines += _throughput_section(grid, rows)
-    lines += ["## Runtime", "", "| method | " + " | ".join(_cell_name(c) for c in grid.cells() or [{}]) + " |",
-              "|---|" + "---|" * max(1, len(grid.cells())), ]
+    lines += ["## Runtime", "", "| method | " + " | ".join(_cell_name(c) for c in cells or [{}]) + " |",
+              "|---|" + "---|" * max(1, len(cells)), ]
     for m in grid.methods:
-        walls = [[r["wall_seconds"] for r in rows if r["method"] == m.id and r["cell"] == c] for c in grid.cells() or [{}]]
+        walls = [[r["wall_seconds"] for r in rows if r["method"] == m.id and r["cell"] == c] for c in cells or [{}]]
         if any(walls):
             lines.append(f"| {m.label} | " + " | ".join(f"{statistics.fmean(w):.0f} s" if w else "-" for w in walls) + " |")
     lines.append("")
@@ -534,9 +575,12 @@ def _settings_header(grid: Grid) -> list[str]:
     return ["algorithm", "models", "rounds", "config"]
 
 
-def _settings(grid: Grid, m: Method) -> list[str]:
+def _settings(grid: Grid, m: Method, rounds: int | None = None) -> list[str]:
+    """A method's settings as run: ``rounds`` is the command's --rounds when it overrode the grid's."""
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in {**m.config, **m.options}.items())
-    return [f"`{m.algorithm}`", ", ".join(m.models) or "default", str(m.rounds or grid.rounds), config or "-"]
+    ran = rounds or m.rounds or grid.rounds
+    shown = str(ran) if ran == (m.rounds or grid.rounds) else f"{ran} (the grid declares {m.rounds or grid.rounds})"
+    return [f"`{m.algorithm}`", ", ".join(m.models) or "default", shown, config or "-"]
 
 
 def _bytes_section(grid: Grid, rows: Sequence[Mapping[str, Any]], refs: Mapping[str, float]) -> list[str]:
@@ -586,6 +630,22 @@ def write_page(path: Path, title: str, generated: str) -> None:
 
 
 # ================================================================================================ command
+def select_cells(grid: Grid, filters: Sequence[str]) -> list[dict[str, Any]]:
+    """The grid's cells that every ``AXIS=V[,V...]`` filter admits (values matched as the axis spells them)."""
+    axes = {a.name: a for a in grid.axes}
+    cells = grid.cells() or [{}]
+    for item in filters:
+        name, sep, values = item.partition("=")
+        if not sep or name not in axes:
+            raise ValueError(f"--cell expects AXIS=V[,V...] with AXIS one of {', '.join(axes) or 'none'}, got {item!r}")
+        wanted = values.split(",")
+        known = {str(v) for v in axes[name].values}
+        if unknown := [v for v in wanted if v not in known]:
+            raise ValueError(f"--cell {name}: {', '.join(unknown)} not among {', '.join(sorted(known))}")
+        cells = [c for c in cells if str(c[name]) in wanted]
+    return cells
+
+
 def main(name: str, argv: list[str]) -> int:
     """``hetfed bench NAME [options]``: run a reproduction grid and render its results page."""
     grid = load_grid(name)
@@ -593,6 +653,9 @@ def main(name: str, argv: list[str]) -> int:
     p.add_argument("--seeds", help=f"comma-separated seeds (default {','.join(map(str, grid.seeds))})")
     p.add_argument("--methods", help="comma-separated subset of " + ",".join(m.id for m in grid.methods))
     p.add_argument("--rounds", type=int, help=f"rounds of every federation (default: the grid's, {grid.rounds})")
+    p.add_argument("--cell", action="append", default=[], metavar="AXIS=V[,V...]",
+                   help="run only the cells whose AXIS takes one of these values (repeatable; axes: "
+                   + (", ".join(a.name for a in grid.axes) or "none") + ")")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / f"hetfed-bench-{name}"),
                    help="where federations run and clients write their artifacts")
     p.add_argument("--json", default=None, help=f"measurements file (default: beside {grid.results})")
@@ -617,7 +680,10 @@ def main(name: str, argv: list[str]) -> int:
     methods = [grid.method(m) for m in args.methods.split(",")] if args.methods else list(grid.methods)
     root = Path(args.workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    cells = grid.cells() or [{}]
+    try:
+        cells = select_cells(grid, args.cell)
+    except ValueError as exc:
+        p.error(str(exc))
     print(f"hetfed bench {name}: {len(cells) * len(seeds) * len(methods)} federations", flush=True)
     started, load0 = time.monotonic(), os.getloadavg()[0]
     saved = root / "rows.json"
@@ -652,6 +718,7 @@ def main(name: str, argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
         "jobs": args.jobs,
+        "rounds": args.rounds,
         "ran": len(pending),
         "wall_seconds": time.monotonic() - started,
         "load": [load0, os.getloadavg()[0]],

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from hetfed.wire.specs import LocalDefaults
 
-DatasetName = Literal["mnist5k", "digits", "synthetic", "gauss4", "npz"]
+DatasetName = Literal["mnist5k", "fmnist", "digits", "synthetic", "gauss4", "npz"]
 PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated", "rotated_lodo"]
 
 
@@ -60,6 +60,9 @@ class DatasetEntry:
     # Datasets read from the organization's own files need ``data.path``.
     needs_path: bool = False
     path_help: str = ""
+    # ``"module:function"`` raising DatasetUnavailableError (one line saying how to install it) when the dataset's
+    # files are missing: ``hetfed run`` checks it before starting any process.
+    check: str = ""
 
 
 PARTITIONS: dict[str, PartitionInfo] = {
@@ -87,6 +90,14 @@ DATASETS: dict[str, DatasetEntry] = {
          "rotated_lodo": PartitionEntry("hetfed.client.data.rotated_lodo:load_rotated_lodo")},
         LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
+    ),
+    "fmnist": DatasetEntry(
+        "Fashion-MNIST (60,000 + 10,000 images, 28×28) from Debian's dataset-fashion-mnist package",
+        {"iid": PartitionEntry("hetfed.client.data.fmnist:load_fmnist"),
+         "dirichlet": PartitionEntry("hetfed.client.data.fmnist:load_fmnist")},
+        LocalDefaults(partition="dirichlet", models=("lenet",)),
+        num_classes=10,
+        check="hetfed.client.data.fmnist:check_available",
     ),
     "digits": DatasetEntry(
         "scikit-learn's 1,797 handwritten digits (8×8)",

@@ -34,8 +34,16 @@ class FedCMAConfig(TrainConfig):
     # b: points per class in the fixed batches B_i^k (b_i^k = min(b, n_i^k)), chosen once per organization.
     class_batch_size: int = 16
     # "paper": eq. 5 over the fixed batches B_i^k with p weights; "reference": the reference code's form
-    # (MSE between the current training batch's z and ē^k per class present, λ1·||v - v̄||², no p weights).
+    # (per class of the current training batch, the mean squared error between its z and ē^k, no p weights).
     alignment: Literal["paper", "reference"] = "paper"
+    # "paper": (λ1/2)·p_i·||v_i - v̄||² (eq. 5); "reference": λ1·||v_i - v̄||² (the reference code, no p_i).
+    head_consensus: Literal["paper", "reference"] = "paper"
+    # Keep the local optimiser (its momentum) across rounds, as the reference code does; false: a fresh one.
+    keep_optimizer_state: bool = True
+    # The paper form's forward pass of the fixed batches: "train" (BatchNorm normalises with their statistics
+    # and updates its running ones, like any training forward pass) or "eval" (running statistics, not
+    # updated: the normalisation the uploaded means e_i^k are computed with).
+    alignment_bn: Literal["train", "eval"] = "train"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,6 +54,12 @@ class FedCMAConfig(TrainConfig):
         check(self.latent_dim >= 1, f"latent_dim must be >= 1, got {self.latent_dim}")
         check(self.num_classes >= 2, f"num_classes must be >= 2, got {self.num_classes}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
+        check(self.alignment in ("paper", "reference"), f"alignment must be 'paper' or 'reference', got {self.alignment!r}")
+        check(self.head_consensus in ("paper", "reference"),
+              f"head_consensus must be 'paper' or 'reference', got {self.head_consensus!r}")
+        check(self.alignment_bn in ("train", "eval"), f"alignment_bn must be 'train' or 'eval', got {self.alignment_bn!r}")
+        check(isinstance(self.keep_optimizer_state, bool),
+              f"keep_optimizer_state must be true or false, got {self.keep_optimizer_state!r}")
 
 
 SPEC = AlgorithmSpec(

@@ -10,6 +10,7 @@ the class means over B_i^k (eval mode, no grad) and the head.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -63,6 +64,7 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         self.global_present: torch.Tensor | None = None
         self.class_totals: np.ndarray | None = None
         self.global_head: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_model(self) -> None:
@@ -139,7 +141,7 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         net = self.ctx.model
         terms: list[LossTerm] = [cross_entropy]
         if self.global_head is not None:
-            scale = 0.5 * self.cfg.lambda1 * p_org if paper else self.cfg.lambda1
+            scale = 0.5 * self.cfg.lambda1 * p_org if self.cfg.head_consensus == "paper" else self.cfg.lambda1
             head_term = HeadConsensusTerm(scale, *self.global_head)
             terms.append(lambda batch, out: head_term(net.head.weight, net.head.bias))
         if self.alignment_active():
@@ -151,6 +153,9 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
                 align = ClassMeanAlignment(self.cfg.lambda2, self.global_means, weight, self.global_present)
 
                 def over_fixed_batches(batch: Batch, out: Forward) -> torch.Tensor:
+                    if self.cfg.alignment_bn == "eval":
+                        with eval_mode(net):
+                            return align(net.embed(fixed.x), fixed.y)
                     return align(net.embed(fixed.x), fixed.y)
 
                 terms.append(over_fixed_batches)
@@ -179,16 +184,28 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
                            len(self.ctx.train))
 
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This round's optimiser: the same one throughout with ``keep_optimizer_state`` (the reference code's),
+        else a fresh one every round."""
+        if self._optimizer is None or not self.cfg.keep_optimizer_state:
+            self._optimizer = make_optimizer(trainable(self.ctx.model), self.cfg)
+        return self._optimizer
+
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
-        """Eq. 6 on eq. 5 for the round's local steps, then upload e_i (over B_i^k) and v_i."""
+        """Evaluate after the download (FedGen's protocol), run eq. 6 on eq. 5 for the round's local steps,
+        then upload e_i (over B_i^k) and v_i."""
         ctx = self.ctx
         self._check_model()
         self._receive(received)
         active = self.alignment_active()
-        opt = make_optimizer(trainable(ctx.model), self.cfg)
-        result = fit([Objective(ctx.model, opt, self.terms())], epoch_batches(ctx.train, self.cfg, ctx.rng(round_seed)))
-        metrics = ctx.metrics(result.loss, evaluated_round=round_, extra={"alignment_active": float(active)})
-        return [self.class_means(), self.head(), metrics]
+        # The model as the round starts (its own weights and the head v̄⁰ sets in round 1) and its encoder with
+        # the v̄ just received: the figures of round - 1, so every round's v̄ is scored (top-N statistics).
+        before = ctx.metrics(0.0, evaluated_round=round_ - 1,
+                             extra={"global_head_test_accuracy": self._global_head_accuracy(),
+                                    "alignment_active": float(active)})
+        result = fit([Objective(ctx.model, self.optimizer(), self.terms())],
+                     epoch_batches(ctx.train, self.cfg, ctx.rng(round_seed)))
+        return [self.class_means(), self.head(), dataclasses.replace(before, train_loss=result.loss)]
 
     def _global_head_accuracy(self) -> float:
         if self.global_head is None or len(self.ctx.test) == 0:
