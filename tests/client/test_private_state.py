@@ -33,7 +33,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "ditto_mmdd": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True, "mu": 0.1, "refit_every": 2,
                     "refit_batches": 1, "mmdd_steps": 2}, DIGITS),
     "fedcma": ({**SGD, "latent_dim": 64, "num_classes": 10}, DIGITS),
-    "simfed": ({**SGD, "keep_unsent_mask": True}, DIGITS),
+    "simfed": ({**SGD, "mask_init": "sparse"}, DIGITS),
     "fedh2l": ({"batch_size": 16, "lr": 0.05}, {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2,
                                                   "client_index": 0}),
 }

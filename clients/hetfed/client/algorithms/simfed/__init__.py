@@ -60,7 +60,7 @@ class SimFedClient(ClientHalf[SimFedConfig]):
     what the server holds, as a delta on the organization's full parameters.
     """
 
-    # The mask entries the last upload left out (keep_unsent_mask) and the last reported figures.
+    # The mask entries the last upload left out (added back after the download) and the last reported figures.
     private_attributes = ("unsent", "figures")
 
     @classmethod
