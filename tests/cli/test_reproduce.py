@@ -84,6 +84,13 @@ def test_claims_are_paired_per_seed_against_the_better_baseline() -> None:
     assert r.clearing == 2 and r.verdict == "holds on average only (fragile)"
 
 
+def test_one_seed_gives_no_verdict_even_when_it_clears_the_margin() -> None:
+    rows = [r for r in _rows() if r["seed"] == 0]  # new − base2 = +4 points on seed 0, margin 2
+    (r,) = rp.check_claims(_grid(), rows)
+    assert r.mean == pytest.approx(4.0) and r.lower == r.upper == r.mean and r.clearing == 1
+    assert r.verdict == "no verdict (one seed, no interval)"
+
+
 def test_a_claim_averaged_over_cells_pairs_each_seeds_mean_difference() -> None:
     grid = _grid()
     averaged = rp.Claim("New beats base on average over alpha", "new", "acc", ("base1", "base2"), 2.0,

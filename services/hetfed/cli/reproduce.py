@@ -410,7 +410,10 @@ class ClaimResult:
 
     @property
     def verdict(self) -> str:
-        """holds (the whole 95% interval clears the margin), holds on average only, or fails."""
+        """holds (the whole 95% interval clears the margin), holds on average only, or fails; no verdict from
+        a single seed, which gives no interval."""
+        if len(self.differences) < 2:
+            return "no verdict (one seed, no interval)"
         if self.lower >= self.claim.margin:
             return "holds"
         if self.mean >= self.claim.margin:
@@ -548,7 +551,8 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
                   "average when there are several), in points for accuracies: the mean of those paired "
                   "differences, its 95% confidence interval (Student's t over the seeds) and how many seeds clear "
                   "the margin. *holds*: the whole interval clears it; *holds on average only*: the mean clears it "
-                  "but the interval does not (fragile); *fails*: the mean does not.", "",
+                  "but the interval does not (fragile); *fails*: the mean does not; *no verdict*: one seed, so no "
+                  "interval.", "",
                   "| claim | cell | against | per seed | mean | 95% CI | seeds clearing | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in results:
