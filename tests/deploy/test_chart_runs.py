@@ -40,6 +40,19 @@ def hetfed(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "hetfed.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
+def start_aggregator(agg_cfg: dict[str, Any], workdir: Path, procs: list[subprocess.Popen[bytes]]) -> int:
+    """Start ``hetfed aggregator`` on the mapped config (appended to ``procs``) and return its port once ready."""
+    mapped = workdir / "aggregator.json"
+    mapped.write_text(json.dumps(agg_cfg))
+    ready = workdir / "aggregator.ready"
+    aggregator = hetfed("aggregator", "--config", str(mapped), "--ready-file", str(ready),
+                        log=workdir / "aggregator.log")
+    procs.append(aggregator)
+    wait_until(lambda: ready.exists() or aggregator.poll() is not None, timeout=60, what="the aggregator")
+    assert aggregator.poll() is None, (workdir / "aggregator.log").read_text()
+    return int(json.loads(ready.read_text())["port"])
+
+
 def rendered_configs(helm: Helm, workdir: Path) -> tuple[Path, dict[str, Path]]:
     """Write the ConfigMaps' TOML files as rendered: the aggregator's and one per organization."""
     objects = helm.objects(sets=(f"organizations={{{','.join(ORGANIZATIONS)}}}",))
@@ -79,17 +92,10 @@ def test_rendered_default_federation_checks_and_runs_to_the_end(helm: Helm, tmp_
     health_port = free_port()
     agg_cfg["server"].update(listen="127.0.0.1:0", metrics_port=0, metrics_host="127.0.0.1",
                              health_listen=f"127.0.0.1:{health_port}", state_dir=str(tmp_path / "state"))
-    mapped = tmp_path / "aggregator.json"
-    mapped.write_text(json.dumps(agg_cfg))
-    ready = tmp_path / "aggregator.ready"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        aggregator = hetfed("aggregator", "--config", str(mapped), "--ready-file", str(ready),
-                            log=tmp_path / "aggregator.log")
-        procs.append(aggregator)
-        wait_until(lambda: ready.exists() or aggregator.poll() is not None, timeout=60, what="the aggregator")
-        assert aggregator.poll() is None, (tmp_path / "aggregator.log").read_text()
-        port = json.loads(ready.read_text())["port"]
+        port = start_aggregator(agg_cfg, tmp_path, procs)
+        (aggregator,) = procs
         # The plaintext health listener the kubelet probes answers, through the image's own check.
         health = subprocess.run([sys.executable, "-m", "hetfed.cli", "health", f"127.0.0.1:{health_port}"],
                                 capture_output=True, text=True, timeout=60)
@@ -244,17 +250,10 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
         run["rounds"] = min(run["rounds"], ROUNDS)
         if "local_epochs" in run.get("algorithm_config", {}):
             run["algorithm_config"]["local_epochs"] = 1
-    mapped = workdir / "aggregator.json"
-    mapped.write_text(json.dumps(agg_cfg))
-    ready = workdir / "aggregator.ready"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        aggregator = hetfed("aggregator", "--config", str(mapped), "--ready-file", str(ready),
-                            log=workdir / "aggregator.log")
-        procs.append(aggregator)
-        wait_until(lambda: ready.exists() or aggregator.poll() is not None, timeout=60, what="the aggregator")
-        assert aggregator.poll() is None, (workdir / "aggregator.log").read_text()
-        port = json.loads(ready.read_text())["port"]
+        port = start_aggregator(agg_cfg, workdir, procs)
+        (aggregator,) = procs
 
         clients = {}
         state_files: list[Path] = []
