@@ -159,7 +159,7 @@ def test_a_small_grid_runs_real_federations_and_reports(tmp_path: Path) -> None:
         assert row["throughput"]["rounds_per_second"] > 0
     assert rows[1]["figures"]["bytes"] > 10 * rows[0]["figures"]["bytes"]  # FedAvg ships the model
     (claim,) = rp.check_claims(grid, rows)
-    assert claim.verdict in ("holds", "holds on average only (fragile)")
+    assert claim.clearing == 1 and claim.verdict == "no verdict (one seed, no interval)"  # one seed: no interval
     data = {"command": "test", "date": "today", "machine": "here", "wall_seconds": 1.0, "load": [0.0, 0.0],
             "rows": rows, "bytes_references": {}}
     json.dumps(data)  # the measurements are plain JSON

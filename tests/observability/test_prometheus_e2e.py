@@ -29,7 +29,7 @@ PULL_WAIT_SECONDS = 20.0  # ClientConfig.pull_wait_seconds, which hetfed run lea
 CHUNK_BYTES = 1 << 20  # ServerConfig.chunk_bytes, likewise
 RUN_ARGS = ["--algorithm", "fedavg,fedavg_head", "--clients", str(CLIENTS), "--rounds", str(ROUNDS),
             "--dataset", "digits", "--model", "mlp", "--partition", "iid", "--local-epochs", "1",
-            "--metrics-linger", "3"]
+            "--metrics-linger", "6"]
 
 
 @dataclass
@@ -85,8 +85,12 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         _poke_rejections(port)
         assert proc.wait(timeout=180) == 0, (base / "hetfed-run.log").read_text()[-3000:]
         results = {r["run"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
-        finished = prom.query_range("min(hetfed_run_finished)", start, time.time(), 1.0)
-        assert finished, "Prometheus never scraped the aggregator"
+        # The last scrapes of the lingering processes may land just after they exit: wait for them.
+        def scraped_finished() -> list[dict[str, Any]]:
+            found = prom.query_range("min(hetfed_run_finished)", start, time.time(), 1.0)
+            return found if found and any(v == "1" for _, v in found[0]["values"]) else []
+
+        finished = wait_for(scraped_finished, 15, "Prometheus to scrape the finished aggregator")
         last = max(float(t) for t, v in finished[0]["values"] if v == "1")
         yield Scraped(prom, out, results, start, last)
     finally:

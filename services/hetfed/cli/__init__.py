@@ -175,7 +175,7 @@ def _choice(name: str, options: Sequence[str]) -> Callable[[str], str]:
         if text not in options:
             import difflib
 
-            # A name the text begins ('mnist' for 'mnist5k') before the closest spelling ('fmnist').
+            # A choice the text begins (a prefix the user typed) before difflib's closest spelling.
             close = [o for o in options if o.startswith(text)] or difflib.get_close_matches(text, options, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise argparse.ArgumentTypeError(f"unknown {name} {text!r}{hint}; choose from {', '.join(options)}")
