@@ -53,6 +53,23 @@ def start_aggregator(agg_cfg: dict[str, Any], workdir: Path, procs: list[subproc
     return int(json.loads(ready.read_text())["port"])
 
 
+def assert_finished(run: Any, organizations: list[str], final_round: int) -> None:
+    """Every organization joined and pushed the final round, and each reported an accuracy in (0, 1]."""
+    assert [(o.organization_id, o.joined, o.last_round_pushed) for o in run.organization_status] == [
+        (org, True, final_round) for org in organizations]
+    reports = run.history[-1].reports
+    assert {r.organization_id for r in reports} == set(organizations)
+    assert all(0.0 < r.metrics.test_accuracy <= 1.0 for r in reports)
+
+
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill and reap every process still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def rendered_configs(helm: Helm, workdir: Path) -> tuple[Path, dict[str, Path]]:
     """Write the ConfigMaps' TOML files as rendered: the aggregator's and one per organization."""
     objects = helm.objects(sets=(f"organizations={{{','.join(ORGANIZATIONS)}}}",))
@@ -122,20 +139,13 @@ def test_rendered_default_federation_checks_and_runs_to_the_end(helm: Helm, tmp_
         assert run.run_id == rendered_run["id"] and run.state == apb.RUN_STATE_FINISHED
         assert list(run.organizations) == list(ORGANIZATIONS)
         final_round = rendered_run["rounds"] + 1  # the evaluation round follows the training rounds
-        assert [(o.organization_id, o.joined, o.last_round_pushed) for o in run.organization_status] == [
-            (org, True, final_round) for org in ORGANIZATIONS]
+        assert_finished(run, list(ORGANIZATIONS), final_round)
         assert all(o.bytes_up > 0 and o.bytes_down > 0 for o in run.organization_status)
-        reports = run.history[-1].reports
-        assert {r.organization_id for r in reports} == set(ORGANIZATIONS)
-        assert all(0.0 < r.metrics.test_accuracy <= 1.0 for r in reports)
 
         aggregator.send_signal(signal.SIGTERM)  # what the kubelet sends: drain, then exit 0
         assert aggregator.wait(timeout=30) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,18 +309,11 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
             assert run.state == apb.RUN_STATE_FINISHED, run_cfg["id"]
             assert list(run.organizations) == run_cfg["organizations"]
             final_round = run_cfg["rounds"] + 1  # the evaluation round follows the training rounds
-            assert [(o.organization_id, o.joined, o.last_round_pushed) for o in run.organization_status] == [
-                (org, True, final_round) for org in run_cfg["organizations"]]
-            reports = run.history[-1].reports
-            assert {r.organization_id for r in reports} == set(run_cfg["organizations"])
-            assert all(0.0 < r.metrics.test_accuracy <= 1.0 for r in reports)
+            assert_finished(run, run_cfg["organizations"], final_round)
         aggregator.send_signal(signal.SIGTERM)  # what the kubelet sends: drain, then exit 0
         assert aggregator.wait(timeout=30) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
 
 def test_every_shipped_values_file_is_run() -> None:
