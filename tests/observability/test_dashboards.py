@@ -1,4 +1,4 @@
-"""The dashboards and rules are what the code generates, pass Grafana's schema types, and promtool accepts them."""
+"""The dashboards and rules are what the generator writes, pass Grafana's schema types, and promtool accepts them."""
 
 from __future__ import annotations
 
@@ -6,23 +6,36 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hetfed.cli import alerts, dashboards
+from scripts.observability import alerts, dashboards
 from tests.observability.promharness import REPO, RULES, require
 
 NODE_MODULES = Path(os.environ.get("HETFED_NODE_MODULES", REPO / ".ci" / "node" / "node_modules"))
 TSC_FLAGS = ["--noEmit", "--strict", "--moduleResolution", "bundler", "--module", "esnext", "--target", "es2022"]
 
 
-def test_committed_files_are_generated() -> None:
-    for name, d in dashboards.dashboards().items():
-        path = REPO / "helm" / "hetfed" / "dashboards" / name
-        assert path.read_text() == dashboards.render_json(d), f"run python -m hetfed.cli.dashboards ({path})"
-    for path, text in alerts.files(REPO).items():
-        assert path.read_text() == text, f"run python -m hetfed.cli.dashboards ({path})"
+GENERATOR = "python scripts/gen_observability.py"
+
+
+def test_committed_files_are_generated(tmp_path: Path) -> None:
+    """The generator, run into a temporary directory, writes exactly the committed files, byte for byte."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_observability.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert fresh, "the generator wrote nothing"
+    for rel in fresh:
+        committed = REPO / rel
+        assert committed.is_file(), f"{rel} is generated but not committed; run {GENERATOR}"
+        assert committed.read_bytes() == (tmp_path / rel).read_bytes(), f"{rel} differs; run {GENERATOR}"
+    # Nothing else in the generated folders: a dashboard or rules file without a source is stale.
+    for folder in {rel.parent for rel in fresh if rel.parts[:2] == ("helm", "hetfed")}:
+        stale = sorted({p.relative_to(REPO) for p in (REPO / folder).iterdir()} - set(fresh))
+        assert not stale, f"{stale} have no source in scripts/observability/; delete them or add their source"
 
 
 def test_dashboards_type_check_against_grafana_schema(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.aggregator.metrics import AggregatorMetrics
 from hetfed.aggregator.run_metrics import RunMetricsCollector
 from hetfed.aggregator.service import AggregatorService
-from hetfed.cli import alerts, dashboards
 from hetfed.client.config import ClientConfig
 from hetfed.client.runtime import ClientRuntime
+from scripts.observability import alerts, dashboards
 from tests.observability.promharness import REPO
 
 DOC = (REPO / "docs" / "metrics.md").read_text()

@@ -16,9 +16,10 @@ import grpc
 import pytest
 from PIL import Image
 
-from hetfed.cli import dashboards, report
+from hetfed.cli import report
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks
+from scripts.observability import dashboards
 from tests.conftest import RawClient
 from tests.observability.promharness import Prometheus, require, wait_for
 
@@ -194,7 +195,7 @@ def test_dashboard_preview_and_report_from_prometheus(scraped: Scraped, tmp_path
 
     out = tmp_path / "report.png"
     args = argparse.Namespace(results=[], prometheus=scraped.prom.url, since=time.time() - scraped.start + 5,
-                              preview=None, out=out, markdown=tmp_path / "report.md")
+                              out=out, markdown=tmp_path / "report.md")
     assert report.main(args) == 0
     with Image.open(out) as im:
         meta = json.loads(im.text[report.PNG_KEY])

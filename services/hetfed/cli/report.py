@@ -192,8 +192,6 @@ def add_parser(subparsers: Any) -> None:
     r.add_argument("--prometheus", metavar="URL", help="read the hetfed_run_* families from this Prometheus")
     r.add_argument("--since", type=float, default=3600.0,
                    help="with --prometheus: seconds of history to read (default 3600)")
-    r.add_argument("--preview", type=Path, metavar="PNG",
-                   help="with --prometheus: also render the bandwidth dashboard's main panels to this PNG")
     r.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write (default report.png)")
     r.add_argument("--markdown", type=Path, help="also write the table to this file")
     r.set_defaults(func=main)
@@ -204,20 +202,12 @@ def main(args: argparse.Namespace) -> int:
     if not args.results and not args.prometheus:
         print("hetfed report: give results.json files or --prometheus URL", file=sys.stderr)
         return 2
-    if args.preview and not args.prometheus:
-        print("hetfed report: --preview needs --prometheus URL", file=sys.stderr)
-        return 2
     try:
         curves = load_results(args.results)
         if args.prometheus:
             end = time.time()
             step = float(max(1, int(args.since / 600)))  # whole seconds: PromQL durations are integers
             curves += curves_from_prometheus(args.prometheus, end - args.since, end, step)
-            if args.preview:
-                from hetfed.cli.dashboards import render_preview
-
-                render_preview(args.prometheus, args.preview, end - args.since, end, step)
-                print(f"dashboard preview: {args.preview}")
     except (ValueError, OSError) as exc:
         print(f"hetfed report: {exc}", file=sys.stderr)
         return 2

@@ -1,14 +1,13 @@
 """The Grafana dashboards as code, and a matplotlib preview of the bandwidth dashboard from a live Prometheus.
 
-``python -m hetfed.cli.dashboards`` writes ``helm/hetfed/dashboards/*.json`` (and the alert rules, see
-``hetfed.cli.alerts``); a test checks the committed files are what this module generates and type-checks
-them against Grafana's own schema (``@grafana/schema``). Every panel reads Prometheus through the
-``datasource`` variable and filters on the ``run``, ``algorithm`` and ``organization`` variables.
+``python scripts/gen_observability.py`` writes ``helm/hetfed/dashboards/*.json`` from this module (and the
+alert rules from ``alerts.py``). A test regenerates them and fails on drift; another type-checks them against
+Grafana's own schema (``@grafana/schema``). Every panel reads Prometheus through the ``datasource`` variable
+and filters on the ``run``, ``algorithm`` and ``organization`` variables.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import dataclass
@@ -325,25 +324,3 @@ def _draw_xy(ax: Any, spec: PanelSpec, results: list[list[dict[str, Any]]], star
     ax.set_ylabel("test accuracy")
     return n
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Write the dashboards and the alert rules into the repository."""
-    from hetfed.cli import alerts
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[3], help="repository root")
-    args = p.parse_args(argv)
-    for name, d in dashboards().items():
-        path = args.root / "helm" / "hetfed" / "dashboards" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(render_json(d))
-        print(path)
-    for path, text in alerts.files(args.root).items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
