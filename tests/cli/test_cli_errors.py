@@ -3,6 +3,7 @@ registries."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,10 @@ def test_help_lists_every_registered_choice() -> None:
     from hetfed.client.model_registry import MODELS
     from hetfed.wire.specs import SPECS
 
+    # A wide terminal and no PATH, but the PYTHONPATH that picks this checkout's packages.
+    env = {"COLUMNS": "400", "PATH": "", **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
     proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--help"], capture_output=True, text=True,
-                          timeout=120, env={"COLUMNS": "400", "PATH": ""})
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     for name in [*SPECS, *PARTITIONS, *MODELS, *(n for n, e in DATASETS.items() if e.builtin)]:

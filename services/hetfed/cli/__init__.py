@@ -11,13 +11,18 @@ import argparse
 import gc
 import json
 import logging
+import re
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hetfed.cli import allocator, checkconfig, health, k8s_status, report
 from hetfed.wire.config import ConfigError
+
+if TYPE_CHECKING:
+    from hetfed.cli.localrun import LocalRunOptions
 
 USAGE_ERROR = 2
 
@@ -101,14 +106,15 @@ def _parse_data(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from hetfed.cli.localrun import LocalRunOptions, run_local
+def run_options(args: argparse.Namespace) -> LocalRunOptions:
+    """The options of ``hetfed run`` as parsed; unset ones stay ``None`` for the plan to resolve."""
+    from hetfed.cli.localrun import LocalRunOptions
 
     algorithms = tuple(args.algorithm)
     models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip()) or (
         (args.model,) if args.model else ())
     knobs = {"local_epochs": args.local_epochs, "lr": args.lr, "momentum": args.momentum, "batch_size": args.batch_size}
-    opts = LocalRunOptions(
+    return LocalRunOptions(
         algorithms=algorithms,
         clients=args.clients,
         rounds=args.rounds,
@@ -130,7 +136,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         metrics_linger=args.metrics_linger,
         report=not args.no_report,
     )
-    return run_local(opts)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hetfed.cli.localrun import run_local
+
+    return run_local(run_options(args))
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
@@ -198,6 +209,24 @@ def _listing(entries: dict[str, str]) -> str:
     return "; ".join(f"{k}: {v}" for k, v in entries.items())
 
 
+class _RunHelp(argparse.Action):
+    """``hetfed run --help``: the options, then every algorithm's defaults on the --dataset given before it."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from hetfed.cli.rundefaults import defaults_table
+
+        parser.epilog = defaults_table(namespace.dataset)
+        parser.print_help()
+        parser.exit()
+
+
+_FROM_TABLE = "(default: the algorithm's, in the table below)"
+
+
 def _add_run(sub: Any) -> None:
     from hetfed.client.data import DATASETS, DEFAULT_DATASET, PARTITIONS, TEST_SPLITS
     from hetfed.client.model_registry import MODELS
@@ -208,27 +237,29 @@ def _add_run(sub: Any) -> None:
     r = sub.add_parser(
         "run",
         help="start a real aggregator and real clients on loopback and federate a built-in data set",
-        description="Starts a real aggregator and real client processes on loopback, runs each algorithm, and "
-        "prints final accuracy and bytes per algorithm. Unset options take the dataset's and the algorithm's "
-        "defaults (docs/algorithms/).",
+        description=textwrap.fill(
+            "Starts a real aggregator and real client processes on loopback, runs each algorithm, and prints final "
+            "accuracy and bytes per algorithm. Unset options take the dataset's and the algorithm's defaults, "
+            "listed below the options (docs/algorithms/).", width=100),
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
     )
+    r.add_argument("-h", "--help", action=_RunHelp, help="show this help, with every algorithm's defaults, and exit")
     r.add_argument("--algorithm", type=_algorithms(list(SPECS)), default=list(DEFAULT_COMPARISON), metavar="A[,A...]",
                    help=f"comma-separated algorithms (default {','.join(DEFAULT_COMPARISON)}): "
-                   + _listing({k: s.summary.split(":")[0].split(".")[0] for k, s in SPECS.items()}))
+                   + _listing({k: re.split(r": |; |\.$", s.summary)[0] for k, s in SPECS.items()}))
     r.add_argument("--clients", type=_positive(int, "--clients"), default=None,
-                   help="organizations per algorithm (default: the partition's, else 4)")
-    r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None,
-                   help="training rounds (default: the algorithm's for the dataset, else 10)")
+                   help="organizations per algorithm (default: the partition's, in the table below)")
+    r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None, help=f"training rounds {_FROM_TABLE}")
     r.add_argument("--dataset", type=_choice("dataset", builtin), default=DEFAULT_DATASET, metavar="NAME",
-                   help=f"(default {DEFAULT_DATASET}) " + _listing({k: DATASETS[k].summary for k in builtin}))
+                   help="(default %(default)s) " + _listing({k: DATASETS[k].summary for k in builtin}))
     r.add_argument("--partition", type=_choice("partition", list(PARTITIONS)), default=None, metavar="NAME",
                    help="(default: what the algorithms need, else the dataset's) "
                    + _listing({k: v.summary for k, v in PARTITIONS.items()}))
     r.add_argument("--alpha", type=_positive(float, "--alpha"), default=0.5,
-                   help="concentration of label-skewed partitions (default 0.5)")
+                   help="concentration of label-skewed partitions (default %(default)s)")
     r.add_argument("--public-fraction", type=_positive(float, "--public-fraction"), default=0.1,
-                   help="partitions with a shared seed set: its fraction of each domain (default 0.1)")
-    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+                   help="partitions with a shared seed set: its fraction of each domain (default %(default)s)")
+    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default %(default)s)")
     r.add_argument("--model", type=_choice("model", list(MODELS)), default=None, metavar="NAME",
                    help="one architecture for every organization (default: the algorithm's or dataset's) "
                    + _listing({k: v.summary for k, v in MODELS.items()}))
@@ -238,26 +269,30 @@ def _add_run(sub: Any) -> None:
                    help="latent width d_e (default: the algorithm's or the architecture's)")
     r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default="proportional",
                    help="own test sets of label-skewed partitions: proportional to the train labels, or FedGen's "
-                   "equal share per label held (default proportional)")
+                   "equal share per label held (default %(default)s)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable")
     r.add_argument("--data", action="append", metavar="FIELD=VALUE",
                    help="set a data field for every organization (VALUE is JSON), for example synthetic_alpha=0, "
                    "target_domain=5 (the held-out domain of a leave-one-domain-out partition) or permute_labels=true "
                    "(each organization's labels permuted); repeatable; fields: docs/configuration.md [data]")
-    r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None, help="local epochs per round (default 2)")
-    r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help="learning rate (default 0.01)")
-    r.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
-    r.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=None, help="minibatch size (default 32)")
+    r.add_argument("--local-epochs", type=_positive(int, "--local-epochs"), default=None,
+                   help=f"local epochs per round {_FROM_TABLE}; where it lists steps, the steps apply instead")
+    r.add_argument("--lr", type=_positive(float, "--lr"), default=None, help=f"learning rate {_FROM_TABLE}")
+    r.add_argument("--momentum", type=float, default=None, help=f"SGD momentum {_FROM_TABLE}")
+    r.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=None,
+                   help=f"minibatch size {_FROM_TABLE}")
     r.add_argument("--wire-dtype", type=_choice("wire dtype", list(WireDtype.__args__)), default="float32",  # type: ignore[attr-defined]
-                   help="transport precision of floating tensors (default float32)")
+                   help="transport precision of floating tensors (default %(default)s)")
     r.add_argument("--output", help="directory for per-round results (results.json), logs and configs")
-    r.add_argument("--timeout", type=_positive(float, "--timeout"), default=1800, help="give up after this many seconds")
+    r.add_argument("--timeout", type=_positive(float, "--timeout"), default=1800.0,
+                   help="give up after this many seconds (default %(default)s)")
     r.add_argument("--tls", action="store_true",
                    help="generate a CA and certificates in the run directory and federate over mTLS")
     r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                    help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
-                   "lists every endpoint (file_sd), and processes keep serving SECONDS after the run (default 0: off)")
+                   "lists every endpoint (file_sd), and processes keep serving SECONDS after the run "
+                   "(default %(default)s: off)")
     r.add_argument("--no-report", action="store_true", help="do not write report.png and report.md with --output")
     r.set_defaults(func=_cmd_run)
 
