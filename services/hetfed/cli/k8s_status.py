@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetfed.cli.health import add_tls_arguments, tls_from_args
-from hetfed.wire.messages import RunStatus
-from hetfed.wire.rpc import RemoteError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the gRPC layer loads when the command runs, not when `hetfed` builds its parser
+    from hetfed.wire.messages import RunStatus
     from hetfed.wire.transport import TlsConfig
 
 SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -365,6 +364,8 @@ def format_table(rows: Sequence[Row], status: list[RunStatus] | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``hetfed status``."""
+    from hetfed.wire.rpc import RemoteError
+
     tls = tls_from_args(args)
     pods: list[PodInfo] = []
     address = args.aggregator
