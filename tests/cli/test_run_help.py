@@ -25,12 +25,6 @@ BUILTIN = [n for n, e in DATASETS.items() if e.builtin]
 RESOLVED = {"rounds", "clients", "local_epochs", "lr", "momentum", "batch_size", "latent_dim", "model", "partition"}
 
 
-def run_parser() -> argparse.ArgumentParser:
-    """The ``hetfed run`` subparser."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["run"]
-
-
 def help_of(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """What ``hetfed run ARGS --help`` prints."""
     with pytest.raises(SystemExit) as stop:
@@ -102,22 +96,35 @@ def test_the_table_shows_what_differs_by_algorithm(capsys: pytest.CaptureFixture
     assert (rows["fedavg"]["local work"], rows["fedavg"]["lr"], rows["fedavg"]["batch"]) == ("2 epochs", "0.01", "32")
 
 
+def stated_value_matches(value: str, default: object) -> bool:
+    """Whether a help's "(default VALUE)" is the parser's default (numbers compared as numbers)."""
+    if isinstance(default, list):
+        return value == ",".join(map(str, default))
+    if isinstance(default, int | float) and not isinstance(default, bool):
+        return float(value) == float(default)
+    return value == str(default)
+
+
 def test_every_stated_default_is_the_parser_default() -> None:
-    """A fixed "(default X)" is the value the parser fills in; a resolved option states no value of its own."""
+    """A fixed "(default X)" is the value the parser fills in, in every subcommand. An option the plan resolves
+    names whose default applies (the table lists the values) and states no value of its own."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     checked = 0
-    for action in run_parser()._actions:
-        if not action.help or action.dest in ("help", argparse.SUPPRESS):
-            continue
-        text = action.help % {"default": action.default}
-        stated = re.findall(r"\(default(:?) ?([^:;)]*)", text)  # "(default: whose)" or "(default VALUE"
-        if action.dest in RESOLVED:
-            assert action.default is None, action.dest
-            assert stated and all(colon and not re.search(r"\d", words) for colon, words in stated), \
-                f"--{action.dest} must name whose default applies, not a value: {text!r}"
-            continue
-        for colon, value in stated:
-            assert not colon, f"--{action.dest}: {text!r}"
-            default = ",".join(action.default) if isinstance(action.default, list) else str(action.default)
-            assert value == default, f"--{action.dest} states default {value!r}, the parser uses {default!r}"
-            checked += 1
-    assert checked >= 8  # algorithm, dataset, alpha, public fraction, seed, test split, wire dtype, timeout...
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if not action.help or action.dest in ("help", argparse.SUPPRESS):
+                continue
+            text = action.help % {"default": action.default, "prog": parser.prog}
+            stated = re.findall(r"\(default(:?) ?([^:;)]*)", text)  # "(default: whose)" or "(default VALUE"
+            where = f"{command} --{action.dest}: {text!r}"
+            if command == "run" and action.dest in RESOLVED:
+                assert action.default is None, where
+                assert stated and all(colon and not re.search(r"\d", words) for colon, words in stated), where
+                continue
+            for colon, value in stated:
+                if colon:  # resolved when the command runs: the parser must leave it unset
+                    assert action.default is None, where
+                else:
+                    assert stated_value_matches(value, action.default), where
+                    checked += 1
+    assert checked >= 12  # run's algorithm, dataset, alpha, seed, ..., certs --days, report --since, ...
