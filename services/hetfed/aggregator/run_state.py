@@ -34,12 +34,14 @@ class Rules:
 
 @dataclass(frozen=True)
 class Refused:
-    """A member refused for a reason no retry can fix. ``at_push``: its own accepted client was refused while
-    pushing (and exits), so rounds stop waiting for it; a refusal at Join of an admitted member does not."""
+    """A member refused for a reason no retry can fix. ``at_push``: its own admitted client was refused while
+    pushing in ``round`` (a hetfed client then exits): rounds after that one stop waiting for it, until it joins
+    again or an update of its is accepted. A refusal at Join of an admitted member leaves its admission standing."""
 
     reason: str
     message: str
     at_push: bool = False
+    round: int = -1
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class RunState:
             "phase": self.phase.value, "round": self.round,
             "schema": contract.schema_to_json(self.schema), "joined": sorted(self.joined),
             "declared": sorted(self.declared), "examples": dict(sorted(self.examples.items())),
-            "refused": {o: [r.reason, r.message, r.at_push] for o, r in sorted(self.refused.items())},
+            "refused": {o: [r.reason, r.message, r.at_push, r.round] for o, r in sorted(self.refused.items())},
         }
 
     @classmethod
@@ -79,7 +81,7 @@ class RunState:
             schema=contract.schema_from_json(d["schema"]), joined=frozenset(d["joined"]),
             declared=frozenset(d.get("declared", d["joined"])),
             examples={str(k): int(v) for k, v in d.get("examples", {}).items()},
-            refused={str(o): Refused(str(v[0]), str(v[1]), bool(v[2]) if len(v) > 2 else False)
+            refused={str(o): Refused(str(v[0]), str(v[1]), *((bool(v[2]), int(v[3])) if len(v) > 3 else ()))
                      for o, v in d.get("refused", {}).items() if o in rules.organizations},
         )
 
@@ -88,9 +90,10 @@ class RunState:
         return org in self.joined and (not rules.shared_schema or org in self.declared)
 
     def given_up(self, org: str, rules: Rules) -> bool:
-        """Refused for good and no longer expected: never admitted, or its own client refused at a push."""
+        """Refused for good and no longer expected: never admitted, or its own client refused at a push in an
+        earlier round."""
         r = self.refused.get(org)
-        return r is not None and (r.at_push or not self.admitted(org, rules))
+        return r is not None and ((r.at_push and self.round > r.round) or not self.admitted(org, rules))
 
 
 # ------------------------------------------------------------------------------------------------ effects
@@ -204,7 +207,8 @@ def join(state: RunState, rules: Rules, org: str, declared: contract.Schema | No
 
 
 def accept(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) -> Step:
-    """A member's update for the open round: fold it, acknowledge a duplicate, or refuse a different replay."""
+    """A member's update for the open round: fold it, acknowledge a duplicate, or refuse a different replay. An
+    accepted update lifts a refusal at a push (the next checkpoint records it)."""
     check_round(state, rules, round_)
     held = state.pushed.get(org)
     if held is not None:
@@ -212,7 +216,12 @@ def accept(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) 
             raise WireError("replayed", f"organization {org!r} already pushed a different update for round "
                                         f"{state.round}")
         return Step(state, (Duplicate(org),))
-    return Step(replace(state, pushed={**state.pushed, org: digest}), (Fold(org),))
+    new = replace(state, pushed={**state.pushed, org: digest})
+    old = state.refused.get(org)
+    if old is None or not old.at_push:
+        return Step(new, (Fold(org),))
+    return Step(replace(new, refused={o: r for o, r in state.refused.items() if o != org}),
+                (Fold(org), RefusalChanged(org, None, old)))
 
 
 def due(state: RunState, rules: Rules, overdue: bool) -> bool:
@@ -245,7 +254,7 @@ def refuse(state: RunState, rules: Rules, org: str, reason: str, message: str, a
     non-member's only listed."""
     if org not in rules.organizations:
         return Step(state, (Stranger(clip(org, 64), reason, message),))
-    entry = Refused(reason, message, at_push)
+    entry = Refused(reason, message, at_push, state.round if at_push else -1)
     old = state.refused.get(org)
     if old == entry:
         return Step(state)
