@@ -111,6 +111,42 @@ def test_a_refused_organization_that_joins_after_all_is_waited_for_again(
     assert run.round == 1
 
 
+def test_a_member_refused_at_a_push_holds_only_that_round_and_is_remembered(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient], events: Events) -> None:
+    """Its client exits on the refusal: round 1 still waits for a corrected update (until its deadline), later
+    rounds close without it. The refusal is on disk at once: a restarted aggregator shows and applies it."""
+    agg = aggregator(run_config(organizations=["a", "b", "c"], rounds=3, min_clients=2, round_deadline_seconds=0.5))
+    a, b, c = (raw_client(agg.port, o) for o in "abc")
+    for cl in (a, b, c):
+        cl.join(DECL)
+    good = [ModelWeights({"w": W}, 1), EvalMetrics(test_accuracy=0.5, num_test_examples=1)]
+    with pytest.raises(grpc.RpcError) as err:
+        c.push(1, [ModelWeights({"w": np.array([np.nan, 1.0], np.float32)}, 1),
+                   EvalMetrics(test_accuracy=0.5, num_test_examples=1)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    run = agg.service.runs["r"]
+    assert set(run.refused) == {"c"} and run.refused["c"].at_push
+    agg.stop()  # before any round closed: only the refusal's own checkpoint can carry it
+
+    def restarted(deadline: float) -> tuple[Any, Any, RawClient, RawClient]:
+        agg = aggregator(run_config(organizations=["a", "b", "c"], rounds=3, min_clients=2,
+                                    round_deadline_seconds=deadline))
+        return agg, agg.service.runs["r"], raw_client(agg.port, "a"), raw_client(agg.port, "b")
+
+    agg, run, a, b = restarted(0.5)
+    assert set(run.refused) == {"c"}, "the refusal was persisted when it happened"
+    assert [(r.organization, r.reason) for r in statuses(a)[0].refused] == [("c", "non_finite")]
+    a.push(1, good)
+    b.push(1, good)
+    assert run.round == 1  # c may still send a good update in round 1
+    wait_until(lambda: run.round == 2, timeout=10, what="round 1 to close on its deadline")
+    agg.stop()
+    agg, run, a, b = restarted(900)
+    a.push(2, good)
+    b.push(2, good)
+    assert run.round == 3, "round 2 closed as soon as a and b pushed: the deadline is 900 s"
+
+
 def test_another_algorithm_under_the_same_id_refuses_that_run_only(
         aggregator: Callable[..., Any], raw_client: Callable[..., RawClient], events: Events) -> None:
     agg = aggregator(run_config(id="r"), run_config(id="s"))

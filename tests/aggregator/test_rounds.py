@@ -149,11 +149,11 @@ def test_per_organization_instructions_are_bounded_and_rebuilt_identically(
             return [ModelWeights({"w": np.full(3, float(len(organization) + orgs.index(organization)), np.float32)},
                                  1)]
 
-    with run._lock:
-        run.half = PerOrganization()  # type: ignore[assignment]
-        first = {o: run._instructions_locked(o) for o in orgs}
-        assert len(run._cache) == engine.PER_ORGANIZATION_INSTRUCTIONS and built == orgs
-        again = run._instructions_locked(orgs[0])  # evicted: rebuilt, the same bytes
-        assert again is not first[orgs[0]] and again.data == first[orgs[0]].data
-        assert run._instructions_locked(orgs[-1]) is first[orgs[-1]]  # still kept: not rebuilt
-        assert built == [*orgs, orgs[0]]
+    half: Any = PerOrganization()
+    get = run.instructions.get
+    first = {o: get(half, run.phase, run.round, o) for o in orgs}
+    assert len(run.instructions) == engine.PER_ORGANIZATION_INSTRUCTIONS and built == orgs
+    again = get(half, run.phase, run.round, orgs[0])  # evicted: rebuilt, the same bytes
+    assert again is not first[orgs[0]] and again.data == first[orgs[0]].data
+    assert get(half, run.phase, run.round, orgs[-1]) is first[orgs[-1]]  # still kept: not rebuilt
+    assert built == [*orgs, orgs[0]]

@@ -153,20 +153,6 @@ def test_a_damaged_file_header_moves_the_log_aside(tmp_path: Path, caplog: pytes
     assert s.updates(1) == [("a", b"again")]
 
 
-def test_the_log_before_the_file_header_is_converted(tmp_path: Path) -> None:
-    old = b""
-    for org, data in (("a", b"one"), ("b", b"two")):
-        digest = hashlib.sha256(org.encode() + data).digest()
-        old += struct.pack("<4sqHQ32s", b"HFU1", 2, 1, len(data), digest) + org.encode() + data
-    (tmp_path / "r").mkdir()
-    wal(tmp_path).write_bytes(old + b"HFU1torn")
-    (tmp_path / "r" / "checkpoint.npz").write_bytes(b"")  # replaced below
-    RunStore(tmp_path, "r")._write_checkpoint({"phase": "train", "round": 2, "history_len": 0}, {})
-    s = opened(tmp_path)
-    assert s.updates(2) == [("a", b"one"), ("b", b"two")]
-    assert wal(tmp_path).read_bytes()[:4] == b"HFW2"
-
-
 def test_stale_records_of_closed_rounds_are_never_replayed(tmp_path: Path) -> None:
     s = new_run(tmp_path)
     s.write_update(4, "a", b"old")
@@ -175,16 +161,6 @@ def test_stale_records_of_closed_rounds_are_never_replayed(tmp_path: Path) -> No
     assert s.updates(4) == [] and s.updates(5) == [("a", b"new")]
     s.drop_rounds_before(6)
     assert s.updates(5) == [] and wal(tmp_path).stat().st_size == HEADER
-
-
-def test_legacy_round_directories_are_still_read(tmp_path: Path) -> None:
-    s = new_run(tmp_path)
-    legacy = tmp_path / "r" / "round-000007"
-    legacy.mkdir(parents=True)
-    (legacy / "a.update").write_bytes(b"from before")
-    assert s.updates(7) == [("a", b"from before")]
-    s.drop_rounds_before(8)
-    assert not legacy.exists()
 
 
 # ---------------------------------------------------------------------------------- failed appends

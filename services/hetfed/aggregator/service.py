@@ -280,7 +280,9 @@ class AggregatorService:
         try:
             reply = await self.blocking(work)
         except WireError as err:
-            await self.blocking(functools.partial(run.refuse, organization, err))
+            # Its client exits on a permanent refusal, so rounds stop waiting for it (a replay does not count:
+            # the organization's accepted update stands).
+            await self.blocking(functools.partial(run.refuse, organization, err, at_push=err.reason != "replayed"))
             raise
         # A push that closed the round is acknowledged at once; the round's checkpoint is written in the pool
         # meanwhile (the next round's pushes wait for it, its instructions do not).

@@ -1,0 +1,127 @@
+"""What a run admits: limits on Join requests and on the values inside updates, and declared example weights.
+
+Pure checks: each raises ``WireError`` with the reason a client sees, or returns. The engine calls them before
+a request can change the run's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import unicodedata
+from dataclasses import dataclass
+
+from hetfed.aggregator.config import RunConfig
+from hetfed.wire.errors import WireError
+from hetfed.wire.messages import JoinRequest
+from hetfed.wire.payloads import (
+    EvalMetrics,
+    FactorizedWeights,
+    HeadWeights,
+    ModelWeights,
+    Received,
+    training_examples,
+)
+from hetfed.wire.rpc import clip
+
+# Payloads whose example count is an aggregation weight.
+WEIGHTED = (ModelWeights, HeadWeights, FactorizedWeights)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits on what arrives and how instructions are chunked."""
+
+    chunk_bytes: int
+    max_update_bytes: int
+    max_tensor_elements: int
+    # Example counts: an organization's declared training examples bound its updates' counts; this bounds
+    # the declaration itself, and every count of an organization that declared none.
+    max_examples: int = 1_000_000_000
+    # Named figures (EvalMetrics.extra) in one report, and the length of every name a client chooses
+    # (figures, declared tensors).
+    max_metrics_per_report: int = 64
+    max_name_chars: int = 128
+    max_declared_tensors: int = 10_000
+
+
+def bad_name(name: str, limit: int) -> str:
+    """Why a client-chosen name is refused ("" when it is acceptable)."""
+    if not name:
+        return "is empty"
+    if len(name) > limit:
+        return f"has {len(name)} characters; at most {limit}"
+    if any(unicodedata.category(c)[0] == "C" for c in name):
+        return "holds control characters"
+    return ""
+
+
+def check_metric_domains(m: EvalMetrics) -> None:
+    """WireError ``implausible_metric`` for a test accuracy outside [0, 1] or a negative loss (NaN and
+    infinities are refused earlier, ``non_finite``)."""
+    if not 0.0 <= m.test_accuracy <= 1.0:
+        raise WireError("implausible_metric", f"eval_metrics.test_accuracy is {m.test_accuracy:.6g}; an accuracy "
+                                              "is in [0, 1] (the run's check_metric_domains)")
+    for name in ("train_loss", "test_loss"):
+        value = getattr(m, name)
+        if not (math.isfinite(value) and value >= 0.0):
+            raise WireError("implausible_metric", f"eval_metrics.{name} is {value:.6g}; a loss is finite and >= 0 "
+                                                  "(the run's check_metric_domains)")
+
+
+def check_join(cfg: RunConfig, limits: Limits, max_examples: int, request: JoinRequest) -> None:
+    """A Join request's seed set, example count and declared tensor names."""
+    if cfg.seed_set is not None:
+        got, want = request.seed_set, cfg.seed_set
+        if got is None or got.id != want.id or got.sha256 != want.sha256:
+            held = f"{got.id[:64]!r} (sha256 {got.sha256[:12]}…)" if got else "none"
+            raise WireError("seed_set_mismatch", f"run {cfg.id!r} uses seed set {want.id!r} (sha256 "
+                                                 f"{want.sha256[:12]}…); the client holds {held}")
+    n = request.num_train_examples
+    if not 0 <= n <= max_examples:
+        raise WireError("invalid_value", f"num_train_examples must be in [0, {max_examples}] (the run's "
+                                         f"max_examples, server.max_examples_per_organization), got {n}")
+    if len(request.declared) > limits.max_declared_tensors:
+        raise WireError("oversized", f"{len(request.declared)} declared tensors; at most {limits.max_declared_tensors}")
+    for d in request.declared:
+        bad = bad_name(d.name, limits.max_name_chars)
+        if bad:
+            raise WireError("invalid_value", f"declared tensor name {clip(d.name, 64)!r} {bad}")
+
+
+def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization: str, declared: int,
+                 update: Received) -> None:
+    """Example counts within what the organization declared (or the maximum); bounded named figures."""
+    if cfg.example_weights == "declared" and not declared and any(isinstance(p, WEIGHTED) for p in update):
+        raise WireError("invalid_value", f"run {cfg.id!r} weighs updates by the training examples declared at Join "
+                                         f"(example_weights = 'declared'); {organization!r} declared none")
+    bound = declared or max_examples
+    why = (f"{organization!r} declared {declared} training examples at Join" if declared else
+           f"it declared none, and the limit is {max_examples} (the run's max_examples, "
+           "server.max_examples_per_organization)")
+    for p in update:
+        n = training_examples(p)
+        if n is not None and not 0 <= n <= bound:
+            raise WireError("invalid_value", f"{p.kind.value} claims {n} training examples; {why}")
+        if isinstance(p, EvalMetrics):
+            if not 0 <= p.num_test_examples <= max_examples:
+                raise WireError("invalid_value", f"eval_metrics claims {p.num_test_examples} test examples; the "
+                                                 f"limit is {max_examples}")
+            if cfg.check_metric_domains:
+                check_metric_domains(p)
+            if len(p.extra) > limits.max_metrics_per_report:
+                raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
+                                             f"{limits.max_metrics_per_report} (server.max_metrics_per_report)")
+            for name in p.extra:
+                bad = bad_name(name, limits.max_name_chars)
+                if bad:
+                    raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")
+
+
+def weighted(cfg: RunConfig, declared: int, update: Received) -> Received:
+    """The update with its aggregation weights replaced by the organization's declaration, when the run weighs
+    by declarations (``example_weights = "declared"``)."""
+    if cfg.example_weights != "declared":
+        return update
+    return Received([dataclasses.replace(p, num_examples=declared) if isinstance(p, WEIGHTED) else p
+                     for p in update], repeated=update.kinds)

@@ -1,0 +1,70 @@
+"""The encoded instructions of a run's open round, built once and kept within a bound."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.wire import messages
+from hetfed.wire.messages import Encoded, Instructions
+from hetfed.wire.phases import Action, Phase
+from hetfed.wire.rpc import Pulled
+from hetfed.wire.specs import WireDtype
+
+# Per-organization instruction messages a run keeps built (memory does not grow with the federation).
+PER_ORGANIZATION_INSTRUCTIONS = 8
+
+
+def round_seed(run_seed: int, round_: int) -> int:
+    """The seed of a round's shared random draws, derived from the run seed."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{round_}".encode()).digest()[:8], "little")
+
+
+class InstructionCache:
+    """(round, organization or "*") -> the encoded instructions of the open round: the broadcast message, or at
+    most ``PER_ORGANIZATION_INSTRUCTIONS`` per-organization ones (least recently used first out; one evicted is
+    rebuilt, identically, should its organization pull again). Call ``get`` under the run's lock."""
+
+    def __init__(self, run_id: str, total_rounds: int, run_seed: int, wire_dtype: WireDtype | None) -> None:
+        self.run_id, self.total_rounds, self.run_seed, self.wire_dtype = run_id, total_rounds, run_seed, wire_dtype
+        self._cache: OrderedDict[tuple[int, str], Encoded] = OrderedDict()
+        self._wait: tuple[int, Encoded] | None = None
+        self._finish: Encoded | None = None
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(self, half: ServerHalf, phase: Phase, round_: int, organization: str) -> Encoded:  # type: ignore[type-arg]
+        """This organization's instructions for the open round, built once (once for all when broadcast)."""
+        key = (round_, "*" if half.broadcast else organization)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        for old in [k for k in self._cache if k[0] != round_]:
+            del self._cache[old]
+        payloads = half.payloads_for(phase, round_, organization)
+        encoded = self._cache[key] = messages.encode_instructions(Instructions(
+            run_id=self.run_id, round=round_, action=Action.of(phase), total_rounds=self.total_rounds,
+            round_seed=round_seed(self.run_seed, round_), organization="" if half.broadcast else organization,
+            payloads=payloads,
+        ), self.wire_dtype)
+        while len(self._cache) > PER_ORGANIZATION_INSTRUCTIONS:  # per-organization messages only ever exceed it
+            self._cache.popitem(last=False)
+        return encoded
+
+    def wait(self, round_: int) -> Pulled:
+        """The WAIT instructions of ``round_`` (lock-free: the event loop answers an expired long-poll)."""
+        cached = self._wait
+        if cached is None or cached[0] != round_:
+            cached = self._wait = (round_, messages.encode_instructions(
+                Instructions(self.run_id, round_, Action.WAIT, self.total_rounds)))
+        return Pulled(cached[1], cached[0])
+
+    def finish(self, round_: int) -> Pulled:
+        """The FINISH instructions of a finished run."""
+        if self._finish is None:
+            self._finish = messages.encode_instructions(Instructions(self.run_id, round_, Action.FINISH,
+                                                                     self.total_rounds))
+        return Pulled(self._finish, round_)

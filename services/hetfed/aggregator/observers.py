@@ -1,0 +1,102 @@
+"""What the outside sees of a run's transitions: Prometheus metrics, Kubernetes Events and the log.
+
+The engine calls a ``RunObserver`` after each transition's effects; the observer never changes the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from hetfed.aggregator import k8s_events
+from hetfed.aggregator.history import RoundRecord
+from hetfed.aggregator.metrics import AggregatorMetrics
+from hetfed.aggregator.run_state import RefusalChanged, Refused
+from hetfed.wire.payloads import EvalMetrics
+from hetfed.wire.specs import Figure
+
+log = logging.getLogger("hetfed.aggregator")
+
+
+class RunObserver:
+    """One run's metrics and Events. Per-organization figure names and the published means are tracked so that
+    a name nobody reports any more leaves the metrics: label values stay bounded by the last reports."""
+
+    def __init__(self, run_id: str, algorithm: str, metrics: AggregatorMetrics, figures: tuple[Figure, ...]) -> None:
+        self.run_id, self.algorithm, self.metrics, self._declared = run_id, algorithm, metrics, figures
+        self._figure_names: dict[str, set[str]] = {}
+        self._mean_names: set[str] = set()
+
+    def figures(self, m: EvalMetrics) -> dict[str, float]:
+        """Every reported figure by name, the spec's declared figures (by their key) included."""
+        out = dict(m.extra)
+        for f in self._declared:
+            value = m.test_accuracy if f.source == "test_accuracy" else m.extra.get(f.source)
+            if value is not None:
+                out[f.key] = value
+        return out
+
+    def folded(self, organization: str, m: EvalMetrics | None) -> None:
+        """An update was folded in; ``m``: the metrics it reported."""
+        if m is None:
+            return
+        labels = (self.run_id, self.algorithm, organization)
+        self.metrics.client_train_loss.labels(*labels).set(m.train_loss)
+        self.metrics.client_test_accuracy.labels(*labels).set(m.test_accuracy)
+        figures = self.figures(m)
+        for name, value in figures.items():
+            self.metrics.client_metric.labels(*labels, name).set(value)
+        for gone in self._figure_names.get(organization, set()) - set(figures):
+            self.metrics.client_metric.remove(*labels, gone)
+        self._figure_names[organization] = set(figures)
+
+    def closed(self, rec: RoundRecord) -> None:
+        """A round closed: its duration, clients, the means of its figures, a log line and an Event."""
+        ids = (self.run_id, self.algorithm)
+        self.metrics.round_duration.labels(*ids).observe(rec.duration)
+        self.metrics.clients_per_round.labels(*ids).set(rec.clients)
+        figures = [self.figures(m) for m in rec.reports.values()]
+        names = {n for f in figures for n in f}
+        for name in names:
+            values = [f[name] for f in figures if name in f]
+            self.metrics.client_metric_mean.labels(*ids, name).set(sum(values) / len(values))
+        if figures:
+            for gone in self._mean_names - names:
+                self.metrics.client_metric_mean.remove(*ids, gone)
+            self._mean_names = names
+        log.info("run %s closed %s round %d with %d clients in %.2fs", self.run_id, rec.phase.value, rec.round,
+                 rec.clients, rec.duration)
+        k8s_events.emit("RoundClosed", f"run {self.run_id} closed {rec.phase.value} round {rec.round} "
+                        f"with {rec.clients} clients in {rec.duration:.2f}s")
+
+    def round_opened(self, round_: int) -> None:
+        """The run's current round."""
+        self.metrics.current_round.labels(self.run_id, self.algorithm).set(round_)
+
+    def refusal(self, change: RefusalChanged, released: bool) -> None:
+        """A member's refusal was recorded or lifted. ``released``: rounds no longer wait for it."""
+        org, new, old = change.organization, change.refused, change.old
+        if old is not None:
+            self.metrics.refused_organizations.remove(self.run_id, org, old.reason)
+        if new is None:
+            if old is not None:
+                log.info("run %s: organization %r, refused earlier (%s), joined", self.run_id, org, old.reason)
+            return
+        self.metrics.refused_organizations.labels(self.run_id, org, new.reason).set(1)
+        log.error("run %s: organization %r refused for good (%s): %s; %s", self.run_id, org, new.reason, new.message,
+                  "rounds no longer wait for it" if released else "its earlier admission stands")
+        k8s_events.emit("OrganizationRefused", f"run {self.run_id}: organization {org} refused ({new.reason}): "
+                        f"{new.message}", warning=True)
+
+    def restored(self, refused: Mapping[str, Refused]) -> None:
+        """Refusals read back from the checkpoint at start-up."""
+        for org, r in refused.items():
+            self.metrics.refused_organizations.labels(self.run_id, org, r.reason).set(1)
+
+    def storage_error(self) -> None:
+        """A write to the run's state directory failed."""
+        self.metrics.storage_errors.labels(self.run_id).inc()
+
+    def duplicate(self) -> None:
+        """An update arrived again, identical."""
+        self.metrics.duplicates.labels(self.run_id).inc()
