@@ -24,6 +24,7 @@ from hetfed.client.losses import ProximalTerm
 from hetfed.client.model_registry import MODELS
 from hetfed.client.models import build_model, state_arrays
 from hetfed.client.training import Batch, Forward, epoch_batches
+from hetfed.experiments import docs_page
 from hetfed.wire.config import ConfigError, from_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
 from hetfed.wire.specs import SPECS, get_spec
@@ -268,7 +269,7 @@ def test_variants_differ_only_in_their_defaults() -> None:
         cfg = spec.config()
         assert (cfg.measure, cfg.lam, cfg.mu) == (measure, lam, mu)
         assert spec.upload == SPECS["fedavg"].upload and spec.download == SPECS["fedavg"].download
-        assert spec.docs == "algorithms/ditto.md"
+        assert docs_page(spec) == "algorithms/ditto.md"
         assert [f.key for f in spec.figures] == ["global"]
 
 

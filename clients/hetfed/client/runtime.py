@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
-from hetfed.wire.config import from_mapping
 from hetfed.wire.messages import Fingerprint
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
+from hetfed.wire.specs.base import SharedSpaceConfig
 from hetfed.wire.traffic import TrafficMetrics
 
 if TYPE_CHECKING:
@@ -199,10 +199,11 @@ class ClientRuntime:
             raise
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
-        config = from_mapping(spec.config_type, json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
+        config = spec.parse(json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
         wire_dtype = None if config.wire_dtype == "float32" else config.wire_dtype
-        # A run with one latent space (its config names latent_dim) sets the width unless the model config does.
-        latent = cfg.model.latent_dim or int(getattr(config, "latent_dim", 0)) or None
+        # A run with one latent space (a SharedSpaceConfig) sets the width unless the model config does.
+        shared = config.latent_dim if isinstance(config, SharedSpaceConfig) else None
+        latent = cfg.model.latent_dim or shared or None
 
         half_type = client_half_type(spec)
 

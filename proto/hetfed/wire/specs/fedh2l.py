@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, Optimizer, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, Optimizer, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,8 @@ SPEC = AlgorithmSpec(
     repeated_download=frozenset({K.SEED_POSTERIORS}),
     model_private=True,
     needs_seed_set=True,
-    figures=(
-        Figure("wdp", "WDP", "test_accuracy", "within-domain performance: accuracy on the own domain's test set"),
-        Figure("cdp", "CDP", "cross_test_accuracy", "cross-domain performance: the other domains' test sets"),
-        Figure("acc", "ACC", "global_test_accuracy", "accuracy on every domain's test set"),
-    ),
-    local_defaults={
-        # One round is one iteration of Algorithm 1 (one local and one mutual-learning step), so many rounds;
-        # four different architectures, as the paper mixes networks; its own optimiser (AMSGrad, lr 1e-3).
-        ANY_DATASET: LocalDefaults(rounds=500, models=("lenet", "mlp", "fedgen_cnn", "lenet_wide"),
-                                   partition="rotated", config={"lr": 1e-3, "momentum": 0.0}),
-    },
-    docs="algorithms/fedh2l.md",
+    figures=(Figure("wdp", "test_accuracy"), Figure("cdp", "cross_test_accuracy"),
+             Figure("acc", "global_test_accuracy")),
+    server="hetfed.aggregator.algorithms.fedh2l:FedH2LServer",
+    client="hetfed.client.algorithms.fedh2l:FedH2LClient",
 )
