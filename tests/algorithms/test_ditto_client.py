@@ -23,10 +23,12 @@ from hetfed.client.data import DataConfig, load_client_data
 from hetfed.client.losses import ProximalTerm
 from hetfed.client.model_registry import MODELS
 from hetfed.client.models import build_model, state_arrays
+from hetfed.client.runtime import run_round
 from hetfed.client.training import Batch, Forward, epoch_batches
 from hetfed.experiments import docs_page
 from hetfed.wire.config import ConfigError, from_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
+from hetfed.wire.phases import Action
 from hetfed.wire.specs import SPECS, get_spec
 from hetfed.wire.specs.ditto import DittoConfig
 
@@ -296,7 +298,7 @@ def test_keep_optimizer_state_carries_both_models_momentum_across_rounds() -> No
 
 def test_evaluation_every_k_rounds_resends_the_last_figures_with_this_rounds_losses() -> None:
     half = _half(lam=0.1, eval_every=2)
-    ups = [half.train(r, r, NO_PAYLOADS)[1] for r in (1, 2, 3)]
+    ups = [run_round(half, Action.TRAIN, r, r, NO_PAYLOADS)[1] for r in (1, 2, 3)]
     metrics = [m for m in ups if isinstance(m, EvalMetrics)]
     assert len(metrics) == 3
     first, second, third = metrics

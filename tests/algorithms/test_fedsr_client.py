@@ -16,9 +16,11 @@ from hetfed.client.algorithms.fedsr import REFERENCE_PREFIX, FedSRClient
 from hetfed.client.algorithms.fedsr.losses import ProbabilisticSplitModel
 from hetfed.client.data import ClientData, DataConfig, load_client_data
 from hetfed.client.models import SplitModel, build_model
+from hetfed.client.runtime import run_round
 from hetfed.client.training import Batch
 from hetfed.wire.config import ConfigError
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
+from hetfed.wire.phases import Action
 from hetfed.wire.specs import get_spec
 from hetfed.wire.specs.fedsr import FedSRConfig
 
@@ -153,7 +155,7 @@ def test_one_optimiser_over_model_and_r_kept_across_rounds_when_asked() -> None:
 
 def test_evaluation_every_k_rounds_resends_the_last_figures() -> None:
     c = client(FedSRConfig(eval_every=2, num_samples=3))
-    rounds = [c.train(r, r, Received([]))[1] for r in (1, 2, 3)]
+    rounds = [run_round(c, Action.TRAIN, r, r, Received([]))[1] for r in (1, 2, 3)]
     assert [m.extra["evaluated_round"] for m in rounds] == [0.0, 0.0, 2.0]  # type: ignore[attr-defined]
     assert all("target_test_accuracy" in m.extra for m in rounds)  # type: ignore[attr-defined]
     assert rounds[0].test_accuracy == rounds[1].test_accuracy  # type: ignore[attr-defined]

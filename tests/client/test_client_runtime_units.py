@@ -69,3 +69,10 @@ def test_proximal_term_matches_hand_computation() -> None:
 def test_every_spec_has_a_client_half() -> None:
     for spec in SPECS.values():
         assert issubclass(client_half_type(spec), ClientHalf), spec.name
+
+
+def test_the_round_loop_evaluates_every_n_rounds_from_the_first() -> None:
+    from hetfed.client.runtime import evaluation_due
+
+    assert [r for r in range(1, 8) if evaluation_due(r, 3)] == [1, 4, 7]
+    assert all(evaluation_due(r, 1) for r in range(1, 5))

@@ -35,6 +35,22 @@ log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
 
 
+def evaluation_due(round_: int, every: int) -> bool:
+    """Whether training round ``round_`` evaluates on the held-out sets (rounds 1, 1 + every, 1 + 2·every, ...)."""
+    return (round_ - 1) % every == 0
+
+
+def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  # type: ignore[type-arg]
+              received: Received) -> list[Payload]:
+    """One round of the round loop: set whether it evaluates (``eval_every``; setup and the final evaluation
+    always do), then call the half's hook for ``action``; returns the upload."""
+    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, half.config.eval_every)
+    if action is Action.SETUP:
+        return half.setup(round_seed)
+    if action is Action.TRAIN:
+        return half.train(round_, round_seed, received)
+    return [half.evaluate(round_, received)]
+
 class ClientError(RuntimeError):
     """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable.
 
@@ -234,12 +250,7 @@ class ClientRuntime:
                 break
             received = Received(ins.payloads, spec.repeated_download)
             cpu, wall = time.process_time(), time.perf_counter()
-            if ins.action is Action.SETUP:
-                upload = half.setup(ins.round_seed)
-            elif ins.action is Action.TRAIN:
-                upload = half.train(round_, ins.round_seed, received)
-            else:
-                upload = [half.evaluate(round_, received)]
+            upload = run_round(half, ins.action, round_, ins.round_seed, received)
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
             try:

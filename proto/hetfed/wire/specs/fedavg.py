@@ -56,13 +56,9 @@ class FedAvgConfig(AveragingConfig):
     # Keep each organization's optimiser state (SGD momentum) from round to round instead of starting a fresh
     # optimiser every round (what reference implementations that never rebuild their optimiser do).
     keep_optimizer_state: bool = False
-    # Evaluate the received model every this many rounds (rounds in between resend the last evaluation's
-    # figures, whose ``evaluated_round`` says when it was taken); the final model is always evaluated.
-    eval_every: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
         check(self.weighting in ("examples", "uniform"),
               f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
 

@@ -45,7 +45,6 @@ class FedH2LConfig(TrainConfig):
         check(self.local_steps >= 1, f"local_steps (E) must be >= 1, got {self.local_steps}")
         check(self.global_lr >= 0, f"global_lr must be >= 0, got {self.global_lr}")
         check(self.peers_per_round >= 0, f"peers_per_round must be >= 0, got {self.peers_per_round}")
-        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
 
 
 SPEC = AlgorithmSpec(

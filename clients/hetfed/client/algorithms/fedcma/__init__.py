@@ -200,9 +200,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         active = self.alignment_active()
         # The model as the round starts (its own weights and the head v̄⁰ sets in round 1) and its encoder with
         # the v̄ just received: the figures of round - 1, so every round's v̄ is scored (top-N statistics).
-        before = ctx.metrics(0.0, evaluated_round=round_ - 1,
-                             extra={"global_head_test_accuracy": self._global_head_accuracy(),
-                                    "alignment_active": float(active)})
+        scored = {"global_head_test_accuracy": self._global_head_accuracy()} if ctx.evaluates else {}
+        before = ctx.metrics(0.0, evaluated_round=round_ - 1, extra={**scored, "alignment_active": float(active)})
         result = fit([Objective(ctx.model, self.optimizer(), self.terms())],
                      epoch_batches(ctx.train, self.cfg, ctx.rng(round_seed)))
         return [self.class_means(), self.head(), dataclasses.replace(before, train_loss=result.loss)]

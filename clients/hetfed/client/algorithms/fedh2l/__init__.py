@@ -65,7 +65,6 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
         self.project = ConflictProjection()
         self.g_loc: torch.Tensor | None = None  # g_loc of the last local step(s), waiting for its learn step
         self.private_batch_accuracy = 0.0
-        self.last_eval: EvalMetrics | None = None
 
     # ------------------------------------------------------------------ Algorithm 1's steps
     def local(self, rng: np.random.Generator) -> float:
@@ -143,12 +142,10 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """learn(t − 1) from the relayed posteriors, then local(t) and teach(t); upload posteriors and metrics."""
         stats = self.learn(received.all(SeedPosteriors))
-        if self.last_eval is None or (round_ - 1) % self.cfg.eval_every == 0:
-            self.last_eval = self.ctx.metrics(0.0, evaluated_round=round_ - 1)
+        m = self.ctx.metrics(0.0, evaluated_round=round_ - 1)
         rng = self.ctx.rng(round_seed)
         loss = self.local(rng)
         posteriors = self.teach(rng)
-        m = self.last_eval
         metrics = dataclasses.replace(m, train_loss=loss, extra={
             **m.extra, **stats, "teaching_confidence": posteriors.teaching_confidence})
         return [posteriors, metrics]
