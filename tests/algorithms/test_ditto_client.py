@@ -14,11 +14,9 @@ from torch.nn import functional as F
 
 from hetfed.client.algorithms import ClientContext, make_client_half
 from hetfed.client.algorithms.ditto import DittoClient
-from hetfed.client.algorithms.ditto.losses import (
-    CosineDrift,
-    add_proximal_gradient,
-    forward_with_layers,
-)
+from hetfed.client.algorithms.ditto.cosine import CosineDrift
+from hetfed.client.algorithms.ditto.features import forward_with_layers
+from hetfed.client.algorithms.ditto.penalty import add_proximal_gradient
 from hetfed.client.data import DataConfig, load_client_data
 from hetfed.client.losses import ProximalTerm
 from hetfed.client.model_registry import MODELS

@@ -21,15 +21,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetfed.client.algorithms.base import ClientContext
-from hetfed.client.algorithms.ditto.losses import (
-    CosineDrift,
-    MkMmdLoss,
-    MmdDLoss,
-    RefitSchedule,
-    add_proximal_gradient,
-    forward_with_layers,
-    named_layer,
-)
+from hetfed.client.algorithms.ditto.cosine import CosineDrift
+from hetfed.client.algorithms.ditto.features import RefitSchedule, forward_with_layers, named_layer
+from hetfed.client.algorithms.ditto.mkmmd import MkMmdLoss
+from hetfed.client.algorithms.ditto.mmdd import MmdDLoss
+from hetfed.client.algorithms.ditto.penalty import add_proximal_gradient
 from hetfed.client.algorithms.fedavg import ModelAveragingClient, model_weights
 from hetfed.client.models import SplitModel
 from hetfed.client.training import (
