@@ -38,6 +38,7 @@ from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import status_of
 from hetfed.wire.specs import AlgorithmSpec, get_spec
 from hetfed.wire.specs.base import SharedSpaceConfig
+from hetfed.wire.traffic import Direction
 from hetfed.wire.transport import TlsConfig
 
 if TYPE_CHECKING:
@@ -455,8 +456,8 @@ def summarize_run(status: RunStatus) -> dict[str, Any]:
             "test_accuracy": acc,
             "global_test_accuracy": sum(gaccs) / len(gaccs) if gaccs else None,
             "train_loss": loss,
-            "bytes_up": rec.bytes("up"),
-            "bytes_down": rec.bytes("down"),
+            "bytes_up": rec.bytes(Direction.UP),
+            "bytes_down": rec.bytes(Direction.DOWN),
             "per_organization": {
                 org: {"test_accuracy": m.test_accuracy, "train_loss": m.train_loss,
                       "num_test_examples": m.num_test_examples, **dict(m.extra)}

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hetfed.client.models import SplitModel
+
 
 def named_layer(model: nn.Module, layer: str) -> nn.Module:
     """The sub-module called ``layer`` (a ``named_modules`` name), with a clear error listing the names."""
@@ -38,12 +40,10 @@ def forward_with_layers(
     feats: dict[str, torch.Tensor] = {}
     try:
         if "" in layers:
-            embed = getattr(model, "embed", None)
-            head = getattr(model, "head", None)
-            if not callable(embed) or not isinstance(head, nn.Module):
+            if not isinstance(model, SplitModel):
                 raise ValueError("feature layer '' needs a model with embed(x) and a head (hetfed's SplitModel)")
-            z = embed(x)
-            out: torch.Tensor = head(z)
+            z = model.embed(x)
+            out: torch.Tensor = model.head(z)
             feats[""] = z.flatten(1)
         else:
             out = model(x)
