@@ -24,7 +24,7 @@ from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
-from hetfed.wire.specs.base import SharedSpaceConfig
+from hetfed.wire.specs.base import PeriodicEvalConfig, SharedSpaceConfig
 from hetfed.wire.traffic import TrafficMetrics
 
 if TYPE_CHECKING:
@@ -42,9 +42,10 @@ def evaluation_due(round_: int, every: int) -> bool:
 
 def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  # type: ignore[type-arg]
               received: Received) -> list[Payload]:
-    """One round of the round loop: set whether it evaluates (``eval_every``; setup and the final evaluation
-    always do), then call the half's hook for ``action``; returns the upload."""
-    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, half.config.eval_every)
+    """One round of the round loop: set whether it evaluates (``eval_every`` of a PeriodicEvalConfig, else every
+    round; setup and the final evaluation always do), then call the half's hook for ``action``; the upload."""
+    every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
+    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, every)
     if action is Action.SETUP:
         return half.setup(round_seed)
     if action is Action.TRAIN:

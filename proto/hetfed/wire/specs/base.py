@@ -36,9 +36,6 @@ class TrainConfig:
     optimizer: Optimizer = "sgd"
     # Transport precision of floating tensors (float16/bfloat16 halve the bytes).
     wire_dtype: WireDtype = "float32"
-    # Evaluate on the held-out sets every this many rounds (the client's round loop decides; rounds in between
-    # resend the last evaluation's figures, whose ``evaluated_round`` says when); the final model always is.
-    eval_every: int = 1
 
     def __post_init__(self) -> None:
         check(self.local_epochs >= 1, f"local_epochs must be >= 1, got {self.local_epochs}")
@@ -47,6 +44,20 @@ class TrainConfig:
         check(self.lr > 0, f"lr must be > 0, got {self.lr}")
         check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class PeriodicEvalConfig(TrainConfig):
+    """A config that lets the client's round loop evaluate only every ``eval_every`` rounds.
+
+    Rounds in between resend the last evaluation's figures (their ``evaluated_round`` says when it was taken);
+    the final model is always evaluated. Configs without it are evaluated every round.
+    """
+
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, PeriodicEvalConfig, TrainConfig
 
 Aggregation = Literal["mean", "trimmed_mean", "median"]
 NormPolicy = Literal["refuse", "clip"]
@@ -46,7 +46,7 @@ class AveragingConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class FedAvgConfig(AveragingConfig):
+class FedAvgConfig(AveragingConfig, PeriodicEvalConfig):
     """FedAvg: the server averages whole models weighted by example counts (or uniformly)."""
 
     # "examples": weight each organization's model by its number of training examples (McMahan et al.);

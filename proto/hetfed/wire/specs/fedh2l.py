@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import AlgorithmSpec, Figure, Optimizer, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, Optimizer, PeriodicEvalConfig
 
 
 @dataclass(frozen=True)
-class FedH2LConfig(TrainConfig):
+class FedH2LConfig(PeriodicEvalConfig):
     """FedH2L: mutual distillation on a shared seed set, relayed by the aggregator.
 
     ``lr`` is the local step size β and ``global_lr`` the mutual-learning step size η (0: same as lr); each
