@@ -10,6 +10,7 @@ import pytest
 from hetfed.aggregator.config import RunConfig, SeedSetConfig, ServerConfig
 from hetfed.client.config import ClientConfig, ModelConfig, RetryConfig
 from hetfed.client.data import DataConfig
+from hetfed.experiments import docs_page
 from hetfed.wire.specs import SPECS, TrainConfig
 from hetfed.wire.transport import TlsConfig
 
@@ -29,7 +30,7 @@ def test_core_fields_documented(cls: type) -> None:
 def test_algorithm_fields_documented(name: str) -> None:
     extra = [f.name for f in dataclasses.fields(SPECS[name].config_type) if f.name not in BASE]
     # The spec's own page (variants registered under other names share their algorithm's), else algorithms/<name>.md.
-    page = DOCS / (SPECS[name].docs or f"algorithms/{name}.md")
+    page = DOCS / docs_page(SPECS[name])
     text = page.read_text() if page.exists() else (DOCS / "configuration.md").read_text()
     missing = [f for f in extra if f"`{f}`" not in text]
     assert missing == [], f"document {name} fields {missing}"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hetfed.client.algorithms import ClientContext, make_client_half
-from hetfed.client.algorithms.ditto import losses
+from hetfed.client.algorithms.ditto import mkmmd as losses
 from hetfed.client.data import DataConfig, load_client_data
 from hetfed.client.models import build_model
 from hetfed.wire.payloads import Received

@@ -16,7 +16,7 @@ reference code's model), feature = the first layer's output, 15 rounds × 5 epoc
 weight decay 1e-3. Evaluation as the paper: each client's final w_L on its own test split, averaged uniformly
 over clients; the final aggregated w̄ likewise.
 
-The drift measures are batched re-writes of hetfed.client.algorithms.ditto.losses (same maths, float64, the
+The drift measures are batched re-writes of hetfed.client.algorithms.ditto's loss modules (same maths, float64, the
 same defaults); ``--selfcheck`` compares them with the modules on random data. ``--timing`` instead runs ONE
 client's round with the real modules and plain torch optimisers to measure what each variant adds per round.
 
@@ -29,7 +29,6 @@ client's round with the real modules and plain torch optimisers to measure what 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -45,16 +44,15 @@ import torch
 from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-if os.environ.get("DITTO_PROTO_STANDALONE"):  # a machine without hetfed installed: PYTHONPATH=clients and this
-    sys.path.insert(0, str(ROOT / "clients"))
-    _spec = importlib.util.spec_from_file_location(
-        "ditto_losses", ROOT / "clients" / "hetfed" / "client" / "algorithms" / "ditto" / "losses.py")
-    assert _spec is not None and _spec.loader is not None
-    L = importlib.util.module_from_spec(_spec)
-    sys.modules["ditto_losses"] = L
-    _spec.loader.exec_module(L)
-else:
-    from hetfed.client.algorithms.ditto import losses as L
+if os.environ.get("DITTO_PROTO_STANDALONE"):  # a machine without hetfed installed: its folders on the path
+    sys.path[:0] = [str(ROOT / "proto"), str(ROOT / "clients")]
+# The drift measures, one module each (hetfed.client.algorithms.ditto.{cosine,features,kernels,mkmmd,mmdd}).
+from types import SimpleNamespace  # noqa: E402
+
+from hetfed.client.algorithms.ditto import cosine, features, kernels, mkmmd, mmdd  # noqa: E402
+
+L = SimpleNamespace(**{k: v for m in (cosine, features, kernels, mkmmd, mmdd) for k, v in vars(m).items()
+                       if not k.startswith("__")})
 from hetfed.client.data import DataConfig, load_client_data  # noqa: E402
 
 F64 = torch.float64
@@ -562,7 +560,7 @@ def evaluate(w_local: torch.Tensor, wbar: torch.Tensor, member_group: torch.Tens
 
 
 def selfcheck() -> None:
-    """The batched measures equal hetfed.client.algorithms.ditto.losses on random data (float64 tolerances)."""
+    """The batched measures equal hetfed.client.algorithms.ditto's loss modules on random data (float64 tolerances)."""
     torch.manual_seed(0)
     s = Setup("mkmmd", 1, 1, 10, 2, 0.9, 1e-3, 20, 2, 5, "paper", "unbiased", "rate", True, 1e-3, False)
     x = torch.randn(3, 10, HIDDEN, dtype=F64)

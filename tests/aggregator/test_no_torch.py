@@ -18,12 +18,11 @@ def test_aggregator_process_never_imports_torch(tmp_path: object) -> None:
         from hetfed.v1 import aggregator_pb2 as apb, aggregator_pb2_grpc as agrpc
         from hetfed.wire import chunks, codec
         from hetfed.wire.payloads import ModelWeights, EvalMetrics, PayloadKind
-        import hetfed.aggregator.algorithms as algos
         from hetfed.wire.specs import SPECS
         build_parser()
         runs = [{{"id": name, "algorithm": name, "organizations": ["a"], "rounds": 1,
                   **({{"seed_set": {{"id": "s", "sha256": "0" * 64}}}} if SPECS[name].needs_seed_set else {{}})}}
-                for name in algos.SERVER_HALVES]
+                for name in SPECS]
         agg = start_aggregator(aggregator_config_from_mapping(
             {{"server": {{"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": {str(tmp_path)!r}}}, "runs": runs}}))
         ch = grpc.insecure_channel(f"127.0.0.1:{{agg.port}}")

@@ -14,18 +14,19 @@ from torch.nn import functional as F
 
 from hetfed.client.algorithms import ClientContext, make_client_half
 from hetfed.client.algorithms.ditto import DittoClient
-from hetfed.client.algorithms.ditto.losses import (
-    CosineDrift,
-    add_proximal_gradient,
-    forward_with_layers,
-)
+from hetfed.client.algorithms.ditto.cosine import CosineDrift
+from hetfed.client.algorithms.ditto.features import forward_with_layers
+from hetfed.client.algorithms.ditto.penalty import add_proximal_gradient
 from hetfed.client.data import DataConfig, load_client_data
 from hetfed.client.losses import ProximalTerm
 from hetfed.client.model_registry import MODELS
 from hetfed.client.models import build_model, state_arrays
+from hetfed.client.runtime import run_round
 from hetfed.client.training import Batch, Forward, epoch_batches
+from hetfed.experiments import docs_page
 from hetfed.wire.config import ConfigError, from_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
+from hetfed.wire.phases import Action
 from hetfed.wire.specs import SPECS, get_spec
 from hetfed.wire.specs.ditto import DittoConfig
 
@@ -268,7 +269,7 @@ def test_variants_differ_only_in_their_defaults() -> None:
         cfg = spec.config()
         assert (cfg.measure, cfg.lam, cfg.mu) == (measure, lam, mu)
         assert spec.upload == SPECS["fedavg"].upload and spec.download == SPECS["fedavg"].download
-        assert spec.docs == "algorithms/ditto.md"
+        assert docs_page(spec) == "algorithms/ditto.md"
         assert [f.key for f in spec.figures] == ["global"]
 
 
@@ -295,7 +296,7 @@ def test_keep_optimizer_state_carries_both_models_momentum_across_rounds() -> No
 
 def test_evaluation_every_k_rounds_resends_the_last_figures_with_this_rounds_losses() -> None:
     half = _half(lam=0.1, eval_every=2)
-    ups = [half.train(r, r, NO_PAYLOADS)[1] for r in (1, 2, 3)]
+    ups = [run_round(half, Action.TRAIN, r, r, NO_PAYLOADS)[1] for r in (1, 2, 3)]
     metrics = [m for m in ups if isinstance(m, EvalMetrics)]
     assert len(metrics) == 3
     first, second, third = metrics

@@ -16,11 +16,13 @@ from hetfed.client.algorithms.fedsr import REFERENCE_PREFIX, FedSRClient
 from hetfed.client.algorithms.fedsr.losses import ProbabilisticSplitModel
 from hetfed.client.data import ClientData, DataConfig, load_client_data
 from hetfed.client.models import SplitModel, build_model
+from hetfed.client.runtime import run_round
 from hetfed.client.training import Batch
 from hetfed.wire.config import ConfigError
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
+from hetfed.wire.phases import Action
 from hetfed.wire.specs import get_spec
-from hetfed.wire.specs.fedsr import FedCMIConfig, FedL2RConfig, FedSRConfig
+from hetfed.wire.specs.fedsr import FedSRConfig
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,7 +45,7 @@ def client(config: FedSRConfig, model_name: str = "mlp", latent: int | None = 8,
 
 def test_every_name_has_the_same_halves_and_its_own_defaults() -> None:
     assert {client_half_type(get_spec(n)) for n in ("fedsr", "fedl2r", "fedcmi")} == {FedSRClient}
-    sr, l2r, cmi = FedSRConfig(), FedL2RConfig(), FedCMIConfig()
+    sr, l2r, cmi = FedSRConfig(), get_spec("fedl2r").config(), get_spec("fedcmi").config()
     assert (sr.alpha_l2r, sr.alpha_cmi, sr.l2r_squared, sr.cmi_scale, sr.shared_reference, sr.probabilistic) == (
         0.01, 5e-4, False, True, False, True)
     assert (sr.local_steps, sr.batch_size, sr.lr, sr.momentum, sr.weight_decay, sr.num_samples) == (
@@ -72,7 +74,7 @@ def test_the_model_is_the_registered_network_made_probabilistic_or_left_as_it_is
     assert isinstance(prob, ProbabilisticSplitModel)
     assert (prob.to_params.in_features, prob.to_params.out_features, prob.latent_dim) == (1600, 128, 64)
     det = FedSRClient.make_model("rmnist_cnn", d.input_shape, 10, seed=1, latent_dim=None, bounded_latent=False,
-                                 config=FedL2RConfig())
+                                 config=get_spec("fedl2r").config())
     assert type(det) is SplitModel
     reference = build_model("rmnist_cnn", d.input_shape, 10, seed=1)
     for (k, a), (k2, b) in zip(det.state_dict().items(), reference.state_dict().items(), strict=True):
@@ -100,7 +102,7 @@ def test_objective_is_cross_entropy_plus_both_terms_by_hand() -> None:
 
 
 def test_deterministic_network_has_only_the_l2_term() -> None:
-    c = client(FedL2RConfig(alpha_l2r=0.25))
+    c = client(get_spec("fedl2r").config(alpha_l2r=0.25))
     assert c.cmi is None and c.l2r is not None and len(c.terms()) == 2
     batch = Batch(c.ctx.train.x[:4], c.ctx.train.y[:4])
     out = c.forward(c.ctx.model, batch)
@@ -153,7 +155,7 @@ def test_one_optimiser_over_model_and_r_kept_across_rounds_when_asked() -> None:
 
 def test_evaluation_every_k_rounds_resends_the_last_figures() -> None:
     c = client(FedSRConfig(eval_every=2, num_samples=3))
-    rounds = [c.train(r, r, Received([]))[1] for r in (1, 2, 3)]
+    rounds = [run_round(c, Action.TRAIN, r, r, Received([]))[1] for r in (1, 2, 3)]
     assert [m.extra["evaluated_round"] for m in rounds] == [0.0, 0.0, 2.0]  # type: ignore[attr-defined]
     assert all("target_test_accuracy" in m.extra for m in rounds)  # type: ignore[attr-defined]
     assert rounds[0].test_accuracy == rounds[1].test_accuracy  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import torch
 
 from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.simfed import SimFedServer, reflect_factorized
-from hetfed.client.algorithms import CLIENT_HALVES, ClientContext, client_half_type
+from hetfed.client.algorithms import ClientContext, client_half_type
 from hetfed.client.algorithms.base import ClientHalf
 from hetfed.client.algorithms.simfed import SimFedClient, criteria_set_id
 from hetfed.client.algorithms.simfed.layers import (
@@ -42,7 +42,7 @@ def client(config: SimFedConfig = CFG, index: int = 0) -> SimFedClient:
 
 
 def test_the_half_builds_the_factorised_model_and_others_the_registered_one() -> None:
-    assert CLIENT_HALVES["simfed"] is SimFedClient
+    assert client_half_type(get_spec("simfed")) is SimFedClient
     c = client()
     kinds = [type(m) for _, m in factorized_layers(c.ctx.model)]
     assert kinds == [FactorizedConv2d, FactorizedConv2d, FactorizedLinear, FactorizedLinear]

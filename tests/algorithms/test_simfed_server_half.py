@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms import SERVER_HALVES
+from hetfed.aggregator.algorithms import server_half_type
 from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.simfed import SimFedServer
 from hetfed.wire.errors import WireError
@@ -21,6 +21,7 @@ from hetfed.wire.payloads import (
     Received,
 )
 from hetfed.wire.phases import Phase
+from hetfed.wire.specs import get_spec
 from hetfed.wire.specs.simfed import SimFedConfig
 
 ORGS = ("a", "b", "c")
@@ -71,7 +72,7 @@ def layer_of(payloads: list[Payload]) -> FactorizedLayer:
 
 
 def test_registered_and_personalised() -> None:
-    assert SERVER_HALVES["simfed"] is SimFedServer and SimFedServer.broadcast is False
+    assert server_half_type(get_spec("simfed")) is SimFedServer and SimFedServer.broadcast is False
 
 
 def test_round_one_sends_nothing_then_each_organization_gets_its_own_reflection() -> None:

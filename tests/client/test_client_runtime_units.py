@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetfed.client.algorithms import CLIENT_HALVES
+from hetfed.client.algorithms import ClientHalf, client_half_type
 from hetfed.client.config import load_client_config
 from hetfed.client.losses import ProximalTerm
 from hetfed.client.runtime import backoff_delays
@@ -67,4 +67,12 @@ def test_proximal_term_matches_hand_computation() -> None:
 
 
 def test_every_spec_has_a_client_half() -> None:
-    assert set(SPECS) == set(CLIENT_HALVES)
+    for spec in SPECS.values():
+        assert issubclass(client_half_type(spec), ClientHalf), spec.name
+
+
+def test_the_round_loop_evaluates_every_n_rounds_from_the_first() -> None:
+    from hetfed.client.runtime import evaluation_due
+
+    assert [r for r in range(1, 8) if evaluation_due(r, 3)] == [1, 4, 7]
+    assert all(evaluation_due(r, 1) for r in range(1, 5))

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
-from hetfed.wire.config import from_mapping
 from hetfed.wire.messages import Fingerprint
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
+from hetfed.wire.specs.base import PeriodicEvalConfig, SharedSpaceConfig
 from hetfed.wire.traffic import TrafficMetrics
 
 if TYPE_CHECKING:
@@ -34,6 +34,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
 
+
+def evaluation_due(round_: int, every: int) -> bool:
+    """Whether training round ``round_`` evaluates on the held-out sets (rounds 1, 1 + every, 1 + 2·every, ...)."""
+    return (round_ - 1) % every == 0
+
+
+def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  # type: ignore[type-arg]
+              received: Received) -> list[Payload]:
+    """One round of the round loop: set whether it evaluates (``eval_every`` of a PeriodicEvalConfig, else every
+    round; setup and the final evaluation always do), then call the half's hook for ``action``; the upload."""
+    every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
+    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, every)
+    if action is Action.SETUP:
+        return half.setup(round_seed)
+    if action is Action.TRAIN:
+        return half.train(round_, round_seed, received)
+    return [half.evaluate(round_, received)]
 
 class ClientError(RuntimeError):
     """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable.
@@ -199,10 +216,11 @@ class ClientRuntime:
             raise
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
-        config = from_mapping(spec.config_type, json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
+        config = spec.parse(json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
         wire_dtype = None if config.wire_dtype == "float32" else config.wire_dtype
-        # A run with one latent space (its config names latent_dim) sets the width unless the model config does.
-        latent = cfg.model.latent_dim or int(getattr(config, "latent_dim", 0)) or None
+        # A run with one latent space (a SharedSpaceConfig) sets the width unless the model config does.
+        shared = config.latent_dim if isinstance(config, SharedSpaceConfig) else None
+        latent = cfg.model.latent_dim or shared or None
 
         half_type = client_half_type(spec)
 
@@ -233,12 +251,7 @@ class ClientRuntime:
                 break
             received = Received(ins.payloads, spec.repeated_download)
             cpu, wall = time.process_time(), time.perf_counter()
-            if ins.action is Action.SETUP:
-                upload = half.setup(ins.round_seed)
-            elif ins.action is Action.TRAIN:
-                upload = half.train(round_, ins.round_seed, received)
-            else:
-                upload = [half.evaluate(round_, received)]
+            upload = run_round(half, ins.action, round_, ins.round_seed, received)
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
             try:

@@ -22,7 +22,7 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.specs import AlgorithmSpec
-from hetfed.wire.traffic import KindCount, TrafficBreakdown, field_sizes, payload_breakdown
+from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
 _Lifted = TypeVar("_Lifted", apb.Update, apb.Instructions)
 _TENSOR_DATA = tpb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -344,7 +344,7 @@ class RoundSummary:
     traffic: tuple[TrafficCount, ...] = ()
     reports: dict[str, EvalMetrics] = field(default_factory=dict)
 
-    def bytes(self, direction: str) -> dict[str, int]:
+    def bytes(self, direction: Direction) -> dict[str, int]:
         """Bytes per payload kind in one direction."""
         out: dict[str, int] = {}
         for t in self.traffic:
@@ -356,13 +356,13 @@ class RoundSummary:
 def summary_traffic(up: TrafficBreakdown, down: TrafficBreakdown) -> tuple[TrafficCount, ...]:
     """The traffic of a round's two directions as TrafficCounts (sorted by kind)."""
     return tuple(
-        TrafficCount(direction, kind, c.bytes, c.messages, c.elements)
-        for direction, tb in (("up", up), ("down", down))
+        TrafficCount(direction.value, kind, c.bytes, c.messages, c.elements)
+        for direction, tb in ((Direction.UP, up), (Direction.DOWN, down))
         for kind, c in sorted(tb.kinds.items())
     )
 
 
-def breakdown_of(traffic: Iterable[TrafficCount], direction: str) -> TrafficBreakdown:
+def breakdown_of(traffic: Iterable[TrafficCount], direction: Direction) -> TrafficBreakdown:
     """The TrafficBreakdown of one direction of a summary's counts."""
     return TrafficBreakdown({t.payload_kind: KindCount(t.bytes, t.messages, t.elements)
                              for t in traffic if t.direction == direction})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -180,7 +180,13 @@ def training_examples(payload: Payload) -> int | None:
     return None
 
 
-P = TypeVar("P")
+class Kinded(Protocol):
+    """A payload class: it declares the kind it carries."""
+
+    kind: PayloadKind
+
+
+P = TypeVar("P", bound=Kinded)
 
 
 class Received:
@@ -200,7 +206,7 @@ class Received:
 
     def get(self, cls: type[P]) -> P:
         """The one payload of type ``cls``; WireError(missing_payload) when absent."""
-        kind: PayloadKind = getattr(cls, "kind")  # noqa: B009 - every payload class declares its kind
+        kind = cls.kind
         items = self._items.get(kind)
         if not items:
             raise WireError("missing_payload", f"the message carries no {kind.value} payload")
@@ -208,12 +214,12 @@ class Received:
 
     def maybe(self, cls: type[P]) -> P | None:
         """The payload of type ``cls``, or None."""
-        items = self._items.get(getattr(cls, "kind"))  # noqa: B009
+        items = self._items.get(cls.kind)
         return items[0] if items else None  # type: ignore[return-value]
 
     def all(self, cls: type[P]) -> tuple[P, ...]:
         """Every payload of type ``cls``, in the order received."""
-        return tuple(self._items.get(getattr(cls, "kind"), ()))  # type: ignore[arg-type]  # noqa: B009
+        return tuple(self._items.get(cls.kind, ()))  # type: ignore[arg-type]
 
     @property
     def kinds(self) -> frozenset[PayloadKind]:

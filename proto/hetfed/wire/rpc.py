@@ -40,7 +40,7 @@ from hetfed.wire.messages import (
 )
 from hetfed.wire.payloads import Payload
 from hetfed.wire.specs import AlgorithmSpec
-from hetfed.wire.traffic import TrafficBreakdown, TrafficMetrics, with_envelope
+from hetfed.wire.traffic import Direction, TrafficBreakdown, TrafficMetrics, with_envelope
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_channel, peer_identity
 
 log = logging.getLogger("hetfed.wire")
@@ -139,7 +139,7 @@ class AggregatorHandler(Protocol):
         """Run ``fn`` where it may block (the handler's worker pool) and await its result."""
         ...
 
-    def count(self, run_id: str, organization: str, round_: int, direction: str, traffic: TrafficBreakdown) -> None:
+    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown) -> None:
         """Record the traffic of one RPC."""
         ...
 
@@ -284,8 +284,8 @@ class AggregatorServicer:
         except Exception as exc:
             failure = self._internal("Join", exc)
         else:
-            self.handler.count(run_id, org, reply.current_round, "up", with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, reply.current_round, "down", with_envelope(TrafficBreakdown(), len(resp)))
+            self.handler.count(run_id, org, reply.current_round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, reply.current_round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
             return resp
         return await self._fail(context, run_id, failure)
 
@@ -307,8 +307,8 @@ class AggregatorServicer:
         else:
             responses, size = built
             # The request is traffic too: an envelope-only message up.
-            self.handler.count(run_id, org, pulled.round, "up", with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, pulled.round, "down",
+            self.handler.count(run_id, org, pulled.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, pulled.round, Direction.DOWN,
                                with_envelope(pulled.encoded.payloads, size, len(responses)))
             for r in responses:
                 yield r
@@ -527,7 +527,7 @@ class AggregatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _count(self, direction: str, b: TrafficBreakdown) -> None:
+    def _count(self, direction: Direction, b: TrafficBreakdown) -> None:
         if self._traffic is not None:
             self._traffic.record(self.run_id, self.algorithm, self.organization, direction, b)
 
@@ -549,8 +549,8 @@ class AggregatorClient:
         resp = self._call("Join", lambda: self._stub.Join(req, metadata=self._metadata, timeout=self._timeout))
         reply = messages.join_reply_from_proto(resp)
         self.algorithm = reply.algorithm
-        self._count("up", with_envelope(TrafficBreakdown(), req.ByteSize()))
-        self._count("down", with_envelope(TrafficBreakdown(), resp.ByteSize()))
+        self._count(Direction.UP, with_envelope(TrafficBreakdown(), req.ByteSize()))
+        self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), resp.ByteSize()))
         return reply
 
     def pull(self, completed_round: int, wait_seconds: float, spec: AlgorithmSpec | None) -> Instructions:
@@ -571,8 +571,8 @@ class AggregatorClient:
 
         data, wire, n = self._call("PullInstructions", call)
         ins, payloads = messages.decode_instructions(data, spec)
-        self._count("up", with_envelope(TrafficBreakdown(), len(raw_req)))
-        self._count("down", with_envelope(payloads, wire, n))
+        self._count(Direction.UP, with_envelope(TrafficBreakdown(), len(raw_req)))
+        self._count(Direction.DOWN, with_envelope(payloads, wire, n))
         return ins
 
     def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None) -> PushReply:
@@ -585,8 +585,8 @@ class AggregatorClient:
         raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count("up", with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
-            self._count("down", with_envelope(TrafficBreakdown(), len(raw)))
+            self._count(Direction.UP, with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
+            self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
     def status(self, run_id: str = "") -> list[RunStatus]:

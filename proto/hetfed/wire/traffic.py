@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -12,6 +13,17 @@ from hetfed.wire import codec
 from hetfed.wire.framing import WIRE_LEN, fields
 
 LABELS = ("run", "algorithm", "organization", "direction", "payload_kind")
+
+
+class Direction(StrEnum):
+    """Which way a message travels: up from an organization to the aggregator, or down to it.
+
+    A string enum: its values are the ``direction`` label of every metric and of Status's traffic counts.
+    """
+
+    UP = "up"
+    DOWN = "down"
+
 ENVELOPE = "envelope"
 
 

@@ -112,7 +112,7 @@ class RunConfig:
 
     def train_config(self) -> TrainConfig:
         """The algorithm's typed, validated config."""
-        return from_mapping(self.spec.config_type, self.algorithm_config, "algorithm_config")
+        return self.spec.parse(self.algorithm_config, "algorithm_config")
 
     def run_info(self) -> RunInfo:
         """What the run's server half is told besides its config."""

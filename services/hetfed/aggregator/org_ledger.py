@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetfed.wire.messages import OrganizationStatus
-from hetfed.wire.traffic import TrafficBreakdown
+from hetfed.wire.traffic import Direction, TrafficBreakdown
 
 
 @dataclass
@@ -39,10 +39,10 @@ class OrganizationLedger:
             return OrganizationCounts(c.last_round_pushed, c.bytes_up, c.bytes_down)
 
     def count(self, organization: str, direction: str, traffic: TrafficBreakdown) -> None:
-        """Add a message's bytes in ``direction`` ("up": from the organization, "down": to it)."""
+        """Add a message's bytes in ``direction`` (a ``Direction``: up from the organization, down to it)."""
         with self._lock:
             c = self._counts.setdefault(organization, OrganizationCounts())
-            if direction == "up":
+            if direction == Direction.UP:
                 c.bytes_up += traffic.total_bytes
             else:
                 c.bytes_down += traffic.total_bytes

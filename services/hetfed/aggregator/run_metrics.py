@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.phases import Phase
-from hetfed.wire.traffic import KindCount
+from hetfed.wire.traffic import Direction, KindCount
 
 if TYPE_CHECKING:
     from hetfed.aggregator.engine import RoundRecord, Run
@@ -115,13 +115,13 @@ class RunMetricsCollector(Collector):
         labels = [run.cfg.id, run.cfg.algorithm]
         totals: dict[tuple[str, str, str], int] = {}
         for rec in records:
-            for direction, tb in (("up", rec.up), ("down", rec.down)):
+            for direction, tb in ((Direction.UP, rec.up), (Direction.DOWN, rec.down)):
                 kinds: dict[str, KindCount] = dict(tb.kinds)
                 for kind, c in kinds.items():
-                    key = (rec.phase.value, direction, kind)
+                    key = (rec.phase.value, direction.value, kind)
                     totals[key] = totals.get(key, 0) + c.bytes
-        for (ph, direction, kind), n in sorted(totals.items()):
-            f["bytes"].add_metric([*labels, ph, direction, kind], n)
+        for (ph, way, kind), n in sorted(totals.items()):
+            f["bytes"].add_metric([*labels, ph, way, kind], n)
         for closed in (Phase.SETUP, Phase.TRAIN, Phase.EVALUATE):
             f["rounds"].add_metric([*labels, closed.value], sum(1 for rec in history if rec.phase is closed))
         model_bytes = run.cfg.fedavg_model_bytes
@@ -130,8 +130,8 @@ class RunMetricsCollector(Collector):
             f["fedavg"].add_metric(labels, ref)
         if history:
             last = history[-1]
-            f["last_bytes"].add_metric([*labels, "up"], last.up.total_bytes)
-            f["last_bytes"].add_metric([*labels, "down"], last.down.total_bytes)
+            f["last_bytes"].add_metric([*labels, Direction.UP], last.up.total_bytes)
+            f["last_bytes"].add_metric([*labels, Direction.DOWN], last.down.total_bytes)
         for rec in reversed(history):
             acc = weighted_accuracy(rec.reports)
             if acc is not None:

@@ -230,7 +230,8 @@ _FROM_TABLE = "(default: the algorithm's, in the table below)"
 def _add_run(sub: Any) -> None:
     from hetfed.client.data import DATASETS, DEFAULT_DATASET, PARTITIONS, TEST_SPLITS
     from hetfed.client.model_registry import MODELS
-    from hetfed.wire.specs import DEFAULT_COMPARISON, SPECS
+    from hetfed.experiments import DEFAULT_COMPARISON
+    from hetfed.wire.specs import SPECS
     from hetfed.wire.specs.base import WireDtype
 
     builtin = [n for n, e in DATASETS.items() if e.builtin]

@@ -3,7 +3,8 @@
 Nothing is simulated: the aggregator and every organization are separate processes started with the same
 ``hetfed aggregator`` / ``hetfed client`` commands a Kubernetes deployment runs, talking gRPC. This module
 knows no algorithm and no dataset: what each needs comes from the registries (``hetfed.wire.specs``, the
-data registry, the model registry), and every choice is validated before any process starts.
+data registry, the model registry) and the experiment side (``hetfed.experiments``: defaults and labels by
+name), and every choice is validated before any process starts.
 
 Defaults are layered, the later winning: the command's own (``BASE``), the dataset's, the algorithm's
 (for every dataset, then for this dataset), and finally what the user gave on the command line.
@@ -31,10 +32,13 @@ from hetfed.aggregator.store import holder_of
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
-from hetfed.wire.config import ConfigError, from_mapping, to_mapping
+from hetfed.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaults, experiment
+from hetfed.wire.config import ConfigError, to_mapping
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import status_of
-from hetfed.wire.specs import DEFAULT_COMPARISON, AlgorithmSpec, LocalDefaults, get_spec
+from hetfed.wire.specs import AlgorithmSpec, get_spec
+from hetfed.wire.specs.base import SharedSpaceConfig
+from hetfed.wire.traffic import Direction
 from hetfed.wire.transport import TlsConfig
 
 if TYPE_CHECKING:
@@ -181,17 +185,18 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             resolve(entry.check)()
         except DatasetUnavailableError as exc:
             raise ConfigError(str(exc)) from None
-    layered = {s.name: s.defaults_for(opts.dataset).over(entry.defaults.over(BASE)) for s in specs}
+    own = dataset_defaults(opts.dataset)
+    layered = {s.name: experiment(s).defaults_for(opts.dataset).over(own.over(BASE)) for s in specs}
     # One partition for every run of the federation: the user's, else the one the algorithms need, else the
     # dataset's.
     partition = opts.partition
     if partition is None:
-        wanted = {s.name: s.defaults_for(opts.dataset).partition for s in specs}
+        wanted = {s.name: experiment(s).defaults_for(opts.dataset).partition for s in specs}
         needs = {p for p in wanted.values() if p is not None}
         if len(needs) > 1:
             raise ConfigError(f"the algorithms need different partitions ({', '.join(sorted(needs))}): "
                               "choose one with --partition")
-        partition = needs.pop() if needs else (entry.defaults.partition or BASE.partition or "")
+        partition = needs.pop() if needs else (own.partition or BASE.partition or "")
         if partition not in entry.partitions:
             who = ", ".join(n for n, p in wanted.items() if p == partition)
             raise ConfigError(f"{who} needs the {partition!r} partition, which dataset {opts.dataset!r} does not "
@@ -221,18 +226,19 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         config: dict[str, Any] = {k: v for k, v in d.config.items() if k in fields}
         config.update({k: v for k, v in opts.train.items() if k in fields})
         config["wire_dtype"] = opts.wire_dtype
-        # Algorithms with one label space or one latent space name them in their config.
-        if "num_classes" in fields and entry.num_classes is not None:
+        # Algorithms with one label space and one latent space carry their widths in their config.
+        shared = issubclass(spec.config_type, SharedSpaceConfig)
+        if shared and entry.num_classes is not None:
             config["num_classes"] = entry.num_classes
-        if "latent_dim" in fields and latent is not None:
+        if shared and latent is not None:
             config["latent_dim"] = latent
         config.update(opts.extra_algorithm_config.get(spec.name, {}))
-        if "latent_dim" in fields:
-            latent = int(config.get("latent_dim", getattr(spec.config_type(), "latent_dim")))  # noqa: B009
         try:
-            from_mapping(spec.config_type, config, f"{spec.name} config")
+            typed = spec.parse(config, f"{spec.name} config")
         except ConfigError as exc:
             raise ConfigError(f"--set: {exc}") from None
+        if isinstance(typed, SharedSpaceConfig):
+            latent = typed.latent_dim
         seed_set = None
         if spec.needs_seed_set:
             seeds = load_seed_set(seed_cfg)
@@ -450,8 +456,8 @@ def summarize_run(status: RunStatus) -> dict[str, Any]:
             "test_accuracy": acc,
             "global_test_accuracy": sum(gaccs) / len(gaccs) if gaccs else None,
             "train_loss": loss,
-            "bytes_up": rec.bytes("up"),
-            "bytes_down": rec.bytes("down"),
+            "bytes_up": rec.bytes(Direction.UP),
+            "bytes_down": rec.bytes(Direction.DOWN),
             "per_organization": {
                 org: {"test_accuracy": m.test_accuracy, "train_loss": m.train_loss,
                       "num_test_examples": m.num_test_examples, **dict(m.extra)}
@@ -475,7 +481,7 @@ def summarize_run(status: RunStatus) -> dict[str, Any]:
             for f in spec.figures
             if orgs and all(f.source in m for m in orgs.values())
         },
-        "figure_labels": {f.key: f.label for f in spec.figures},
+        "figure_labels": {f.key: experiment(spec).label(f.key) for f in spec.figures},
         "bytes_up_total": total_up,
         "bytes_down_total": total_down,
         "bytes_per_train_round": (

@@ -1,6 +1,6 @@
 """Paper reproductions as data: one runner for every algorithm's declared grid, results rendered from JSON.
 
-A grid (``<algorithm>.bench.toml`` beside the algorithm's spec, see ``hetfed.wire.specs``) declares the data
+A grid (``<algorithm>.bench.toml`` in the experiment package, ``hetfed.experiments``) declares the data
 settings, the axes of the grid (for example Dirichlet α), the seeds, the methods compared (an algorithm with
 its models and config), the figures each federation reports, the paper's numbers and the claims. The runner
 starts every federation with the same ``hetfed aggregator`` and ``hetfed client`` processes as ``hetfed
@@ -186,7 +186,7 @@ class Grid:
 
 def grids() -> dict[str, Path]:
     """Every declared reproduction grid, by name (the file's stem)."""
-    folder = resources.files("hetfed.wire.specs")
+    folder = resources.files("hetfed.experiments")
     out = {}
     for entry in folder.iterdir():
         if entry.name.endswith(GRID_SUFFIX):

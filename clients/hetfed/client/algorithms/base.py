@@ -7,6 +7,7 @@ checks the pairing), receives typed payloads (``Received``) and trains through t
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class ClientContext(Generic[C]):
     # algorithms keep a second copy).
     build_model: Callable[[], SplitModel] | None = None
     eval_sets: dict[str, DeviceData] = field(init=False)
+    # Set by the round loop each round: evaluate on the held-out sets, or resend the last evaluation's figures.
+    evaluating: bool = field(default=True, init=False)
+    last_evaluation: EvalMetrics | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.train = DeviceData.of(self.data.train, self.device)
@@ -50,17 +54,27 @@ class ClientContext(Generic[C]):
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
         return np.random.default_rng([self.seed, round_seed, zlib.crc32(self.organization.encode())])
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether ``metrics`` evaluates this round: the round loop asks for it, or nothing was evaluated yet."""
+        return self.evaluating or self.last_evaluation is None
+
     def metrics(self, train_loss: float, evaluated_round: int, extra: Mapping[str, float] | None = None, *,
                 model: nn.Module | None = None,
                 predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EvalMetrics:
         """Evaluate ``model`` (default: the organization's model) on its own test set and every further held-out
-        set the data provides, reported as ``<set>_accuracy`` and ``<set>_loss``, with ``extra`` figures."""
+        set the data provides, reported as ``<set>_accuracy`` and ``<set>_loss``, with ``extra`` figures; in a
+        round the round loop does not evaluate, the last evaluation's figures with this round's loss and extra."""
+        if not self.evaluates:
+            assert self.last_evaluation is not None
+            last = self.last_evaluation
+            return dataclasses.replace(last, train_loss=train_loss, extra={**last.extra, **(extra or {})})
         net = model if model is not None else self.model
         acc, loss = evaluate(net, self.test, predict=predict)
         figures = {"evaluated_round": float(evaluated_round), **(extra or {})}
         for name, data in self.eval_sets.items():
             figures[f"{name}_accuracy"], figures[f"{name}_loss"] = evaluate(net, data, predict=predict)
-        return EvalMetrics(
+        self.last_evaluation = EvalMetrics(
             train_loss=train_loss,
             num_train_examples=len(self.train),
             test_accuracy=acc,
@@ -68,6 +82,7 @@ class ClientContext(Generic[C]):
             num_test_examples=len(self.test),
             extra=figures,
         )
+        return self.last_evaluation
 
 
 def on_device(value: Any, device: torch.device) -> Any:
@@ -110,7 +125,8 @@ class ClientHalf(Generic[C]):
         return []
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
-        """One round of local work on what the aggregator sent; returns the upload."""
+        """One round of local work on what the aggregator sent; returns the upload (its metrics from
+        ``ctx.metrics``, which follows the round loop's evaluation cadence)."""
         raise NotImplementedError
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:

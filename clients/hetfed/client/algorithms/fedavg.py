@@ -53,7 +53,6 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
     def __init__(self, ctx: ClientContext[C]) -> None:
         super().__init__(ctx)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._last_eval: EvalMetrics | None = None
 
     def optimizer(self) -> torch.optim.Optimizer:
         """This round's optimiser over the trainable parameters: a fresh one every round, or the same one
@@ -110,9 +109,7 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         """Evaluate the received global model, then train on it and upload the result."""
         ctx = self.ctx
         self.load(received)
-        if self._last_eval is None or (round_ - 1) % self.config.eval_every == 0:
-            self._last_eval = self.measure(round_ - 1)
-        before = self._last_eval
+        before = self.measure(round_ - 1)
         terms = self.terms()
         result = fit([Objective(ctx.model, self.optimizer(), terms, self.forward)],
                      epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
-
-from hetfed.wire.specs import LocalDefaults
 
 DatasetName = Literal["mnist5k", "fmnist", "digits", "synthetic", "gauss4", "npz"]
 PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated", "rotated_lodo"]
@@ -46,11 +44,11 @@ class PartitionEntry:
 
 @dataclass(frozen=True)
 class DatasetEntry:
-    """A dataset: its partitions, what ``hetfed run`` uses for it by default, and whether it ships built in."""
+    """A dataset: its partitions, its classes, and whether it ships built in (``hetfed run``'s defaults for it
+    are the experiment side's, ``hetfed.experiments``)."""
 
     summary: str
     partitions: Mapping[str, PartitionEntry]
-    defaults: LocalDefaults = field(default_factory=LocalDefaults)
     # Number of classes (None: known only from the files).
     num_classes: int | None = None
     # ``f(workdir, run_id, out_dir) -> Path | None`` drawing a local run's picture from the clients' snapshots.
@@ -88,37 +86,28 @@ DATASETS: dict[str, DatasetEntry] = {
          "rotated": PartitionEntry("hetfed.client.data.rotated:load_rotated",
                                    seed_set="hetfed.client.data.rotated:load_seed_set"),
          "rotated_lodo": PartitionEntry("hetfed.client.data.rotated_lodo:load_rotated_lodo")},
-        LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
     ),
     "fmnist": DatasetEntry(
         "Fashion-MNIST (60,000 + 10,000 images, 28×28) from Debian's dataset-fashion-mnist package",
         {"iid": PartitionEntry("hetfed.client.data.fmnist:load_fmnist"),
          "dirichlet": PartitionEntry("hetfed.client.data.fmnist:load_fmnist")},
-        LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
         check="hetfed.client.data.fmnist:check_available",
     ),
     "digits": DatasetEntry(
         "scikit-learn's 1,797 handwritten digits (8×8)",
         {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES)},
-        LocalDefaults(partition="dirichlet", models=("lenet",)),
         num_classes=10,
     ),
     "synthetic": DatasetEntry(
         "FedProx-style Synthetic(alpha, beta): 60 features, 10 classes, generated per organization",
         {"natural": PartitionEntry("hetfed.client.data.synthetic:load_synthetic")},
-        # The Ditto+MMD paper's setup (Appendix C, Table 3's learning rate for (0.5, 0.5)): 15 rounds of 5 local
-        # epochs, batch 10, SGD with momentum 0.9 and weight decay 1e-3 on Linear(60, 20) → Linear(20, 10).
-        LocalDefaults(partition="natural", models=("linear",), rounds=15,
-                      config={"local_epochs": 5, "batch_size": 10, "lr": 0.01, "momentum": 0.9,
-                              "weight_decay": 0.001}),
         num_classes=10,
     ),
     "gauss4": DatasetEntry(
         "Fed-CMA's 2-D toy: four Gaussian classes, one dominant class per organization, one scarce organization",
         {"natural": PartitionEntry("hetfed.client.data.gauss4:load_gauss4")},
-        LocalDefaults(partition="natural", models=("mlp",), latent_dim=2),
         num_classes=4,
         picture="hetfed.client.diagnostics:plot_gauss4",
     ),
@@ -126,7 +115,6 @@ DATASETS: dict[str, DatasetEntry] = {
         "the organization's own .npz files (train.npz with x, y and optionally domain; optionally test.npz)",
         {"natural": PartitionEntry("hetfed.client.data.npz:load_npz"),
          "domain": PartitionEntry("hetfed.client.data.npz:load_npz")},
-        LocalDefaults(partition="natural"),
         builtin=False,
         needs_path=True,
         path_help="a directory holding train.npz",

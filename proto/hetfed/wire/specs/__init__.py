@@ -1,60 +1,60 @@
 """Algorithm specs: the declared wire contract of every algorithm, shared by aggregator and clients.
 
-One module per algorithm holds its config dataclass and its ``SPEC``; the registry below lists them (adding
-an algorithm adds one line here). The aggregator's server half (numpy) and the client's client half (torch)
-are registered under the same name in their own packages; this package imports neither.
+One module per algorithm holds its config dataclass and its ``SPEC``, which names the algorithm's server
+half and client half as ``"module:Class"`` (imported only by the side that runs them). ``REGISTERED`` below
+is the one registration: adding an algorithm adds its files and one line there. An algorithm kept outside
+hetfed registers the same way through the ``HETFED_ALGORITHMS`` environment variable (comma-separated
+``"module:NAME"`` references, read by every process). Presets (``ditto_cos``, ``fedl2r``, ...) are another
+algorithm's config under their own names. This package imports no half.
 """
 
 from __future__ import annotations
 
-from hetfed.wire.specs import (
-    ditto,
-    fedavg,
-    fedavg_body,
-    fedavg_head,
-    fedcma,
-    fedh2l,
-    fedprox,
-    fedsr,
-    local,
-    simfed,
+import importlib
+import os
+
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, TrainConfig, WireDtype
+
+__all__ = ["REGISTERED", "SPECS", "AlgorithmSpec", "Figure", "TrainConfig", "WireDtype", "get_spec", "register"]
+
+# Every algorithm's spec, as "module:NAME" (one line per algorithm or preset).
+REGISTERED: tuple[str, ...] = (
+    "hetfed.wire.specs.local:SPEC",
+    "hetfed.wire.specs.fedavg:SPEC",
+    "hetfed.wire.specs.fedprox:SPEC",
+    "hetfed.wire.specs.fedavg_head:SPEC",
+    "hetfed.wire.specs.fedcma:SPEC",
+    "hetfed.wire.specs.fedh2l:SPEC",
+    "hetfed.wire.specs.fedsr:SPEC",
+    "hetfed.wire.specs.fedsr:FEDL2R",
+    "hetfed.wire.specs.fedsr:FEDCMI",
+    "hetfed.wire.specs.fedavg_body:SPEC",
+    "hetfed.wire.specs.simfed:SPEC",
+    "hetfed.wire.specs.ditto:SPEC",
+    "hetfed.wire.specs.ditto:COS_SPEC",
+    "hetfed.wire.specs.ditto:MKMMD_SPEC",
+    "hetfed.wire.specs.ditto:MMDD_SPEC",
 )
-from hetfed.wire.specs.base import (
-    ANY_DATASET,
-    AlgorithmSpec,
-    Figure,
-    LocalDefaults,
-    TrainConfig,
-    WireDtype,
-)
+# Further specs from outside hetfed, same form, comma-separated.
+ENVIRONMENT = "HETFED_ALGORITHMS"
 
-__all__ = ["ANY_DATASET", "DEFAULT_COMPARISON", "SPECS", "AlgorithmSpec", "Figure", "LocalDefaults", "TrainConfig", "WireDtype",
-           "get_spec"]
-
-SPECS: dict[str, AlgorithmSpec] = {
-    s.name: s
-    for s in (
-        local.SPEC,
-        fedavg.SPEC,
-        fedprox.SPEC,
-        fedavg_head.SPEC,
-        fedcma.SPEC,
-        fedh2l.SPEC,
-        fedsr.SPEC,
-        fedsr.FEDL2R,
-        fedsr.FEDCMI,
-        fedavg_body.SPEC,
-        simfed.SPEC,
-        ditto.SPEC,
-        ditto.COS_SPEC,
-        ditto.MKMMD_SPEC,
-        ditto.MMDD_SPEC,
-    )
-}
+SPECS: dict[str, AlgorithmSpec] = {}
 
 
-# What ``hetfed run`` compares when the user names no algorithm: the federated baseline against local training.
-DEFAULT_COMPARISON: tuple[str, ...] = (fedavg.SPEC.name, local.SPEC.name)
+def register(reference: str) -> AlgorithmSpec:
+    """Import the spec ``"module:NAME"`` names and add it to ``SPECS`` (each name once); returns it."""
+    module, _, attr = reference.strip().partition(":")
+    spec = getattr(importlib.import_module(module), attr or "SPEC")
+    if not isinstance(spec, AlgorithmSpec):
+        raise TypeError(f"{reference} is not an AlgorithmSpec")
+    if SPECS.get(spec.name, spec) is not spec:
+        raise ValueError(f"algorithm {spec.name!r} is registered twice (again by {reference})")
+    SPECS[spec.name] = spec
+    return spec
+
+
+for _reference in (*REGISTERED, *filter(None, os.environ.get(ENVIRONMENT, "").split(","))):
+    register(_reference)
 
 
 def get_spec(name: str) -> AlgorithmSpec:

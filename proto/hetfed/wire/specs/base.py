@@ -1,8 +1,10 @@
-"""What every algorithm spec is made of: the shared training config, the spec itself, local-run defaults.
+"""What every algorithm spec is made of: the shared training config and the spec itself.
 
-A spec is data: an algorithm's name, its frozen config dataclass, the payload kinds each side may send in
-each phase, the figures it reports and what ``hetfed run`` should use for it on each dataset. The aggregator
-(numpy) and the clients (torch) both read it; this module imports neither.
+A spec says what crosses the wire and no more: an algorithm's name, its frozen config dataclass, the payload
+kinds each side may send in each phase, what stays private, the figures its metrics carry, and where its
+two halves live (``"module:Class"``, imported only by the side that runs them). The aggregator (numpy) and
+the clients (torch) both read it; this module imports neither. Local-run defaults, labels, documentation
+and reproduction grids are the experiment side's (``hetfed.experiments``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from hetfed.wire.config import check
+from hetfed.wire.config import check, from_mapping
 from hetfed.wire.payloads import PayloadKind
 from hetfed.wire.phases import Phase
 
@@ -44,49 +46,54 @@ class TrainConfig:
         check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
 
 
+@dataclass(frozen=True)
+class PeriodicEvalConfig(TrainConfig):
+    """A config that lets the client's round loop evaluate only every ``eval_every`` rounds.
+
+    Rounds in between resend the last evaluation's figures (their ``evaluated_round`` says when it was taken);
+    the final model is always evaluated. Configs without it are evaluated every round.
+    """
+
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
+
+
+@dataclass(frozen=True)
+class SharedSpaceConfig(TrainConfig):
+    """A run whose organizations map into one latent space and one label space: their widths are the run's.
+
+    ``hetfed run`` sets them from the data (classes) and the model choice (latent width); the client runtime
+    builds every encoder to ``latent_dim`` unless the organization's model config says otherwise.
+    """
+
+    latent_dim: int = 32
+    num_classes: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.latent_dim >= 1, f"latent_dim must be >= 1, got {self.latent_dim}")
+        check(self.num_classes >= 2, f"num_classes must be >= 2, got {self.num_classes}")
+
+
 C = TypeVar("C", bound=TrainConfig)
 
 
 @dataclass(frozen=True)
 class Figure:
-    """A figure an algorithm reports, shown by ``hetfed run`` as the mean over organizations.
+    """A figure an algorithm reports, exported by the aggregator under ``key`` (means over organizations too).
 
     ``source`` names the per-organization metric it is read from: ``test_accuracy`` or a key of the
-    reports' extra figures (for example ``cross_test_accuracy``, which data with domains provides).
+    reports' extra figures (for example ``cross_test_accuracy``, which data with domains provides). How a
+    figure is labelled for people is the experiment side's (``hetfed.experiments``).
     """
 
     key: str
-    label: str
     source: str
-    description: str = ""
 
 
-@dataclass(frozen=True)
-class LocalDefaults:
-    """What ``hetfed run`` uses for an algorithm unless the user says otherwise; ``None`` leaves it open.
-
-    ``config`` overrides fields of the algorithm's config (the training knobs included). ``partition`` is the
-    data partition the algorithm needs by default; one ``hetfed run`` shares its data settings across runs.
-    """
-
-    rounds: int | None = None
-    models: tuple[str, ...] = ()
-    latent_dim: int | None = None
-    partition: str | None = None
-    config: Mapping[str, Any] = field(default_factory=dict)
-
-    def over(self, base: LocalDefaults) -> LocalDefaults:
-        """These defaults laid over ``base``: every field set here wins."""
-        return LocalDefaults(
-            rounds=self.rounds if self.rounds is not None else base.rounds,
-            models=self.models or base.models,
-            latent_dim=self.latent_dim if self.latent_dim is not None else base.latent_dim,
-            partition=self.partition if self.partition is not None else base.partition,
-            config={**base.config, **self.config},
-        )
-
-
-ANY_DATASET = "*"
 _METRICS = frozenset({PayloadKind.EVAL_METRICS})
 
 
@@ -114,12 +121,15 @@ class AlgorithmSpec(Generic[C]):
     bounded_latent: bool = False
     # True when every organization must hold the run's shared seed set (its id and SHA-256 are checked at Join).
     needs_seed_set: bool = False
-    # Figures the algorithm reports beyond accuracy, as means over organizations.
+    # Figures the algorithm's metrics carry beyond accuracy (the aggregator exports them by key).
     figures: tuple[Figure, ...] = ()
-    # ``hetfed run`` defaults by dataset name (``ANY_DATASET`` for every dataset; a dataset's entry wins).
-    local_defaults: Mapping[str, LocalDefaults] = field(default_factory=dict)
-    # The algorithm's page under docs/.
-    docs: str = ""
+    # The two halves, as "module:Class": the server half (numpy, in the aggregator) and the client half (torch).
+    server: str = ""
+    client: str = ""
+    # Config fields this name sets over the config type's defaults (a preset of another algorithm's config).
+    presets: Mapping[str, Any] = field(default_factory=dict)
+    # The algorithm this spec is a preset of ("" for an algorithm of its own).
+    preset_of: str = ""
 
     def __post_init__(self) -> None:
         if not self.required_upload <= self.upload:
@@ -130,6 +140,11 @@ class AlgorithmSpec(Generic[C]):
             raise ValueError(f"{self.name}: repeated download kinds must be download kinds")
         if not dataclasses.is_dataclass(self.config_type) or not issubclass(self.config_type, TrainConfig):
             raise ValueError(f"{self.name}: config_type must be a TrainConfig dataclass")
+        for side, ref in (("server", self.server), ("client", self.client)):
+            module, _, cls = ref.partition(":")
+            if not module or not cls:
+                raise ValueError(f"{self.name}: {side} must name its half as 'module:Class', got {ref!r}")
+        self.config()  # the presets are fields of the config type, with valid values
 
     def uploads(self, phase: Phase) -> tuple[frozenset[PayloadKind], frozenset[PayloadKind]]:
         """(allowed, required) upload kinds in ``phase``."""
@@ -146,16 +161,24 @@ class AlgorithmSpec(Generic[C]):
         """Setup when the algorithm uploads something once before round 1, else training."""
         return Phase.SETUP if self.setup_upload else Phase.TRAIN
 
-    def defaults_for(self, dataset: str) -> LocalDefaults:
-        """The local-run defaults on ``dataset`` (its own entry over the every-dataset entry)."""
-        base = self.local_defaults.get(ANY_DATASET, LocalDefaults())
-        own = self.local_defaults.get(dataset)
-        return own.over(base) if own is not None else base
+    @property
+    def family(self) -> str:
+        """The algorithm whose halves and documentation this spec shares: itself, or the one it presets."""
+        return self.preset_of or self.name
 
     def config(self, **fields: Any) -> C:
-        """A config instance (validated by the dataclass)."""
-        return self.config_type(**fields)
+        """A config instance (validated by the dataclass): the presets, then ``fields``."""
+        return self.config_type(**{**self.presets, **fields})
+
+    def parse(self, data: Mapping[str, Any], where: str = "config") -> C:
+        """The typed config from a table (TOML, JSON): the presets, then the table's fields, checked."""
+        return from_mapping(self.config_type, {**self.presets, **data}, where)
 
     def derive(self, **changes: Any) -> AlgorithmSpec[Any]:
-        """A new spec from this one (for example FedProx from FedAvg: another name and config type)."""
+        """A new spec from this one (for example FedProx from FedAvg: another name, config type and client)."""
         return dataclasses.replace(self, **changes)
+
+    def preset(self, name: str, summary: str, **fields: Any) -> AlgorithmSpec[C]:
+        """This algorithm under another name whose config defaults are ``fields`` (same halves, same wire)."""
+        return dataclasses.replace(self, name=name, summary=summary, presets={**self.presets, **fields},
+                                   preset_of=self.family)

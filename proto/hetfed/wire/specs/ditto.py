@@ -4,7 +4,7 @@ Personalized FL"): the spec, its config and the named variants ``ditto_cos``, ``
 Each organization keeps a global model w_G, averaged by the server exactly as FedAvg averages its model, and
 a personal model w_L that never leaves it, trained on cross-entropy + (λ/2)·‖w_L − w̄‖² + μ·Σ_ℓ D(f_ℓ(b; θ_L),
 f_ℓ(b; θ̄)) (eq. 4). The wire contract is FedAvg's: only w_G's ModelWeights and EvalMetrics go up. The
-variants differ only in their defaults (the paper's Table 3 for Synthetic(0.5, 0.5)); one client half serves
+variants are presets of Ditto's config (the paper's Table 3 for Synthetic(0.5, 0.5)); one client half serves
 them all, and constraint-only (λ = 0) or Ditto-only (μ = 0) are configurations.
 """
 
@@ -15,7 +15,7 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.specs import fedavg
-from hetfed.wire.specs.base import Figure, LocalDefaults
+from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
 Measure = Literal["none", "cosine", "mkmmd", "mmdd"]
@@ -82,67 +82,23 @@ class DittoConfig(FedAvgConfig):
               f"mkmmd_beta_init must be uniform or random, got {self.mkmmd_beta_init!r}")
 
 
-@dataclass(frozen=True)
-class DittoCosConfig(DittoConfig):
-    """Ditto + the cosine baseline, with the paper's Table 3 values for Synthetic(0.5, 0.5)."""
-
-    lam: float = 0.01
-    measure: Measure = "cosine"
-    mu: float = 1.0
-
-
-@dataclass(frozen=True)
-class DittoMkMmdConfig(DittoConfig):
-    """Ditto + MK-MMD refit every 20 steps on s = 50 batches (MK-MMD₂₀), with the paper's Table 3 values."""
-
-    lam: float = 0.01
-    measure: Measure = "mkmmd"
-    mu: float = 1.0
-
-
-@dataclass(frozen=True)
-class DittoMmdDConfig(DittoConfig):
-    """Ditto + MMD-D refit every 20 steps on s = 50 batches, with the paper's Table 3 values."""
-
-    lam: float = 0.01
-    measure: Measure = "mmdd"
-    mu: float = 1.0
-
-
-# The paper's Appendix C setup for Synthetic: 15 rounds of 5 local epochs, batch 10, SGD with momentum 0.9 and
-# weight decay 1e-3, Linear(60, 20) → Linear(20, 10); the learning rate of its Table 3 for (0.5, 0.5).
-SYNTHETIC = LocalDefaults(
-    rounds=15, models=("linear",), latent_dim=20,
-    config={"local_epochs": 5, "batch_size": 10, "lr": 0.01, "momentum": 0.9, "weight_decay": 0.001},
-)
-
 SPEC = fedavg.SPEC.derive(
     name="ditto",
     summary="Ditto with latent drift constraints: a personal model per organization, never sent, held near the "
     "averaged global model (Li et al. 2021; Ayromlou and Emerson); only the global model crosses the wire.",
     config_type=DittoConfig,
-    figures=(
-        Figure("global", "global model", "global_model_test_accuracy",
-               "the averaged global model w̄ on each organization's own test set (FedAvg's model)"),
-    ),
-    local_defaults={"synthetic": SYNTHETIC},
-    docs="algorithms/ditto.md",
+    figures=(Figure("global", "global_model_test_accuracy"),),
+    client="hetfed.client.algorithms.ditto:DittoClient",
 )
 
-COS_SPEC = SPEC.derive(
-    name="ditto_cos",
-    summary="Ditto + cosine drift: ditto with measure cosine, lam 0.01, mu 1",
-    config_type=DittoCosConfig,
-)
-
-MKMMD_SPEC = SPEC.derive(
-    name="ditto_mkmmd",
-    summary="Ditto + MK-MMD drift: ditto with measure mkmmd refit every 20 steps, lam 0.01, mu 1",
-    config_type=DittoMkMmdConfig,
-)
-
-MMDD_SPEC = SPEC.derive(
-    name="ditto_mmdd",
-    summary="Ditto + MMD-D drift: ditto with measure mmdd (a deep kernel) refit every 20 steps, lam 0.01, mu 1",
-    config_type=DittoMmdDConfig,
-)
+# The paper's Table 3 values for Synthetic(0.5, 0.5): λ = 0.01 and μ = 1 with each drift measure.
+COS_SPEC = SPEC.preset("ditto_cos", "Ditto + cosine drift: ditto with measure cosine, lam 0.01, mu 1",
+                       lam=0.01, measure="cosine", mu=1.0)
+# MK-MMD refit every 20 steps on s = 50 batches (MK-MMD₂₀).
+MKMMD_SPEC = SPEC.preset("ditto_mkmmd",
+                         "Ditto + MK-MMD drift: ditto with measure mkmmd refit every 20 steps, lam 0.01, mu 1",
+                         lam=0.01, measure="mkmmd", mu=1.0)
+# MMD-D refit every 20 steps on s = 50 batches.
+MMDD_SPEC = SPEC.preset("ditto_mmdd",
+                        "Ditto + MMD-D drift: ditto with measure mmdd (a deep kernel) refit every 20 steps, lam 0.01, "
+                        "mu 1", lam=0.01, measure="mmdd", mu=1.0)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, PeriodicEvalConfig, TrainConfig
 
 Aggregation = Literal["mean", "trimmed_mean", "median"]
 NormPolicy = Literal["refuse", "clip"]
@@ -46,7 +46,7 @@ class AveragingConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class FedAvgConfig(AveragingConfig):
+class FedAvgConfig(AveragingConfig, PeriodicEvalConfig):
     """FedAvg: the server averages whole models weighted by example counts (or uniformly)."""
 
     # "examples": weight each organization's model by its number of training examples (McMahan et al.);
@@ -56,13 +56,9 @@ class FedAvgConfig(AveragingConfig):
     # Keep each organization's optimiser state (SGD momentum) from round to round instead of starting a fresh
     # optimiser every round (what reference implementations that never rebuild their optimiser do).
     keep_optimizer_state: bool = False
-    # Evaluate the received model every this many rounds (rounds in between resend the last evaluation's
-    # figures, whose ``evaluated_round`` says when it was taken); the final model is always evaluated.
-    eval_every: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
         check(self.weighting in ("examples", "uniform"),
               f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
 
@@ -75,4 +71,6 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.MODEL_WEIGHTS, K.EVAL_METRICS}),
     download=frozenset({K.MODEL_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
+    server="hetfed.aggregator.algorithms.fedavg:FedAvgServer",
+    client="hetfed.client.algorithms.fedavg:FedAvgClient",
 )

@@ -21,4 +21,5 @@ SPEC = fedavg.SPEC.derive(
     name="fedavg_body",
     summary="FedAvg of the body: encoders averaged, classifier heads kept local (FedPer style).",
     config_type=FedAvgBodyConfig,
+    client="hetfed.client.algorithms.fedavg_body:FedAvgBodyClient",
 )

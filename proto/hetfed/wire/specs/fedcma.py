@@ -11,11 +11,11 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, SharedSpaceConfig
 
 
 @dataclass(frozen=True)
-class FedCMAConfig(TrainConfig):
+class FedCMAConfig(SharedSpaceConfig):
     """Fed-CMA (class-conditional moment alignment, eqs. 5-7): latent width, label space and the λ's.
 
     The server's EMA steps are λ1·η (global head v̄) and λ2·η (global class means ē); the paper
@@ -28,9 +28,8 @@ class FedCMAConfig(TrainConfig):
     lambda2: float = 0.5
     # η in eq. 7 (the server step): v̄ ← (1 - λ1η)·v̄ + λ1η·Σ p_i v_i, likewise ē with λ2.
     server_lr: float = 0.9
-    # d_e and K: every organization's encoder maps into [0, 1]^d_e; the head is Linear(d_e, K).
-    latent_dim: int = 32
-    num_classes: int = 10
+    # d_e and K (``latent_dim``, ``num_classes`` of SharedSpaceConfig): every organization's encoder maps into
+    # [0, 1]^d_e; the head is Linear(d_e, K).
     # b: points per class in the fixed batches B_i^k (b_i^k = min(b, n_i^k)), chosen once per organization.
     class_batch_size: int = 16
     # "paper": eq. 5 over the fixed batches B_i^k with p weights; "reference": the reference code's form
@@ -51,8 +50,6 @@ class FedCMAConfig(TrainConfig):
             step = getattr(self, name) * self.server_lr
             check(0 < step <= 1, f"{name}·server_lr must lie in (0, 1] (eq. 7), got {getattr(self, name)}·"
                                  f"{self.server_lr} = {step:g}")
-        check(self.latent_dim >= 1, f"latent_dim must be >= 1, got {self.latent_dim}")
-        check(self.num_classes >= 2, f"num_classes must be >= 2, got {self.num_classes}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
         check(self.alignment in ("paper", "reference"), f"alignment must be 'paper' or 'reference', got {self.alignment!r}")
         check(self.head_consensus in ("paper", "reference"),
@@ -73,16 +70,7 @@ SPEC = AlgorithmSpec(
     setup_upload=frozenset({K.CLASS_COUNTS}),
     model_private=True,
     bounded_latent=True,
-    figures=(
-        Figure("global_head", "encoder + v̄", "global_head_test_accuracy",
-               "each organization's private encoder with the global head v̄, on its own test set"),
-    ),
-    local_defaults={
-        # The point of Fed-CMA is heterogeneous encoders: organizations alternate a CNN and an MLP.
-        ANY_DATASET: LocalDefaults(models=("fedgen_cnn", "mlp"), latent_dim=32),
-        "synthetic": LocalDefaults(models=("mlp",)),
-        # The 2-D toy: a 2-D latent space to draw, and enough local steps for the alignment to act.
-        "gauss4": LocalDefaults(models=("mlp",), latent_dim=2, rounds=30, config={"lr": 0.1, "local_steps": 10}),
-    },
-    docs="algorithms/fedcma.md",
+    figures=(Figure("global_head", "global_head_test_accuracy"),),
+    server="hetfed.aggregator.algorithms.fedcma:FedCMAServer",
+    client="hetfed.client.algorithms.fedcma:FedCMAClient",
 )

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, Optimizer, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, Optimizer, PeriodicEvalConfig
 
 
 @dataclass(frozen=True)
-class FedH2LConfig(TrainConfig):
+class FedH2LConfig(PeriodicEvalConfig):
     """FedH2L: mutual distillation on a shared seed set, relayed by the aggregator.
 
     ``lr`` is the local step size β and ``global_lr`` the mutual-learning step size η (0: same as lr); each
@@ -45,7 +45,6 @@ class FedH2LConfig(TrainConfig):
         check(self.local_steps >= 1, f"local_steps (E) must be >= 1, got {self.local_steps}")
         check(self.global_lr >= 0, f"global_lr must be >= 0, got {self.global_lr}")
         check(self.peers_per_round >= 0, f"peers_per_round must be >= 0, got {self.peers_per_round}")
-        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
 
 
 SPEC = AlgorithmSpec(
@@ -59,16 +58,8 @@ SPEC = AlgorithmSpec(
     repeated_download=frozenset({K.SEED_POSTERIORS}),
     model_private=True,
     needs_seed_set=True,
-    figures=(
-        Figure("wdp", "WDP", "test_accuracy", "within-domain performance: accuracy on the own domain's test set"),
-        Figure("cdp", "CDP", "cross_test_accuracy", "cross-domain performance: the other domains' test sets"),
-        Figure("acc", "ACC", "global_test_accuracy", "accuracy on every domain's test set"),
-    ),
-    local_defaults={
-        # One round is one iteration of Algorithm 1 (one local and one mutual-learning step), so many rounds;
-        # four different architectures, as the paper mixes networks; its own optimiser (AMSGrad, lr 1e-3).
-        ANY_DATASET: LocalDefaults(rounds=500, models=("lenet", "mlp", "fedgen_cnn", "lenet_wide"),
-                                   partition="rotated", config={"lr": 1e-3, "momentum": 0.0}),
-    },
-    docs="algorithms/fedh2l.md",
+    figures=(Figure("wdp", "test_accuracy"), Figure("cdp", "cross_test_accuracy"),
+             Figure("acc", "global_test_accuracy")),
+    server="hetfed.aggregator.algorithms.fedh2l:FedH2LServer",
+    client="hetfed.client.algorithms.fedh2l:FedH2LClient",
 )

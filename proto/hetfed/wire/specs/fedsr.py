@@ -4,7 +4,7 @@ Each organization trains a probabilistic encoder p(z|x) = N(μ(x), σ(x)²) and 
 sample z with two regularisers: L2R, α_L2R·mean‖z‖² (eq. 11), and the conditional mutual information
 bound CMI, α_CMI·mean KL(p(z|x) ‖ r(z|y)) with a learnable per-class Gaussian r (eq. 18). The server is
 FedAvg of the whole model, uniform over the source organizations. FedL2R and FedCMI (one regulariser
-each) are configurations of the same halves, registered under their own names with other defaults.
+each) are presets of FedSR's config under their own names: the same halves, other defaults.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.specs import fedavg
-from hetfed.wire.specs.base import ANY_DATASET, Figure, LocalDefaults
+from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
 
@@ -63,53 +63,22 @@ class FedSRConfig(FedAvgConfig):
               "shared_reference needs the CMI term (alpha_cmi > 0): without it there is no reference r to share")
 
 
-@dataclass(frozen=True)
-class FedL2RConfig(FedSRConfig):
-    """FedL2R: FedSR's L2R term alone, on the deterministic network (paper §3.3.2)."""
-
-    alpha_cmi: float = 0.0
-    probabilistic: bool = False
-
-
-@dataclass(frozen=True)
-class FedCMIConfig(FedSRConfig):
-    """FedCMI: FedSR's CMI term alone, on the probabilistic network."""
-
-    alpha_l2r: float = 0.0
-
-
-# The training knobs hetfed run's own defaults would otherwise set (its lr, batch size, epochs).
-_SCHEDULE = {"local_steps": 5, "batch_size": 64, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
-
 SPEC = fedavg.SPEC.derive(
     name="fedsr",
     summary="FedSR (Nguyen et al. 2022): probabilistic representations with L2 norm and conditional mutual "
     "information regularisers, uniform FedAvg of the whole model; domain generalisation.",
     config_type=FedSRConfig,
-    figures=(
-        Figure("target", "target acc", "target_test_accuracy",
-               "accuracy on the held-out target domain (every organization holds the same global model)"),
-        Figure("source_val", "source val acc", "test_accuracy",
-               "accuracy on the organizations' own validation splits (what settings are chosen on)"),
-    ),
-    local_defaults={
-        ANY_DATASET: LocalDefaults(config=_SCHEDULE),
-        # Rotated MNIST leave one domain out with the paper's network (z = 64) and 100 rounds of E = 5 steps.
-        "mnist5k": LocalDefaults(rounds=100, models=("rmnist_cnn",), latent_dim=64, partition="rotated_lodo"),
-    },
-    docs="algorithms/fedsr.md",
+    figures=(Figure("target", "target_test_accuracy"), Figure("source_val", "test_accuracy")),
+    client="hetfed.client.algorithms.fedsr:FedSRClient",
 )
 
-FEDL2R = SPEC.derive(
-    name="fedl2r",
-    summary="FedL2R (FedSR's ablation): the L2 norm regulariser alone on the deterministic network.",
-    config_type=FedL2RConfig,
-    docs="algorithms/fedsr.md",
+# FedL2R (paper §3.3.2): FedSR's L2R term alone, on the deterministic network.
+FEDL2R = SPEC.preset(
+    "fedl2r", "FedL2R (FedSR's ablation): the L2 norm regulariser alone on the deterministic network.",
+    alpha_cmi=0.0, probabilistic=False,
 )
 
-FEDCMI = SPEC.derive(
-    name="fedcmi",
-    summary="FedCMI (FedSR's ablation): the conditional mutual information regulariser alone.",
-    config_type=FedCMIConfig,
-    docs="algorithms/fedsr.md",
+# FedCMI: FedSR's CMI term alone, on the probabilistic network.
+FEDCMI = SPEC.preset(
+    "fedcmi", "FedCMI (FedSR's ablation): the conditional mutual information regulariser alone.", alpha_l2r=0.0,
 )

@@ -21,4 +21,6 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.EVAL_METRICS}),
     download=frozenset(),
     model_private=True,
+    server="hetfed.aggregator.algorithms.local:LocalServer",
+    client="hetfed.client.algorithms.local:LocalClient",
 )

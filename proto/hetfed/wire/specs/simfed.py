@@ -14,7 +14,7 @@ from typing import Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import ANY_DATASET, AlgorithmSpec, Figure, LocalDefaults, TrainConfig
+from hetfed.wire.specs.base import AlgorithmSpec, Figure, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -91,17 +91,7 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.FACTORIZED_WEIGHTS, K.CRITERIA_EMBEDDINGS, K.EVAL_METRICS}),
     download=frozenset({K.FACTORIZED_WEIGHTS}),
     model_private=True,
-    figures=(
-        Figure("mask_density", "sent mask density", "mask_density",
-               "share of the mask entries an organization sent in its last upload"),
-        Figure("trained_mask_density", "trained mask density", "trained_mask_density",
-               "share of the non-zero entries of the mask an organization trained (sent or not)"),
-    ),
-    local_defaults={
-        # The paper's SGD (no momentum, lr 5e-2, batch 128); 5 local epochs per round so that 20 rounds train
-        # MNIST-5k's small organizations about as far as the tuning runs needed (docs/algorithms/simfed.md).
-        ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20,
-                                   config={"local_epochs": 5, "lr": 0.05, "momentum": 0.0, "batch_size": 128}),
-    },
-    docs="algorithms/simfed.md",
+    figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density")),
+    server="hetfed.aggregator.algorithms.simfed:SimFedServer",
+    client="hetfed.client.algorithms.simfed:SimFedClient",
 )

@@ -11,7 +11,6 @@ same update as autograd through the penalty). Upload: w_G's ModelWeights and the
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,15 +21,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetfed.client.algorithms.base import ClientContext
-from hetfed.client.algorithms.ditto.losses import (
-    CosineDrift,
-    MkMmdLoss,
-    MmdDLoss,
-    RefitSchedule,
-    add_proximal_gradient,
-    forward_with_layers,
-    named_layer,
-)
+from hetfed.client.algorithms.ditto.cosine import CosineDrift
+from hetfed.client.algorithms.ditto.features import RefitSchedule, forward_with_layers, named_layer
+from hetfed.client.algorithms.ditto.mkmmd import MkMmdLoss
+from hetfed.client.algorithms.ditto.mmdd import MmdDLoss
+from hetfed.client.algorithms.ditto.penalty import add_proximal_gradient
 from hetfed.client.algorithms.fedavg import ModelAveragingClient, model_weights
 from hetfed.client.models import SplitModel
 from hetfed.client.training import (
@@ -266,20 +261,14 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         ctx = self.ctx
         self.load(received)
         self.reference.load_state_dict(ctx.model.state_dict())  # θ̄ ← w̄, copied in place (stays frozen)
-        measured = self._last_eval is None or (round_ - 1) % self.config.eval_every == 0
-        global_before = self.global_accuracy() if measured else 0.0
+        # w̄ is scored before training, in the rounds the round loop evaluates (others resend the last figures).
+        global_before = {"global_model_test_accuracy": self.global_accuracy()} if ctx.evaluates else {}
         global_objective = Objective(ctx.model, self.optimizer(), [self.classification()])
         result = fit([global_objective, self.personal_objective(round_seed)],
                      epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
         losses = {"global_train_loss": result.losses[0]}
-        if measured:
-            extra = {"global_model_test_accuracy": global_before, **losses}
-            self._last_eval = ctx.metrics(result.losses[1], evaluated_round=round_, extra=extra, model=self.personal)
-            metrics = self._last_eval
-        else:  # eval_every: resend the last evaluation's figures (its evaluated_round says when) with this round's losses
-            assert self._last_eval is not None
-            metrics = dataclasses.replace(self._last_eval, train_loss=result.losses[1],
-                                          extra={**self._last_eval.extra, **losses})
+        metrics = ctx.metrics(result.losses[1], evaluated_round=round_, extra={**global_before, **losses},
+                              model=self.personal)
         return [model_weights(ctx.model, len(ctx.train)), metrics]
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:

@@ -1,44 +1,28 @@
-"""Ditto's drift measures (MK-MMD, MMD-D, cosine) against hand-computed and float64 loop references."""
+"""MK-MMD (§3.3): its estimates and covariance against float64 loops, the kernel-weight QP, refits."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
 import pytest
 import torch
 from scipy import optimize
-from torch import nn
 from torch.nn import functional as F
 
-from hetfed.client.algorithms.ditto import losses as ditto_losses
-from hetfed.client.algorithms.ditto.losses import (
-    KERNEL_DTYPE,
-    CosineDrift,
+from hetfed.client.algorithms.ditto import kernels, mkmmd
+from hetfed.client.algorithms.ditto.kernels import paper_gammas
+from hetfed.client.algorithms.ditto.mkmmd import (
     KernelQpError,
     MkMmdLoss,
-    MmdDLoss,
-    RefitSchedule,
     choose_kernel_weights,
-    forward_with_features,
-    gather_features,
     mkmmd_covariance,
     mkmmd_estimates,
     mkmmd_statistics,
-    mmd2_unbiased,
-    mmd2_variance,
     nonnegative_qp,
     pair_statistics,
-    paper_gammas,
     solve_kernel_qp,
-    squared_distances,
 )
-from hetfed.client.models import SplitModel
-
-# --------------------------------------------------------------------------------------------------
-# float64 loop references
-# --------------------------------------------------------------------------------------------------
 
 
 def _k(a: np.ndarray, b: np.ndarray, gamma: float, form: str) -> float:
@@ -71,16 +55,22 @@ def _rows(seed: int, n: int, dim: int, shift: float = 0.0) -> torch.Tensor:
     return torch.randn(n, dim, generator=g, dtype=torch.float64) + shift
 
 
-# --------------------------------------------------------------------------------------------------
-# MK-MMD: kernels, estimates, Q̂
-# --------------------------------------------------------------------------------------------------
-
-
-def test_paper_gammas_are_the_19_powers_of_two_from_minus_3_5_to_1() -> None:
-    g = paper_gammas()
-    assert g.dtype == torch.float64 and g.numel() == 19
-    assert float(g[0]) == pytest.approx(2.0**-3.5, rel=1e-15) and float(g[-1]) == 2.0
-    assert torch.allclose(g[1:] / g[:-1], torch.full((18,), 2.0**0.25, dtype=torch.float64), rtol=0, atol=1e-15)
+def _random_qp_case(rng: np.random.Generator, case: int) -> tuple[np.ndarray, np.ndarray]:
+    if case % 2 == 0:  # Q̂ and d̂ from real features at a random shift and width
+        n, dim = int(rng.integers(6, 14)), int(rng.integers(2, 8))
+        x = torch.from_numpy(rng.normal(size=(n, dim)))
+        y = torch.from_numpy(rng.normal(size=(n, dim)) * rng.uniform(0.5, 2.0) + rng.uniform(0.0, 1.0))
+        d_hat, q_hat = MkMmdLoss(normalize_features=bool(case % 4)).statistics(x, y)
+        d, q = d_hat.numpy(), q_hat.numpy()
+        if not (d > 0).any():
+            d = np.abs(d)
+        return d, q
+    k = 19
+    basis = rng.normal(size=(k, int(rng.integers(1, 25))))
+    q = basis @ basis.T * 10.0 ** rng.uniform(-5, 0)  # PSD, often rank-deficient, of varied scale
+    d = rng.normal(size=k) * 10.0 ** rng.uniform(-4, 0)
+    d[int(rng.integers(k))] = abs(d[int(rng.integers(k))]) + 1e-3  # at least one positive entry
+    return d, q
 
 
 @pytest.mark.parametrize("form", ["rate", "scale"])
@@ -134,23 +124,11 @@ def test_mkmmd_statistics_chunks_merge_exactly(monkeypatch: pytest.MonkeyPatch) 
     # Chunks of 4 pairs over 15 (and the squaring path on the paper's grid) give the one-chunk figures.
     x, y = _rows(5, 6, 3), _rows(6, 6, 3, shift=0.2)
     whole = mkmmd_statistics(x, y, paper_gammas(), "rate", "biased")
-    monkeypatch.setattr(ditto_losses, "_STATISTICS_CHUNK", 4)
-    monkeypatch.setattr(ditto_losses, "_SQUARING_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(mkmmd, "_STATISTICS_CHUNK", 4)
+    monkeypatch.setattr(kernels, "_SQUARING_MIN_ELEMENTS", 1)
     parts = mkmmd_statistics(x, y, paper_gammas(), "rate", "biased")
     np.testing.assert_allclose(parts[0].numpy(), whole[0].numpy(), rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(parts[1].numpy(), whole[1].numpy(), rtol=1e-11, atol=1e-15)
-
-
-@pytest.mark.parametrize("form", ["rate", "scale"])
-def test_rbf_squaring_path_equals_exp_on_three_distances(form: str) -> None:
-    # k_{j+4} = k_j² on the 2^{p/4} grid: the squared values against math.exp on three hand-picked distances.
-    sq = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64).repeat(2000)  # over the size threshold
-    got = ditto_losses._rbf(sq, paper_gammas(), form)
-    assert ditto_losses._doubling_period(paper_gammas() if form == "rate" else 1.0 / paper_gammas()) == 4
-    for j, g in enumerate(paper_gammas().tolist()):
-        for i, d in enumerate((0.0, 0.5, 3.0)):
-            want = math.exp(-g * d) if form == "rate" else math.exp(-d / g)
-            assert float(got[j, i]) == pytest.approx(want, rel=1e-14, abs=0.0)
 
 
 def test_mkmmd_module_normalises_rows_and_weights_kernels_by_beta() -> None:
@@ -189,11 +167,6 @@ def test_mkmmd_rejects_unequal_samples_and_bad_options() -> None:
         MkMmdLoss(epsilon=0.0)
 
 
-# --------------------------------------------------------------------------------------------------
-# The kernel-weight QP
-# --------------------------------------------------------------------------------------------------
-
-
 def test_qp_by_hand_isotropic_diagonal_and_active_constraint() -> None:
     eps = 1e-3
     # Q̂ = 0: min ε‖β‖² on d̂ᵀβ = 1 gives β = d̂/‖d̂‖².
@@ -209,24 +182,6 @@ def test_qp_by_hand_isotropic_diagonal_and_active_constraint() -> None:
     # A negative d̂_j only lowers the constraint: d̂ = (1, −1), Q̂ = 0 gives β = (1, 0).
     np.testing.assert_allclose(solve_kernel_qp(np.array([1.0, -1.0]), np.zeros((2, 2)), eps), [1.0, 0.0],
                                atol=1e-14)
-
-
-def _random_qp_case(rng: np.random.Generator, case: int) -> tuple[np.ndarray, np.ndarray]:
-    if case % 2 == 0:  # Q̂ and d̂ from real features at a random shift and width
-        n, dim = int(rng.integers(6, 14)), int(rng.integers(2, 8))
-        x = torch.from_numpy(rng.normal(size=(n, dim)))
-        y = torch.from_numpy(rng.normal(size=(n, dim)) * rng.uniform(0.5, 2.0) + rng.uniform(0.0, 1.0))
-        d_hat, q_hat = MkMmdLoss(normalize_features=bool(case % 4)).statistics(x, y)
-        d, q = d_hat.numpy(), q_hat.numpy()
-        if not (d > 0).any():
-            d = np.abs(d)
-        return d, q
-    k = 19
-    basis = rng.normal(size=(k, int(rng.integers(1, 25))))
-    q = basis @ basis.T * 10.0 ** rng.uniform(-5, 0)  # PSD, often rank-deficient, of varied scale
-    d = rng.normal(size=k) * 10.0 ** rng.uniform(-4, 0)
-    d[int(rng.integers(k))] = abs(d[int(rng.integers(k))]) + 1e-3  # at least one positive entry
-    return d, q
 
 
 def test_qp_matches_a_general_solver_on_random_cases() -> None:
@@ -355,211 +310,6 @@ def test_refit_outcomes_on_the_module() -> None:
     other = MkMmdLoss()
     other.load_state_dict(loss.state_dict())
     assert torch.equal(other.beta, before)
-
-
-# --------------------------------------------------------------------------------------------------
-# MMD-D
-# --------------------------------------------------------------------------------------------------
-
-
-def _loop_mmd_and_var(kxx: np.ndarray, kyy: np.ndarray, kxy: np.ndarray) -> tuple[float, float]:
-    n = kxx.shape[0]
-    h = [[kxx[i, j] + kyy[i, j] - kxy[i, j] - kxy[j, i] for j in range(n)] for i in range(n)]
-    mmd = sum(h[i][j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
-    rows = [sum(h[i]) for i in range(n)]
-    total = sum(rows)
-    var = 4.0 / n**3 * sum(r * r for r in rows) - 4.0 / n**4 * total**2 + 1e-8
-    return mmd, var
-
-
-def test_mmd_estimate_and_variance_by_hand_on_two_points() -> None:
-    kxx = torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
-    kyy = torch.tensor([[1.0, 0.25], [0.25, 1.0]], dtype=torch.float64)
-    kxy = torch.tensor([[0.5, 0.125], [0.0, 0.5]], dtype=torch.float64)
-    # H = [[1, 0.625], [0.625, 1]]: MMD²_u = (0.625 + 0.625)/2; rows 1.625 each, total 3.25
-    assert float(mmd2_unbiased(kxx, kyy, kxy)) == 0.625
-    want_var = 4 / 8 * (2 * 1.625**2) - 4 / 16 * 3.25**2 + 1e-8
-    assert float(mmd2_variance(kxx, kyy, kxy)) == pytest.approx(want_var, rel=1e-15, abs=1e-18)
-
-
-@pytest.mark.parametrize("form", ["paper", "liu"])
-def test_mmdd_kernel_estimate_and_variance_match_a_float64_loop(form: str) -> None:
-    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
-    x = _rows(7, 6, 3)
-    y = _rows(8, 6, 3, shift=0.5)
-    kxx, kyy, kxy = loss.kernel_matrices(x, y)
-    # the kernel itself, row by row
-    with torch.no_grad():
-        phi = loss.featurizer(torch.cat([x, y])).numpy()
-    z = torch.cat([x, y]).numpy()
-    eps, (s_phi, s_q) = loss.epsilon, loss.sigmas
-    assert eps == pytest.approx(0.2, rel=1e-12) and s_phi == pytest.approx(0.5) and s_q == pytest.approx(4.0)
-
-    def kw(a: int, b: int) -> float:
-        deep = math.exp(-float(((phi[a] - phi[b]) ** 2).sum()) / s_phi)
-        q = math.exp(-float(((z[a] - z[b]) ** 2).sum()) / s_q)
-        return (1 - eps) * deep + eps * q if form == "paper" else ((1 - eps) * deep + eps) * q
-
-    full = np.array([[kw(a, b) for b in range(12)] for a in range(12)])
-    np.testing.assert_allclose(kxx.numpy(), full[:6, :6], rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(kyy.numpy(), full[6:, 6:], rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(kxy.numpy(), full[:6, 6:], rtol=1e-12, atol=1e-15)
-    want_mmd, want_var = _loop_mmd_and_var(full[:6, :6], full[6:, 6:], full[:6, 6:])
-    assert float(loss(x, y)) == pytest.approx(want_mmd, rel=1e-12, abs=1e-15)
-    mmd2, var = (v.detach() for v in loss.objective(x, y))
-    assert float(mmd2) == pytest.approx(want_mmd, rel=1e-12, abs=1e-15)
-    assert float(var) == pytest.approx(want_var, rel=1e-12, abs=1e-15)
-
-
-@pytest.mark.parametrize("form", ["paper", "liu"])
-def test_mmdd_shuffled_criterion_is_the_objective_on_the_shuffled_pairs(form: str) -> None:
-    # The refit's criterion (row sums, no permuted matrices) equals MMD²_u/σ̂ of (x, y[perm]), value and gradient.
-    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
-    x, y = _rows(7, 6, 3), _rows(8, 6, 3, shift=0.5)
-    perm = torch.tensor([2, 0, 5, 1, 4, 3])
-    mmd2, var = loss.objective(x, y[perm])
-    want = mmd2 / torch.sqrt(var.clamp_min(1e-8))
-    z = torch.cat([x, y])
-    got = loss.shuffled_criterion(z, squared_distances(z, z), perm)
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
-    params = list(loss.parameters())
-    for a, b in zip(torch.autograd.grad(want, params), torch.autograd.grad(got, params), strict=True):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-9, atol=1e-12)
-
-
-def test_mmdd_training_moves_the_kernel_and_its_state_persists() -> None:
-    loss = MmdDLoss(4, sigma_phi_init=1.0, seed=0)
-    x = _rows(9, 40, 4)
-    y = _rows(10, 40, 4, shift=0.8)
-    before = {k: v.clone() for k, v in loss.state_dict().items()}
-    values = loss.train_kernel(x, y, steps=40)
-    assert len(values) == 40 and all(math.isfinite(v) for v in values)
-    assert values[-1] > values[0]  # ascent on MMD²/σ̂
-    after = loss.state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert all(p.grad is None for p in loss.parameters())  # training leaves no stale gradients
-    clone = MmdDLoss(4, sigma_phi_init=1.0, seed=123)
-    clone.load_state_dict(after)
-    assert float(clone(x, y)) == float(loss(x, y))
-    assert loss.train_kernel(x, y, steps=0) == []
-
-
-def test_mmdd_forward_sends_gradients_to_features_only() -> None:
-    loss = MmdDLoss(4, sigma_phi_init=1.0)
-    x = _rows(11, 8, 4).float().requires_grad_(True)
-    y = _rows(12, 8, 4, shift=0.5).float()
-    value = loss(x, y)
-    assert value.dtype == torch.float32
-    value.backward()
-    assert x.grad is not None and float(x.grad.abs().sum()) > 0
-    assert all(p.grad is None for p in loss.parameters())
-
-
-def test_mmdd_rejects_bad_options_and_unequal_samples() -> None:
-    with pytest.raises(ValueError, match="kernel_form"):
-        MmdDLoss(4, kernel_form="product")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="epsilon_init"):
-        MmdDLoss(4, epsilon_init=1.0)
-    with pytest.raises(ValueError, match="train_steps"):
-        MmdDLoss(4, train_steps=-1)
-    with pytest.raises(ValueError, match="same size"):
-        MmdDLoss(4)(torch.zeros(5, 4), torch.zeros(6, 4))
-
-
-# --------------------------------------------------------------------------------------------------
-# Cosine and the Ditto local step
-# --------------------------------------------------------------------------------------------------
-
-
-def test_cosine_drift_by_hand() -> None:
-    f_l = torch.tensor([[1.0, 0.0], [1.0, 1.0], [2.0, 0.0]])
-    f_g = torch.tensor([[0.0, 1.0], [2.0, 2.0], [-1.0, 0.0]])
-    # cos = 0, 1, −1: mean 0, so the term is 1
-    assert float(CosineDrift()(f_l, f_g)) == pytest.approx(1.0, abs=1e-7)
-    assert float(CosineDrift()(f_l[:2], f_g[:2])) == pytest.approx(0.5, abs=1e-7)
-    with pytest.raises(ValueError, match="one shape"):
-        CosineDrift()(f_l, f_g[:2])
-
-
-def _split_model(seed: int) -> SplitModel:
-    torch.manual_seed(seed)
-    return SplitModel(nn.Linear(6, 4), latent_dim=4, num_classes=3)
-
-
-@pytest.mark.parametrize("measure", ["cos", "mkmmd", "mmdd"])
-def test_ditto_local_step_reaches_the_local_model_only(measure: str) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(10, 6)
-    labels = torch.randint(0, 3, (10,))
-    w_global = _split_model(1)  # w_G: trained by its own CE step, never by the local loss
-    received = copy.deepcopy(w_global).requires_grad_(False).eval()  # the frozen copy θ̄ of w̄
-    w_local = copy.deepcopy(w_global)
-    with torch.no_grad():  # a local model that has drifted
-        for p in w_local.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    drift: nn.Module = {"cos": CosineDrift(), "mkmmd": MkMmdLoss(), "mmdd": MmdDLoss(4, sigma_phi_init=1.0)}[measure]
-    lam, mu = 0.1, 1.0
-    logits, f_local = forward_with_features(w_local, "", x)
-    _, f_frozen = forward_with_features(received, "", x)
-    prox = sum((p - r).pow(2).sum() for p, r in zip(w_local.parameters(), received.parameters(), strict=True))
-    term = mu * drift(f_local, f_frozen)
-    loss = F.cross_entropy(logits, labels) + 0.5 * lam * prox + term
-    loss.backward()
-    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in w_local.parameters())
-    assert all(p.grad is None for p in w_global.parameters())
-    assert all(p.grad is None for p in received.parameters())
-    assert all(p.grad is None for p in drift.parameters())
-    # the drift term alone reaches the encoder (the constrained layer), not the head
-    w_local.zero_grad(set_to_none=True)
-    _, f_local = forward_with_features(w_local, "", x)
-    (mu * drift(f_local, f_frozen)).backward()
-    assert w_local.encoder.weight.grad is not None and float(w_local.encoder.weight.grad.abs().sum()) > 0
-    assert w_local.head.weight.grad is None
-
-
-def test_forward_with_features_by_layer_name_matches_embed() -> None:
-    model = _split_model(2)
-    x = torch.randn(5, 6)
-    out, feats = forward_with_features(model, "encoder", x)
-    out2, feats2 = forward_with_features(model, "", x)
-    assert torch.equal(out, model(x)) and torch.equal(out, out2)
-    assert torch.equal(feats, model.embed(x)) and torch.equal(feats, feats2)
-    with pytest.raises(ValueError, match=r"no layer 'linear_9'.*encoder"):
-        forward_with_features(model, "linear_9", x)
-    with pytest.raises(ValueError, match="embed"):
-        forward_with_features(nn.Sequential(nn.Linear(6, 2)), "", x)
-
-
-def test_gather_features_is_gradient_free_in_eval_mode_and_restores_modes() -> None:
-    local = nn.Sequential(nn.Linear(6, 4), nn.Dropout(0.5), nn.Linear(4, 3)).train()
-    ref = copy.deepcopy(local).eval()
-    batches = [torch.randn(10, 6) for _ in range(5)]
-    f_l, f_r = gather_features(local, ref, "1", batches, max_batches=3)
-    assert f_l.shape == (30, 4) and not f_l.requires_grad
-    assert torch.equal(f_l, f_r)  # eval mode: dropout off, so equal weights give equal features
-    assert local.training and not ref.training
-    with pytest.raises(ValueError, match="max_batches"):
-        gather_features(local, ref, "1", batches, max_batches=0)
-
-
-def test_refit_schedule() -> None:
-    every20 = RefitSchedule(20, 50)
-    assert [s for s in range(45) if every20.due(s)] == [0, 20, 40]
-    each = RefitSchedule(-1, 1)
-    assert each.per_step and not any(each.due(s) for s in range(5))
-    for bad in ({"every": 0}, {"every": -2}, {"batches": 0}, {"every": True}):
-        with pytest.raises(ValueError, match="refit"):
-            RefitSchedule(**bad)  # type: ignore[arg-type]
-
-
-def test_kernel_dtype_is_float64() -> None:
-    assert KERNEL_DTYPE is torch.float64
-    assert MmdDLoss(3).featurizer[0].weight.dtype == torch.float64
-
-
-# --------------------------------------------------------------------------------------------------
-# The reference code's forms (issue 23): the QP's shift and fallback, β's random start
-# --------------------------------------------------------------------------------------------------
 
 
 def test_fl4health_qp_form_on_a_diagonal_three_kernel_case_by_hand() -> None:

@@ -1,0 +1,220 @@
+"""Fed-CMA's client half (Algorithm 1, worker side): eq. 5 through the shared training loop.
+
+The encoder g_i (any architecture, sigmoid-bounded into [0, 1]^d_e) never leaves the organization.
+Setup: send the class counts n_i^k and fix one batch B_i^k of b_i^k = min(b, n_i^k) examples per class.
+Each round: take ē and v̄ from the instructions (the first v̄ received initialises the head), train
+with cross-entropy + (λ1/2)·p_i·||v_i - v̄||² + (λ2/2)·Σ_k (p_i^k/b_i^k)·Σ_{x∈B_i^k} ||g_i(x) - ē^k||²
+(the alignment skipped for classes whose ē^k is not set, so entirely while ē is all zero), then upload
+the class means over B_i^k (eval mode, no grad) and the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.fedcma.losses import (
+    BatchMeanSquaredAlignment,
+    ClassMeanAlignment,
+    HeadConsensusTerm,
+)
+from hetfed.client.data import class_counts
+from hetfed.client.training import (
+    Batch,
+    DeviceData,
+    Forward,
+    LossTerm,
+    Objective,
+    cross_entropy,
+    epoch_batches,
+    eval_mode,
+    evaluate,
+    fit,
+    make_optimizer,
+    trainable,
+)
+from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, Received
+from hetfed.wire.specs.fedcma import FedCMAConfig
+
+# Stream of (run seed, organization) that draws the fixed batches B_i^k: the same after a restart.
+_BATCH_STREAM = 0xB1C
+
+
+class FedCMAClient(ClientHalf[FedCMAConfig]):
+    """Fed-CMA worker: private encoder and head, class-conditional alignment to the global means."""
+
+    # What the server sent last (the next round's consensus and alignment targets) and whether v̄⁰ was taken;
+    # the fixed batches B_i^k are drawn again from the run seed, identically.
+    private_attributes = ("_head_initialised", "global_means", "global_present", "class_totals", "global_head")
+
+    def __init__(self, ctx: ClientContext[FedCMAConfig]) -> None:
+        super().__init__(ctx)
+        self.cfg = ctx.config
+        self.counts = class_counts(ctx.data.train.y, ctx.data.num_classes)
+        self._batch: DeviceData | None = None
+        self._batch_sizes = np.zeros(ctx.data.num_classes, dtype=np.int64)
+        self._head_initialised = False
+        # What the server sent last: ē [K, d_e], its presence, the class totals Σ_j n_j^k, v̄.
+        self.global_means: torch.Tensor | None = None
+        self.global_present: torch.Tensor | None = None
+        self.class_totals: np.ndarray | None = None
+        self.global_head: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _check_model(self) -> None:
+        model, k = self.ctx.model, self.ctx.data.num_classes
+        if model.latent_dim != self.cfg.latent_dim or k != self.cfg.num_classes:
+            raise ValueError(
+                f"Fed-CMA run expects latent_dim={self.cfg.latent_dim} and num_classes={self.cfg.num_classes}; "
+                f"this organization's model has latent_dim={model.latent_dim} and its data {k} classes "
+                "(set model.latent_dim in the client config, or latent_dim/num_classes in the run's config)"
+            )
+
+    def fixed_batch(self) -> DeviceData:
+        """B_i = ∪_k B_i^k: b_i^k = min(b, n_i^k) examples of each class, drawn once from the run seed."""
+        if self._batch is None:
+            rng = np.random.default_rng([self.ctx.seed, _BATCH_STREAM, zlib.crc32(self.ctx.organization.encode())])
+            y = self.ctx.data.train.y
+            chosen = []
+            for k in range(self.ctx.data.num_classes):
+                idx = np.flatnonzero(y == k)
+                take = min(self.cfg.class_batch_size, idx.size)
+                self._batch_sizes[k] = take
+                chosen.append(np.sort(rng.choice(idx, size=take, replace=False)) if take else idx[:0])
+            sel = torch.as_tensor(np.concatenate(chosen), device=self.ctx.device)
+            self._batch = DeviceData(self.ctx.train.x[sel], self.ctx.train.y[sel])
+        return self._batch
+
+    def setup(self, round_seed: int) -> list[Payload]:
+        """Send n_i^k once and fix the per-class batches."""
+        self._check_model()
+        self.fixed_batch()
+        return [ClassCounts(self.counts.copy())]
+
+    # ------------------------------------------------------------------ rounds
+    def _receive(self, received: Received) -> None:
+        dev = self.ctx.device
+        cme = received.maybe(ClassMeanEmbeddings)
+        if cme is not None:
+            self.global_means = torch.as_tensor(np.array(cme.means, dtype=np.float32), device=dev)
+            self.global_present = torch.as_tensor(np.array(cme.presence, dtype=bool), device=dev)
+            self.class_totals = np.array(cme.counts, dtype=np.int64)
+        hw = received.maybe(HeadWeights)
+        if hw is not None:
+            weight = torch.as_tensor(np.array(hw.weight, dtype=np.float32), device=dev)
+            bias = torch.as_tensor(np.array(hw.bias, dtype=np.float32), device=dev)
+            self.global_head = (weight, bias)
+            if not self._head_initialised:  # the common initialisation v̄⁰ (Algorithm 1's setup)
+                with torch.no_grad():
+                    self.ctx.model.head.weight.copy_(weight)
+                    self.ctx.model.head.bias.copy_(bias)
+                self._head_initialised = True
+
+    def p_weights(self) -> tuple[np.ndarray, float]:
+        """(p_i^k [K], p_i) from this organization's counts and the federation's class totals."""
+        totals = self.class_totals if self.class_totals is not None else self.counts
+        n = self.counts.astype(np.float64)
+        p_class = np.divide(n, totals, out=np.zeros_like(n), where=totals > 0)
+        p_org = float(n.sum() / totals.sum()) if totals.sum() > 0 else 0.0
+        return p_class, p_org
+
+    def alignment_active(self) -> bool:
+        """Whether any ē^k is set (the alignment term is skipped while ē is all zero)."""
+        return (
+            self.global_means is not None
+            and self.global_present is not None
+            and bool(self.global_present.any())
+            and bool(self.global_means.abs().sum() > 0)
+        )
+
+    def terms(self) -> list[LossTerm]:
+        """Eq. 5 as loss terms: cross-entropy, the head consensus to v̄, the alignment to ē (when active)."""
+        dev = self.ctx.device
+        p_class, p_org = self.p_weights()
+        paper = self.cfg.alignment == "paper"
+        net = self.ctx.model
+        terms: list[LossTerm] = [cross_entropy]
+        if self.global_head is not None:
+            scale = 0.5 * self.cfg.lambda1 * p_org if self.cfg.head_consensus == "paper" else self.cfg.lambda1
+            head_term = HeadConsensusTerm(scale, *self.global_head)
+            terms.append(lambda batch, out: head_term(net.head.weight, net.head.bias))
+        if self.alignment_active():
+            assert self.global_means is not None and self.global_present is not None
+            if paper:
+                fixed = self.fixed_batch()
+                sizes = np.maximum(self._batch_sizes, 1).astype(np.float64)
+                weight = torch.as_tensor(p_class / sizes, dtype=torch.float32, device=dev)
+                align = ClassMeanAlignment(self.cfg.lambda2, self.global_means, weight, self.global_present)
+
+                def over_fixed_batches(batch: Batch, out: Forward) -> torch.Tensor:
+                    if self.cfg.alignment_bn == "eval":
+                        with eval_mode(net):
+                            return align(net.embed(fixed.x), fixed.y)
+                    return align(net.embed(fixed.x), fixed.y)
+
+                terms.append(over_fixed_batches)
+            else:
+                current = BatchMeanSquaredAlignment(self.cfg.lambda2, self.global_means, self.global_present)
+                terms.append(lambda batch, out: current(net.embed(batch.x), batch.y))
+        return terms
+
+    @torch.no_grad()
+    def class_means(self) -> ClassMeanEmbeddings:
+        """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows."""
+        batch = self.fixed_batch()
+        model = self.ctx.model
+        with eval_mode(model):
+            z = model.embed(batch.x).double()
+        k = self.ctx.data.num_classes
+        sums = torch.zeros(k, z.shape[1], dtype=torch.float64, device=z.device).index_add_(0, batch.y, z)
+        sizes = torch.as_tensor(self._batch_sizes, dtype=torch.float64, device=z.device)
+        means = (sums / sizes.clamp(min=1)[:, None]).cpu().numpy().astype(np.float32)
+        counts = self._batch_sizes.copy()
+        return ClassMeanEmbeddings(np.arange(k, dtype=np.int64), means, counts, counts > 0)
+
+    def head(self) -> HeadWeights:
+        """v_i: the head's weight and bias."""
+        head = self.ctx.model.head
+        return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
+                           len(self.ctx.train))
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This round's optimiser: the same one throughout with ``keep_optimizer_state`` (the reference code's),
+        else a fresh one every round."""
+        if self._optimizer is None or not self.cfg.keep_optimizer_state:
+            self._optimizer = make_optimizer(trainable(self.ctx.model), self.cfg)
+        return self._optimizer
+
+    def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
+        """Evaluate after the download (FedGen's protocol), run eq. 6 on eq. 5 for the round's local steps,
+        then upload e_i (over B_i^k) and v_i."""
+        ctx = self.ctx
+        self._check_model()
+        self._receive(received)
+        active = self.alignment_active()
+        # The model as the round starts (its own weights and the head v̄⁰ sets in round 1) and its encoder with
+        # the v̄ just received: the figures of round - 1, so every round's v̄ is scored (top-N statistics).
+        scored = {"global_head_test_accuracy": self._global_head_accuracy()} if ctx.evaluates else {}
+        before = ctx.metrics(0.0, evaluated_round=round_ - 1, extra={**scored, "alignment_active": float(active)})
+        result = fit([Objective(ctx.model, self.optimizer(), self.terms())],
+                     epoch_batches(ctx.train, self.cfg, ctx.rng(round_seed)))
+        return [self.class_means(), self.head(), dataclasses.replace(before, train_loss=result.loss)]
+
+    def _global_head_accuracy(self) -> float:
+        if self.global_head is None or len(self.ctx.test) == 0:
+            return 0.0
+        model, head = self.ctx.model, self.global_head
+        return evaluate(model, self.ctx.test,
+                        predict=lambda x: torch.log_softmax(F.linear(model.embed(x), *head), dim=1))[0]
+
+    def evaluate(self, round_: int, received: Received) -> EvalMetrics:
+        """The organization's own model (private encoder, personal head); also its encoder with v̄."""
+        self._receive(received)
+        return self.ctx.metrics(0.0, evaluated_round=round_ - 1,
+                                extra={"global_head_test_accuracy": self._global_head_accuracy()})
