@@ -51,7 +51,7 @@ from hetfed.wire.messages import (
 from hetfed.wire.payloads import EvalMetrics, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.rpc import Pulled, clip
-from hetfed.wire.traffic import TrafficBreakdown
+from hetfed.wire.traffic import Direction, TrafficBreakdown
 
 __all__ = ["PER_ORGANIZATION_INSTRUCTIONS", "WAKE_BATCH", "Changes", "Limits", "RoundRecord", "Run", "_wake_batches"]
 
@@ -189,14 +189,14 @@ class Run:
         """The WAIT instructions of the open round (lock-free: the event loop answers an expired long-poll)."""
         return self.instructions.wait(self.round)
 
-    def record_traffic(self, organization: str, round_: int, direction: str, b: TrafficBreakdown) -> None:
+    def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown) -> None:
         """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
         self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
         self.ledger.count(organization, direction, b)
         with self._traffic_lock:
             current = self.current
             if round_ == current.round:
-                (current.up if direction == "up" else current.down).add(b)
+                (current.up if direction is Direction.UP else current.down).add(b)
 
     # ----------------------------------------------------------------- push
     def admit_push(self, organization: str, round_: int) -> None:

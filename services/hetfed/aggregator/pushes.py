@@ -18,7 +18,7 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.messages import ParsedUpdate, PushReply
 from hetfed.wire.payloads import Received
 from hetfed.wire.phases import Phase
-from hetfed.wire.traffic import TrafficBreakdown, with_envelope
+from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 if TYPE_CHECKING:
     from hetfed.aggregator.engine import Run
@@ -68,8 +68,8 @@ def sync_and_fold(run: Run, organization: str, round_: int, digest: bytes, recei
         run._apply_locked(rs.accept(run.state, run.rules, organization, round_, digest), received)
         reply = PushReply(accepted=True, duplicate=False, round=round_)
         # Counted before the round can close, so both belong to this round's record.
-        run.record_traffic(organization, round_, "up", up)
-        run.record_traffic(organization, round_, "down", with_envelope(TrafficBreakdown(), messages.push_reply_size(reply)))
+        run.record_traffic(organization, round_, Direction.UP, up)
+        run.record_traffic(organization, round_, Direction.DOWN, with_envelope(TrafficBreakdown(), messages.push_reply_size(reply)))
         # The update is durable: it is acknowledged even when the close it completes must be retried.
         run._try_close_locked()
         crash_point("push.acknowledged")

@@ -33,7 +33,7 @@ from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
 from hetfed.wire.rpc import Caller, Pulled, clip
-from hetfed.wire.traffic import TrafficBreakdown, with_envelope
+from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
 T = TypeVar("T")
@@ -294,7 +294,7 @@ class AggregatorService:
             with contextlib.suppress(RuntimeError):  # the pool is shut down: Run.close commits it
                 self._executor.submit(run.commit_pending)
 
-    def count(self, run_id: str, organization: str, round_: int, direction: str, traffic: TrafficBreakdown) -> None:
+    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown) -> None:
         """Record the traffic of one RPC."""
         run = self.runs.get(run_id)
         if run is not None:
