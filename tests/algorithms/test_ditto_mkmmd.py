@@ -257,6 +257,29 @@ def test_refit_and_forward_is_refit_then_forward() -> None:
     assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
 
 
+@pytest.mark.parametrize(("estimator", "form"), [("unbiased", "rate"), ("biased", "scale"), ("biased", "rate")])
+def test_per_step_path_matches_the_float64_loop_and_the_pair_statistics_gradient(estimator: str, form: str) -> None:
+    # The per-batch path (one distance matrix and one kernel stack over [x; y], weights per block) gives the
+    # loop's d̂, the QP's β on the loop's d̂ and Q̂, and the gradient of the per-block pair statistics.
+    x, y = _rows(21, 7, 3), _rows(22, 7, 3, shift=0.3)
+    gammas = paper_gammas()
+    loss = MkMmdLoss(normalize_features=False, bandwidth_form=form, estimator=estimator)  # type: ignore[arg-type]
+    want_d, want_q = _loop_estimates_and_cov(x.numpy(), y.numpy(), gammas.tolist(), form, estimator)
+    np.testing.assert_allclose(loss.per_kernel(x, y).detach().numpy(), want_d, rtol=1e-12, atol=1e-14)
+    xa = x.clone().requires_grad_(True)
+    value = loss.refit_and_forward(xa, y)
+    want_beta, how = choose_kernel_weights(want_d, want_q, np.full(19, 1 / 19))
+    assert loss.last_refit == how
+    np.testing.assert_allclose(loss.beta.numpy(), want_beta, rtol=1e-10, atol=1e-13)
+    assert float(value) == pytest.approx(float((want_beta * want_d).sum()), rel=1e-10, abs=1e-15)
+    xb = x.clone().requires_grad_(True)
+    old = (loss.beta * mkmmd_estimates(pair_statistics(xb, y, gammas, form), estimator)).sum()  # type: ignore[arg-type]
+    value.backward()
+    old.backward()
+    assert xa.grad is not None and xb.grad is not None
+    np.testing.assert_allclose(xa.grad.numpy(), xb.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
 def test_nonnegative_qp_solves_the_bound_constrained_problem() -> None:
     a = np.array([[2.0, 1.0], [1.0, 2.0]])
     np.testing.assert_allclose(nonnegative_qp(a, np.array([1.0, 1.0])), [1 / 3, 1 / 3], rtol=1e-14)
