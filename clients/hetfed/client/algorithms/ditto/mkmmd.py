@@ -26,6 +26,7 @@ from hetfed.client.algorithms.ditto.kernels import (
     as_feature_pair,
     check_choice,
     check_positive,
+    doubling_period,
     paper_gammas,
     rbf,
     squared_distances,
@@ -115,26 +116,54 @@ def mkmmd_statistics(x: torch.Tensor, y: torch.Tensor, gammas: torch.Tensor, for
     i, k = torch.triu_indices(n, n, offset=1, device=x.device)
     dxx, dyy, dxy = squared_distances(x, x), squared_distances(y, y), squared_distances(x, y)
     upper = torch.stack([dxx[i, k], dyy[i, k], dxy[i, k], dxy[k, i]])  # (4, n(n−1)/2)
-    # Weighted groups (values, weight per value): each off-diagonal pair twice; the diagonal once if biased.
-    groups: list[tuple[torch.Tensor, float]] = []
-    for start in range(0, upper.shape[1], _STATISTICS_CHUNK):
-        kern = rbf(upper[:, start:start + _STATISTICS_CHUNK], gammas, form)  # (d, 4, chunk)
-        groups.append((kern[:, 0] + kern[:, 1] - kern[:, 2] - kern[:, 3], 2.0))
-    if estimator == "biased":  # k(x_i, x_i) = k(y_i, y_i) = 1, so h_j(i, i) = 2 − 2·k_j(x_i, y_i)
-        groups.append((2.0 - 2.0 * rbf(dxy.diagonal().unsqueeze(0), gammas, form)[:, 0], 1.0))
+    # Kernels in ascending rate order (so that the squaring path fills whole groups), put back at the end.
+    rates = gammas if form == "rate" else 1.0 / gammas
+    order = torch.argsort(rates.detach().cpu()).to(gammas.device)
+    sorted_gammas = gammas[order]
+    period = doubling_period(rates)
     count = 0.0
     mean = x.new_zeros(d)
     m2 = x.new_zeros((d, d))
-    for h, w in groups:
+
+    def merge(h: torch.Tensor, w: float) -> None:
+        # Chan et al.'s exact merge of a group of values (d, m), each counted w times, into (count, mean, m2)
+        nonlocal count, mean, m2
         nb = w * h.shape[1]
         mb = h.mean(dim=1)
-        c = h - mb.unsqueeze(1)
+        c = h.sub_(mb.unsqueeze(1))
         delta = mb - mean
         total = count + nb
         m2 = m2 + w * (c @ c.transpose(0, 1)) + torch.outer(delta, delta) * (count * nb / total)
         mean = mean + delta * (nb / total)
         count = total
-    return mean, m2 / (count - 1)
+
+    # Each off-diagonal pair counts twice (h is symmetric); each chunk is merged while it is in cache.
+    for start in range(0, upper.shape[1], _STATISTICS_CHUNK):
+        merge(_pair_h(upper[:, start:start + _STATISTICS_CHUNK], sorted_gammas, form, period), 2.0)
+    if estimator == "biased":  # k(x_i, x_i) = k(y_i, y_i) = 1, so h_j(i, i) = 2 − 2·k_j(x_i, y_i)
+        merge(2.0 - 2.0 * rbf(dxy.diagonal().unsqueeze(0), sorted_gammas, form)[:, 0], 1.0)
+    back = torch.argsort(order)
+    return mean[back], (m2 / (count - 1))[back][:, back]
+
+
+def _pair_h(upper: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm, period: int) -> torch.Tensor:
+    """h_j = k_j(d_xx) + k_j(d_yy) − k_j(d_xy) − k_j(d_yx) for the four distance rows of ``upper``: (d, m).
+
+    ``gammas`` in ascending rate order; when the rates double every ``period`` kernels, only the first
+    ``period`` call exp and each later group of kernels is the square of the group before it (in one op).
+    """
+    if period == 0:
+        kern = rbf(upper, gammas, form)
+    else:
+        rates = gammas if form == "rate" else 1.0 / gammas
+        d = gammas.numel()
+        kern = torch.empty((d, *upper.shape), dtype=torch.result_type(upper, rates), device=upper.device)
+        torch.exp(upper.unsqueeze(0) * -rates[:period].view(-1, 1, 1), out=kern[:period])
+        for g in range(period, d, period):
+            e = min(g + period, d)
+            torch.mul(kern[g - period:e - period], kern[g - period:e - period], out=kern[g:e])
+    h = kern[:, 0].clone()
+    return h.add_(kern[:, 1]).sub_(kern[:, 2]).sub_(kern[:, 3])
 
 
 class KernelQpError(RuntimeError):
