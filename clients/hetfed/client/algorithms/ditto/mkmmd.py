@@ -240,6 +240,46 @@ def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter
     raise KernelQpError(f"nonnegative_qp did not converge in {limit} iterations")
 
 
+def block_pivoting_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, warm: np.ndarray | None = None,
+                      max_iter: int = 100) -> np.ndarray | None:
+    """argmin_z ½·zᵀAz − bᵀz subject to z ≥ 0 by block principal pivoting, or None if it does not settle.
+
+    The same problem and KKT point as :func:`nonnegative_qp` (the LCP w = Az − b ≥ 0, z ≥ 0, zᵀw = 0, whose
+    solution is unique for a positive definite A), found by exchanging every infeasible index at once
+    (Júdice and Pires 1994; Portugal, Júdice and Vicente 1994): one linear solve per iteration and usually two
+    or three iterations, where the one-index-at-a-time active set takes about six (issue 23's profile). After
+    three exchanges that do not reduce the infeasible count it moves one index per iteration (Murty's rule),
+    which ends in finitely many steps. ``a`` and ``b`` must already be checked (finite, A positive definite).
+    """
+    n = b.size
+    passive = np.zeros(n, dtype=bool) if warm is None else np.asarray(warm, dtype=bool).copy()
+    best, budget = n + 1, 3
+    z = np.zeros(n)
+    for _ in range(max_iter):
+        idx = np.flatnonzero(passive)
+        z = np.zeros(n)
+        if idx.size:
+            try:
+                z[idx] = np.linalg.solve(a[idx][:, idx], b[idx])
+            except np.linalg.LinAlgError:
+                return None
+        w = a @ z - b
+        bad = (passive & (z < 0.0)) | (~passive & (w < -tol))
+        count = int(bad.sum())
+        if count == 0:
+            return z
+        if count < best:
+            best, budget = count, 3
+            passive ^= bad
+        elif budget > 0:
+            budget -= 1
+            passive ^= bad
+        else:
+            j = int(np.flatnonzero(bad)[-1])
+            passive[j] = not passive[j]
+    return None
+
+
 def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD_QP_EPSILON,
                     warm: np.ndarray | None = None) -> np.ndarray:
     """argmin_β βᵀ(Q̂ + εI)β subject to β ≥ 0 and d̂ᵀβ = 1 (§3.3), solved exactly.
@@ -262,7 +302,10 @@ def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD
         np.linalg.cholesky(a)
     except np.linalg.LinAlgError as exc:
         raise KernelQpError(f"Q̂ + εI is not positive definite: {exc}") from exc
-    z = nonnegative_qp(a, d / float(d.max()), warm=warm)  # β is invariant to the scale of d̂
+    b = d / float(d.max())  # β is invariant to the scale of d̂
+    z = block_pivoting_qp(a, b, warm=warm)
+    if z is None:  # not settled: the one-index active set, which always ends
+        z = nonnegative_qp(a, b, warm=warm)
     t = float(d @ z)
     if not (t > 0.0 and math.isfinite(t)):
         raise KernelQpError(f"the kernel QP produced d̂ᵀz = {t}")
