@@ -454,26 +454,44 @@ class MkMmdLoss(nn.Module):
 
     @torch.no_grad()
     def _set_beta(self, d_hat: torch.Tensor, q_hat: torch.Tensor) -> RefitOutcome:
-        beta, how = choose_kernel_weights(
-            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon, self.qp_form
-        )
-        self.beta.copy_(torch.as_tensor(beta, dtype=self.beta.dtype))
-        self.last_refit = how
-        return how
+        return self._set_beta_np(d_hat.cpu().numpy(), q_hat.cpu().numpy())
 
     def refit_and_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Refit β on these samples, then Σ_j β_j·d̂_j(x, y): :meth:`refit` and :meth:`forward` on the same batch
-        (MK-MMD₋₁) with the kernels computed once; the same values as the two calls (to rounding)."""
+        (MK-MMD₋₁) with the kernels computed once; the same values as the two calls (to rounding).
+
+        d̂ and Q̂ for the QP come from the kernel stack in numpy: on a 10-row batch every torch call costs more
+        than its arithmetic (issue 23's profile).
+        """
         k = self._kernel_stack(x, y)
         d_hat = self._estimates_from_stack(k)
+        d0 = d_hat.detach().cpu().numpy()
+        kn = k.detach().cpu().numpy()
+        n = kn.shape[1] // 2
+        kxy = kn[:, :n, n:]
+        h = (kn[:, :n, :n] + kn[:, n:, n:] - kxy - kxy.transpose(0, 2, 1)).reshape(kn.shape[0], n * n)
+        if self.estimator == "unbiased":
+            h = h[:, _off_diagonal(n)]
+        centred = h - d0[:, None]
+        self._set_beta_np(d0, (centred @ centred.T) / (h.shape[1] - 1))
+        return torch.dot(self.beta.detach(), d_hat).to(x.dtype)
+
+    def _set_beta_np(self, d_hat: np.ndarray, q_hat: np.ndarray) -> RefitOutcome:
+        beta, how = choose_kernel_weights(d_hat, q_hat, self.beta.cpu().numpy(), self.epsilon, self.qp_form)
         with torch.no_grad():
-            n = k.shape[1] // 2
-            k0 = k.detach()
-            kxy = k0[:, :n, n:]
-            h = k0[:, :n, :n] + k0[:, n:, n:] - kxy - kxy.transpose(1, 2)
-            d0 = d_hat.detach()
-            self._set_beta(d0, mkmmd_covariance(h, d0, self.estimator))
-        return (self.beta.detach() * d_hat).sum().to(x.dtype)
+            self.beta.copy_(torch.from_numpy(beta).to(self.beta.dtype))
+        self.last_refit = how
+        return how
+
+
+_OFF_DIAGONAL: dict[int, np.ndarray] = {}
+
+
+def _off_diagonal(n: int) -> np.ndarray:
+    """The flat indices of the off-diagonal entries of an n × n matrix (row-major), cached per n."""
+    if n not in _OFF_DIAGONAL:
+        _OFF_DIAGONAL[n] = np.flatnonzero(~np.eye(n, dtype=bool))
+    return _OFF_DIAGONAL[n]
 
 
 _WEIGHTS: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
