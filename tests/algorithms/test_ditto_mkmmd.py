@@ -258,11 +258,18 @@ def test_refit_and_forward_is_refit_then_forward() -> None:
     assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
 
 
-@pytest.mark.parametrize(("estimator", "form"), [("unbiased", "rate"), ("biased", "scale"), ("biased", "rate")])
-def test_per_step_path_matches_the_float64_loop_and_the_pair_statistics_gradient(estimator: str, form: str) -> None:
-    # The per-batch path (one distance matrix and one kernel stack over [x; y], weights per block) gives the
-    # loop's d̂, the QP's β on the loop's d̂ and Q̂, and the gradient of the per-block pair statistics.
+@pytest.mark.parametrize(("estimator", "form", "tied"),
+                         [("unbiased", "rate", False), ("biased", "scale", False), ("biased", "rate", True),
+                          ("unbiased", "scale", True)])
+def test_per_step_path_matches_the_float64_loop_and_the_pair_statistics_gradient(estimator: str, form: str,
+                                                                               tied: bool) -> None:
+    # The per-batch path (one distance matrix and one kernel stack over [x; y], weights per block, a written-out
+    # backward) gives the loop's d̂, the QP's β on the loop's d̂ and Q̂, and the gradient of the per-block pair
+    # statistics by autograd, also with tied rows (distances clamped at 0).
     x, y = _rows(21, 7, 3), _rows(22, 7, 3, shift=0.3)
+    if tied:
+        x[4] = x[1]
+        y[2] = x[1]
     gammas = paper_gammas()
     loss = MkMmdLoss(normalize_features=False, bandwidth_form=form, estimator=estimator)  # type: ignore[arg-type]
     want_d, want_q = _loop_estimates_and_cov(x.numpy(), y.numpy(), gammas.tolist(), form, estimator)

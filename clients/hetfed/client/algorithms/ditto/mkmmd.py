@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -417,28 +417,28 @@ class MkMmdLoss(nn.Module):
             xf, yf = F.normalize(xf, dim=1), F.normalize(yf, dim=1)
         return xf, yf
 
-    def _kernel_stack(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """k_j(z_a, z_b) for z = [x; y], every kernel j: (d, 2n, 2n), differentiable in x and y.
+    def _estimates_and_stack(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d̂ differentiable in x and y, the kernel stack k_j(z_a, z_b) for z = [x; y] without gradient).
 
         One distance matrix and one exp for all kernels and all three blocks (K_xx, K_yy, K_xy and its
-        transpose): the per-step path (issue 23's profile: the former three distance matrices and three kernel
-        stacks, each its own autograd nodes, cost as much as Ditto's whole step).
+        transpose), and one autograd node (:class:`_StackEstimates`): the per-step path (issue 23's profile:
+        three distance matrices and three kernel stacks, each its own autograd nodes, cost as much as Ditto's
+        whole step).
         """
         xf, yf = self._prepare(x, y)
         z = torch.cat((xf, yf), dim=0)
-        return rbf(squared_distances(z, z), self.gammas, self.bandwidth_form)
-
-    def _estimates_from_stack(self, k: torch.Tensor) -> torch.Tensor:
-        """d̂_j = Σ_ab W_ab·k_j(z_a, z_b): W holds each pair's sign and the estimator's divisor (see :func:`_pair_weights`)."""
-        return (k * _pair_weights(k.shape[1] // 2, self.estimator, k.dtype, k.device)).sum(dim=(1, 2))
+        rates = self.gammas if self.bandwidth_form == "rate" else 1.0 / self.gammas
+        weights = _pair_weights(xf.shape[0], self.estimator, z.dtype, z.device)
+        d_hat, k = _StackEstimates.apply(z, rates, weights)
+        return d_hat, k
 
     def per_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The per-kernel estimates d̂_j (float64, differentiable in x and y)."""
-        return self._estimates_from_stack(self._kernel_stack(x, y))
+        return self._estimates_and_stack(x, y)[0]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Σ_j β_j·d̂_j(x, y) in x's dtype; β is a constant here."""
-        return (self.beta.detach() * self.per_kernel(x, y)).sum().to(x.dtype)
+        return torch.dot(self.beta.detach(), self.per_kernel(x, y)).to(x.dtype)
 
     @torch.no_grad()
     def statistics(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,8 +463,7 @@ class MkMmdLoss(nn.Module):
         d̂ and Q̂ for the QP come from the kernel stack in numpy: on a 10-row batch every torch call costs more
         than its arithmetic (issue 23's profile).
         """
-        k = self._kernel_stack(x, y)
-        d_hat = self._estimates_from_stack(k)
+        d_hat, k = self._estimates_and_stack(x, y)
         d0 = d_hat.detach().cpu().numpy()
         kn = k.detach().cpu().numpy()
         n = kn.shape[1] // 2
@@ -492,6 +491,34 @@ def _off_diagonal(n: int) -> np.ndarray:
     if n not in _OFF_DIAGONAL:
         _OFF_DIAGONAL[n] = np.flatnonzero(~np.eye(n, dtype=bool))
     return _OFF_DIAGONAL[n]
+
+
+class _StackEstimates(torch.autograd.Function):
+    """(d̂_j = Σ_ab W_ab·exp(−r_j·D_ab), the stack exp(−r_j·D)) for D the squared distances of z's rows.
+
+    The backward is the chain rule written out: ∂/∂D = −W∘Σ_j g_j·r_j·k_j (zero where D was clamped at 0, as
+    autograd's clamp), ∂/∂z = 2(diag(S𝟙)z − Sz) with S = ∂/∂D + (∂/∂D)ᵀ. The stack is a constant output.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, rates: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d̂ (d,) and the kernel stack (d, 2n, 2n), with squared_distances' and rbf's expressions."""
+        norms = (z * z).sum(dim=1, keepdim=True)
+        raw = norms + norms.transpose(0, 1) - 2.0 * (z @ z.transpose(0, 1))
+        clamped = raw < 0.0
+        k = torch.exp(-rates.view(-1, 1, 1) * raw.clamp_min(0.0))
+        ctx.save_for_backward(z, rates, weights, k, clamped)
+        ctx.mark_non_differentiable(k)
+        return (k * weights).sum(dim=(1, 2)), k
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _g_stack: Any) -> tuple[Any, ...]:
+        """The gradient for z from that of d̂."""
+        z, rates, weights, k, clamped = ctx.saved_tensors
+        dd = torch.tensordot(g * rates, k, dims=1).mul_(weights).neg_().masked_fill_(clamped, 0.0)
+        s = dd + dd.transpose(0, 1)
+        return 2.0 * (s.sum(dim=1, keepdim=True) * z - s @ z), None, None
 
 
 _WEIGHTS: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
