@@ -425,8 +425,10 @@ class MkMmdLoss(nn.Module):
         three distance matrices and three kernel stacks, each its own autograd nodes, cost as much as Ditto's
         whole step).
         """
-        xf, yf = self._prepare(x, y)
+        xf, yf = as_feature_pair(x, y, "MK-MMD")
         z = torch.cat((xf, yf), dim=0)
+        if self.normalize_features:  # row by row, so once on [x; y]
+            z = F.normalize(z, dim=1)
         rates = self.gammas if self.bandwidth_form == "rate" else 1.0 / self.gammas
         weights = _pair_weights(xf.shape[0], self.estimator, z.dtype, z.device)
         d_hat, k = _StackEstimates.apply(z, rates, weights)
