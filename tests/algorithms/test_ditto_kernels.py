@@ -24,7 +24,7 @@ def test_rbf_squaring_path_equals_exp_on_three_distances(form: str) -> None:
     # k_{j+4} = k_j² on the 2^{p/4} grid: the squared values against math.exp on three hand-picked distances.
     sq = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64).repeat(2000)  # over the size threshold
     got = kernels.rbf(sq, paper_gammas(), form)
-    assert kernels._doubling_period(paper_gammas() if form == "rate" else 1.0 / paper_gammas()) == 4
+    assert kernels.doubling_period(paper_gammas() if form == "rate" else 1.0 / paper_gammas()) == 4
     for j, g in enumerate(paper_gammas().tolist()):
         for i, d in enumerate((0.0, 0.5, 3.0)):
             want = math.exp(-g * d) if form == "rate" else math.exp(-d / g)

@@ -15,6 +15,7 @@ from hetfed.client.algorithms.ditto.kernels import paper_gammas
 from hetfed.client.algorithms.ditto.mkmmd import (
     KernelQpError,
     MkMmdLoss,
+    block_pivoting_qp,
     choose_kernel_weights,
     mkmmd_covariance,
     mkmmd_estimates,
@@ -255,6 +256,51 @@ def test_refit_and_forward_is_refit_then_forward() -> None:
     separate.backward()
     fused.backward()
     assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
+
+
+@pytest.mark.parametrize(("estimator", "form", "tied"),
+                         [("unbiased", "rate", False), ("biased", "scale", False), ("biased", "rate", True),
+                          ("unbiased", "scale", True)])
+def test_per_step_path_matches_the_float64_loop_and_the_pair_statistics_gradient(estimator: str, form: str,
+                                                                               tied: bool) -> None:
+    # The per-batch path (one distance matrix and one kernel stack over [x; y], weights per block, a written-out
+    # backward) gives the loop's d̂, the QP's β on the loop's d̂ and Q̂, and the gradient of the per-block pair
+    # statistics by autograd, also with tied rows (distances clamped at 0).
+    x, y = _rows(21, 7, 3), _rows(22, 7, 3, shift=0.3)
+    if tied:
+        x[4] = x[1]
+        y[2] = x[1]
+    gammas = paper_gammas()
+    loss = MkMmdLoss(normalize_features=False, bandwidth_form=form, estimator=estimator)  # type: ignore[arg-type]
+    want_d, want_q = _loop_estimates_and_cov(x.numpy(), y.numpy(), gammas.tolist(), form, estimator)
+    np.testing.assert_allclose(loss.per_kernel(x, y).detach().numpy(), want_d, rtol=1e-12, atol=1e-14)
+    xa = x.clone().requires_grad_(True)
+    value = loss.refit_and_forward(xa, y)
+    want_beta, how = choose_kernel_weights(want_d, want_q, np.full(19, 1 / 19))
+    assert loss.last_refit == how
+    np.testing.assert_allclose(loss.beta.numpy(), want_beta, rtol=1e-10, atol=1e-13)
+    assert float(value) == pytest.approx(float((want_beta * want_d).sum()), rel=1e-10, abs=1e-15)
+    xb = x.clone().requires_grad_(True)
+    old = (loss.beta * mkmmd_estimates(pair_statistics(xb, y, gammas, form), estimator)).sum()  # type: ignore[arg-type]
+    value.backward()
+    old.backward()
+    assert xa.grad is not None and xb.grad is not None
+    np.testing.assert_allclose(xa.grad.numpy(), xb.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_block_pivoting_gives_the_active_set_solution() -> None:
+    # The fast solver settles on every random case (real-feature Q̂ and rank-deficient ones, cold and warm)
+    # at the one-index active set's point.
+    rng = np.random.default_rng(11)
+    for case in range(200):
+        d, q = _random_qp_case(rng, case)
+        a = 0.5 * (q + q.T) + 1e-3 * np.eye(d.size)
+        b = d / d.max()
+        want = nonnegative_qp(a, b)
+        for warm in (None, want > 0, rng.random(d.size) < 0.5, np.ones(d.size, bool)):
+            got = block_pivoting_qp(a, b, warm=warm)
+            assert got is not None
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 def test_nonnegative_qp_solves_the_bound_constrained_problem() -> None:

@@ -44,7 +44,7 @@ _SQUARING_MIN_ELEMENTS = 4096
 """Distance arrays at least this large take the squaring path of :func:`rbf` (smaller ones: one exp call)."""
 
 
-def _doubling_period(rates: torch.Tensor) -> int:
+def doubling_period(rates: torch.Tensor) -> int:
     """The p with r[j + p] = 2·r[j] for the rates r in ascending order (to 1e-12), or 0: then k_{j+p} = k_j²."""
     r = sorted(rates.detach().cpu().tolist())
     for p in range(1, len(r)):
@@ -63,7 +63,7 @@ def rbf(sq: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm) -> torch.Te
     """
     rates = gammas if form == "rate" else 1.0 / gammas
     differentiable = torch.is_grad_enabled() and (sq.requires_grad or rates.requires_grad)
-    period = _doubling_period(rates) if sq.numel() >= _SQUARING_MIN_ELEMENTS and not differentiable else 0
+    period = doubling_period(rates) if sq.numel() >= _SQUARING_MIN_ELEMENTS and not differentiable else 0
     if period == 0:
         return torch.exp(-rates.view(-1, *([1] * sq.dim())) * sq)
     order = torch.argsort(rates.detach().cpu()).tolist()

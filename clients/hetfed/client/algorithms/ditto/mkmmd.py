@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from hetfed.client.algorithms.ditto.kernels import (
     as_feature_pair,
     check_choice,
     check_positive,
+    doubling_period,
     paper_gammas,
     rbf,
     squared_distances,
@@ -115,26 +116,54 @@ def mkmmd_statistics(x: torch.Tensor, y: torch.Tensor, gammas: torch.Tensor, for
     i, k = torch.triu_indices(n, n, offset=1, device=x.device)
     dxx, dyy, dxy = squared_distances(x, x), squared_distances(y, y), squared_distances(x, y)
     upper = torch.stack([dxx[i, k], dyy[i, k], dxy[i, k], dxy[k, i]])  # (4, n(n−1)/2)
-    # Weighted groups (values, weight per value): each off-diagonal pair twice; the diagonal once if biased.
-    groups: list[tuple[torch.Tensor, float]] = []
-    for start in range(0, upper.shape[1], _STATISTICS_CHUNK):
-        kern = rbf(upper[:, start:start + _STATISTICS_CHUNK], gammas, form)  # (d, 4, chunk)
-        groups.append((kern[:, 0] + kern[:, 1] - kern[:, 2] - kern[:, 3], 2.0))
-    if estimator == "biased":  # k(x_i, x_i) = k(y_i, y_i) = 1, so h_j(i, i) = 2 − 2·k_j(x_i, y_i)
-        groups.append((2.0 - 2.0 * rbf(dxy.diagonal().unsqueeze(0), gammas, form)[:, 0], 1.0))
+    # Kernels in ascending rate order (so that the squaring path fills whole groups), put back at the end.
+    rates = gammas if form == "rate" else 1.0 / gammas
+    order = torch.argsort(rates.detach().cpu()).to(gammas.device)
+    sorted_gammas = gammas[order]
+    period = doubling_period(rates)
     count = 0.0
     mean = x.new_zeros(d)
     m2 = x.new_zeros((d, d))
-    for h, w in groups:
+
+    def merge(h: torch.Tensor, w: float) -> None:
+        # Chan et al.'s exact merge of a group of values (d, m), each counted w times, into (count, mean, m2)
+        nonlocal count, mean, m2
         nb = w * h.shape[1]
         mb = h.mean(dim=1)
-        c = h - mb.unsqueeze(1)
+        c = h.sub_(mb.unsqueeze(1))
         delta = mb - mean
         total = count + nb
         m2 = m2 + w * (c @ c.transpose(0, 1)) + torch.outer(delta, delta) * (count * nb / total)
         mean = mean + delta * (nb / total)
         count = total
-    return mean, m2 / (count - 1)
+
+    # Each off-diagonal pair counts twice (h is symmetric); each chunk is merged while it is in cache.
+    for start in range(0, upper.shape[1], _STATISTICS_CHUNK):
+        merge(_pair_h(upper[:, start:start + _STATISTICS_CHUNK], sorted_gammas, form, period), 2.0)
+    if estimator == "biased":  # k(x_i, x_i) = k(y_i, y_i) = 1, so h_j(i, i) = 2 − 2·k_j(x_i, y_i)
+        merge(2.0 - 2.0 * rbf(dxy.diagonal().unsqueeze(0), sorted_gammas, form)[:, 0], 1.0)
+    back = torch.argsort(order)
+    return mean[back], (m2 / (count - 1))[back][:, back]
+
+
+def _pair_h(upper: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm, period: int) -> torch.Tensor:
+    """h_j = k_j(d_xx) + k_j(d_yy) − k_j(d_xy) − k_j(d_yx) for the four distance rows of ``upper``: (d, m).
+
+    ``gammas`` in ascending rate order; when the rates double every ``period`` kernels, only the first
+    ``period`` call exp and each later group of kernels is the square of the group before it (in one op).
+    """
+    if period == 0:
+        kern = rbf(upper, gammas, form)
+    else:
+        rates = gammas if form == "rate" else 1.0 / gammas
+        d = gammas.numel()
+        kern = torch.empty((d, *upper.shape), dtype=torch.result_type(upper, rates), device=upper.device)
+        torch.exp(upper.unsqueeze(0) * -rates[:period].view(-1, 1, 1), out=kern[:period])
+        for g in range(period, d, period):
+            e = min(g + period, d)
+            torch.mul(kern[g - period:e - period], kern[g - period:e - period], out=kern[g:e])
+    h = kern[:, 0].clone()
+    return h.add_(kern[:, 1]).sub_(kern[:, 2]).sub_(kern[:, 3])
 
 
 class KernelQpError(RuntimeError):
@@ -143,9 +172,10 @@ class KernelQpError(RuntimeError):
 
 def _solve_passive(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndarray:
     s = np.zeros_like(b)
-    if passive.any():
-        try:
-            s[passive] = np.linalg.solve(a[np.ix_(passive, passive)], b[passive])
+    idx = np.flatnonzero(passive)
+    if idx.size:
+        try:  # a[idx][:, idx]: np.ix_ alone was a fifth of MK-MMD₋₁'s QP time (issue 23's profile)
+            s[idx] = np.linalg.solve(a[idx][:, idx], b[idx])
         except np.linalg.LinAlgError as exc:
             raise KernelQpError(f"singular subsystem in the active-set QP: {exc}") from exc
     return s
@@ -210,6 +240,46 @@ def nonnegative_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter
     raise KernelQpError(f"nonnegative_qp did not converge in {limit} iterations")
 
 
+def block_pivoting_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, warm: np.ndarray | None = None,
+                      max_iter: int = 100) -> np.ndarray | None:
+    """argmin_z ½·zᵀAz − bᵀz subject to z ≥ 0 by block principal pivoting, or None if it does not settle.
+
+    The same problem and KKT point as :func:`nonnegative_qp` (the LCP w = Az − b ≥ 0, z ≥ 0, zᵀw = 0, whose
+    solution is unique for a positive definite A), found by exchanging every infeasible index at once
+    (Júdice and Pires 1994; Portugal, Júdice and Vicente 1994): one linear solve per iteration and usually two
+    or three iterations, where the one-index-at-a-time active set takes about six (issue 23's profile). After
+    three exchanges that do not reduce the infeasible count it moves one index per iteration (Murty's rule),
+    which ends in finitely many steps. ``a`` and ``b`` must already be checked (finite, A positive definite).
+    """
+    n = b.size
+    passive = np.zeros(n, dtype=bool) if warm is None else np.asarray(warm, dtype=bool).copy()
+    best, budget = n + 1, 3
+    z = np.zeros(n)
+    for _ in range(max_iter):
+        idx = np.flatnonzero(passive)
+        z = np.zeros(n)
+        if idx.size:
+            try:
+                z[idx] = np.linalg.solve(a[idx][:, idx], b[idx])
+            except np.linalg.LinAlgError:
+                return None
+        w = a @ z - b
+        bad = (passive & (z < 0.0)) | (~passive & (w < -tol))
+        count = int(bad.sum())
+        if count == 0:
+            return z
+        if count < best:
+            best, budget = count, 3
+            passive ^= bad
+        elif budget > 0:
+            budget -= 1
+            passive ^= bad
+        else:
+            j = int(np.flatnonzero(bad)[-1])
+            passive[j] = not passive[j]
+    return None
+
+
 def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD_QP_EPSILON,
                     warm: np.ndarray | None = None) -> np.ndarray:
     """argmin_β βᵀ(Q̂ + εI)β subject to β ≥ 0 and d̂ᵀβ = 1 (§3.3), solved exactly.
@@ -232,7 +302,10 @@ def solve_kernel_qp(d_hat: np.ndarray, q_hat: np.ndarray, epsilon: float = MKMMD
         np.linalg.cholesky(a)
     except np.linalg.LinAlgError as exc:
         raise KernelQpError(f"Q̂ + εI is not positive definite: {exc}") from exc
-    z = nonnegative_qp(a, d / float(d.max()), warm=warm)  # β is invariant to the scale of d̂
+    b = d / float(d.max())  # β is invariant to the scale of d̂
+    z = block_pivoting_qp(a, b, warm=warm)
+    if z is None:  # not settled: the one-index active set, which always ends
+        z = nonnegative_qp(a, b, warm=warm)
     t = float(d @ z)
     if not (t > 0.0 and math.isfinite(t)):
         raise KernelQpError(f"the kernel QP produced d̂ᵀz = {t}")
@@ -344,14 +417,30 @@ class MkMmdLoss(nn.Module):
             xf, yf = F.normalize(xf, dim=1), F.normalize(yf, dim=1)
         return xf, yf
 
+    def _estimates_and_stack(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d̂ differentiable in x and y, the kernel stack k_j(z_a, z_b) for z = [x; y] without gradient).
+
+        One distance matrix and one exp for all kernels and all three blocks (K_xx, K_yy, K_xy and its
+        transpose), and one autograd node (:class:`_StackEstimates`): the per-step path (issue 23's profile:
+        three distance matrices and three kernel stacks, each its own autograd nodes, cost as much as Ditto's
+        whole step).
+        """
+        xf, yf = as_feature_pair(x, y, "MK-MMD")
+        z = torch.cat((xf, yf), dim=0)
+        if self.normalize_features:  # row by row, so once on [x; y]
+            z = F.normalize(z, dim=1)
+        rates = self.gammas if self.bandwidth_form == "rate" else 1.0 / self.gammas
+        weights = _pair_weights(xf.shape[0], self.estimator, z.dtype, z.device)
+        d_hat, k = _StackEstimates.apply(z, rates, weights)
+        return d_hat, k
+
     def per_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The per-kernel estimates d̂_j (float64, differentiable in x and y)."""
-        xf, yf = self._prepare(x, y)
-        return mkmmd_estimates(pair_statistics(xf, yf, self.gammas, self.bandwidth_form), self.estimator)
+        return self._estimates_and_stack(x, y)[0]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Σ_j β_j·d̂_j(x, y) in x's dtype; β is a constant here."""
-        return (self.beta.detach() * self.per_kernel(x, y)).sum().to(x.dtype)
+        return torch.dot(self.beta.detach(), self.per_kernel(x, y)).to(x.dtype)
 
     @torch.no_grad()
     def statistics(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,20 +456,86 @@ class MkMmdLoss(nn.Module):
 
     @torch.no_grad()
     def _set_beta(self, d_hat: torch.Tensor, q_hat: torch.Tensor) -> RefitOutcome:
-        beta, how = choose_kernel_weights(
-            d_hat.cpu().numpy(), q_hat.cpu().numpy(), self.beta.cpu().numpy(), self.epsilon, self.qp_form
-        )
-        self.beta.copy_(torch.as_tensor(beta, dtype=self.beta.dtype))
-        self.last_refit = how
-        return how
+        return self._set_beta_np(d_hat.cpu().numpy(), q_hat.cpu().numpy())
 
     def refit_and_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Refit β on these samples, then Σ_j β_j·d̂_j(x, y): :meth:`refit` and :meth:`forward` on the same batch
-        (MK-MMD₋₁) with the pair statistics computed once; the same values as the two calls."""
-        xf, yf = self._prepare(x, y)
-        h = pair_statistics(xf, yf, self.gammas, self.bandwidth_form)
-        d_hat = mkmmd_estimates(h, self.estimator)
+        (MK-MMD₋₁) with the kernels computed once; the same values as the two calls (to rounding).
+
+        d̂ and Q̂ for the QP come from the kernel stack in numpy: on a 10-row batch every torch call costs more
+        than its arithmetic (issue 23's profile).
+        """
+        d_hat, k = self._estimates_and_stack(x, y)
+        d0 = d_hat.detach().cpu().numpy()
+        kn = k.detach().cpu().numpy()
+        n = kn.shape[1] // 2
+        kxy = kn[:, :n, n:]
+        h = (kn[:, :n, :n] + kn[:, n:, n:] - kxy - kxy.transpose(0, 2, 1)).reshape(kn.shape[0], n * n)
+        if self.estimator == "unbiased":
+            h = h[:, _off_diagonal(n)]
+        centred = h - d0[:, None]
+        self._set_beta_np(d0, (centred @ centred.T) / (h.shape[1] - 1))
+        return torch.dot(self.beta.detach(), d_hat).to(x.dtype)
+
+    def _set_beta_np(self, d_hat: np.ndarray, q_hat: np.ndarray) -> RefitOutcome:
+        beta, how = choose_kernel_weights(d_hat, q_hat, self.beta.cpu().numpy(), self.epsilon, self.qp_form)
         with torch.no_grad():
-            h0, d0 = h.detach(), d_hat.detach()
-            self._set_beta(d0, mkmmd_covariance(h0, d0, self.estimator))
-        return (self.beta.detach() * d_hat).sum().to(x.dtype)
+            self.beta.copy_(torch.from_numpy(beta).to(self.beta.dtype))
+        self.last_refit = how
+        return how
+
+
+_OFF_DIAGONAL: dict[int, np.ndarray] = {}
+
+
+def _off_diagonal(n: int) -> np.ndarray:
+    """The flat indices of the off-diagonal entries of an n × n matrix (row-major), cached per n."""
+    if n not in _OFF_DIAGONAL:
+        _OFF_DIAGONAL[n] = np.flatnonzero(~np.eye(n, dtype=bool))
+    return _OFF_DIAGONAL[n]
+
+
+class _StackEstimates(torch.autograd.Function):
+    """(d̂_j = Σ_ab W_ab·exp(−r_j·D_ab), the stack exp(−r_j·D)) for D the squared distances of z's rows.
+
+    The backward is the chain rule written out: ∂/∂D = −W∘Σ_j g_j·r_j·k_j (zero where D was clamped at 0, as
+    autograd's clamp), ∂/∂z = 2(diag(S𝟙)z − Sz) with S = ∂/∂D + (∂/∂D)ᵀ. The stack is a constant output.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, rates: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d̂ (d,) and the kernel stack (d, 2n, 2n), with squared_distances' and rbf's expressions."""
+        norms = (z * z).sum(dim=1, keepdim=True)
+        raw = norms + norms.transpose(0, 1) - 2.0 * (z @ z.transpose(0, 1))
+        clamped = raw < 0.0
+        k = torch.exp(-rates.view(-1, 1, 1) * raw.clamp_min(0.0))
+        ctx.save_for_backward(z, rates, weights, k, clamped)
+        ctx.mark_non_differentiable(k)
+        return (k * weights).sum(dim=(1, 2)), k
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _g_stack: Any) -> tuple[Any, ...]:
+        """The gradient for z from that of d̂."""
+        z, rates, weights, k, clamped = ctx.saved_tensors
+        dd = torch.tensordot(g * rates, k, dims=1).mul_(weights).neg_().masked_fill_(clamped, 0.0)
+        s = dd + dd.transpose(0, 1)
+        return 2.0 * (s.sum(dim=1, keepdim=True) * z - s @ z), None, None
+
+
+_WEIGHTS: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _pair_weights(n: int, estimator: MmdEstimator, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """W (2n, 2n) with d̂_j = Σ_ab W_ab·k_j(z_a, z_b) for z = [x; y]: +1 on the xx and yy blocks, −1 on xy and yx,
+    over n(n − 1) without the blocks' diagonals ("unbiased", pairs i ≠ k) or over n² with them ("biased")."""
+    key = (n, estimator, dtype, device)
+    if key not in _WEIGHTS:
+        block = torch.ones((n, n), dtype=dtype, device=device)
+        if estimator == "unbiased":
+            block.fill_diagonal_(0.0)
+            block /= n * (n - 1)
+        else:
+            block /= n * n
+        _WEIGHTS[key] = torch.cat((torch.cat((block, -block), 1), torch.cat((-block, block), 1)), 0)
+    return _WEIGHTS[key]

@@ -9,7 +9,7 @@ default and the code's form is a named option. Kernel maths in float64
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -54,6 +54,89 @@ def mmd2_variance(
     n = h.shape[0]
     row = h.sum(dim=1)
     return (4.0 / n**3) * (row * row).sum() - (4.0 / n**4) * h.sum() ** 2 + reg
+
+
+def _block_row_sums(m: torch.Tensor, n: int) -> torch.Tensor:
+    """(2n, 2): each row's sum over the first n columns and over the last n (the x and the y sample)."""
+    return m.view(2 * n, 2, n).sum(dim=2)
+
+
+def _by_block(m: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """m_ab·g[a, block(b)] for a (2n, 2n) m and a (2n, 2) g, written into ``out`` (2n, 2n)."""
+    n = m.shape[0] // 2
+    torch.mul(m.view(2 * n, 2, n), g.view(2 * n, 2, 1), out=out.view(2 * n, 2, n))
+    return out
+
+
+class _Workspace:
+    """Four (2n, 2n) buffers and a mask reused by every kernel step of a refit and across refits.
+
+    Each fresh 8 MB matrix of a 1,000-row refit cost page faults on first touch, about as much as the pass that
+    filled it (issue 23's profile); the buffers live as long as the MmdDLoss (about 33 MB at s = 50).
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[int, torch.dtype, torch.device] | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.mask = torch.empty(0, dtype=torch.bool)
+
+    def get(self, like: torch.Tensor, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The four buffers and the mask for (size, size) matrices of ``like``'s dtype and device."""
+        key = (size, like.dtype, like.device)
+        if self.key != key:
+            self.buffers = [like.new_empty((size, size)) for _ in range(4)]
+            self.mask = torch.empty((size, size), dtype=torch.bool, device=like.device)
+            self.key = key
+        return self.buffers, self.mask
+
+
+class _BlockRowSums(torch.autograd.Function):
+    """(block row sums of first, of q) for first = k_φ or k_φ·q, k_φ = exp(−‖φ_a − φ_b‖²/σ_φ), q = exp(−d_in/σ_q).
+
+    Autograd through these (2n, 2n) matrices recorded a dozen full-size nodes per kernel step; the backward
+    here is the chain rule written out, with a few (2n, 2n) passes and one (2n, 2n) × (2n, width) product. With
+    G the gradient of the (2n, 2) sums, E_ab = first_ab·G1[a, block(b)]: ∂/∂σ_φ = ΣE∘D/σ_φ², ∂/∂D = −E/σ_φ
+    (zero where the distance was clamped at 0, as autograd's clamp), ∂/∂φ = 2(diag(W𝟙)φ − Wφ) with
+    W = ∂/∂D + (∂/∂D)ᵀ, and ∂/∂σ_q = Σ(q∘G2[a, block(b)] + [liu] E)∘d_in/σ_q². Tested against autograd. The
+    matrices live in a :class:`_Workspace`; a step's backward must run before the next step's forward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, phi: torch.Tensor, sigma_phi: torch.Tensor, sigma_q: torch.Tensor,
+                d_in: torch.Tensor, liu: bool, workspace: _Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two (2n, 2) block row sums, saving what the backward reads."""
+        n = phi.shape[0] // 2
+        (d_phi, first, q, spare), clamped = workspace.get(phi, 2 * n)
+        norms = (phi * phi).sum(dim=1, keepdim=True)
+        # squared_distances' values, in place
+        torch.add(norms, norms.transpose(0, 1), out=d_phi).addmm_(phi, phi.transpose(0, 1), alpha=-2.0)
+        torch.lt(d_phi, 0.0, out=clamped)
+        d_phi.clamp_min_(0.0)
+        torch.div(d_phi, -sigma_phi, out=first).exp_()
+        torch.div(d_in, -sigma_q, out=q).exp_()
+        if liu:
+            first.mul_(q)
+        ctx.save_for_backward(phi, sigma_phi, sigma_q, d_in)
+        ctx.matrices = (d_phi, first, q, spare, clamped)
+        ctx.liu = liu
+        return _block_row_sums(first, n), _block_row_sums(q, n)
+
+    @staticmethod
+    def backward(ctx: Any, g_first: torch.Tensor, g_q: torch.Tensor) -> tuple[Any, ...]:
+        """Gradients for φ, σ_φ and σ_q from those of the two block row sums."""
+        phi, sigma_phi, sigma_q, d_in = ctx.saved_tensors
+        d_phi, first, q, spare, clamped = ctx.matrices
+        e = _by_block(first, g_first, out=first)  # first is not read again
+        grad_sigma_phi = torch.dot(e.view(-1), d_phi.view(-1)) / sigma_phi**2
+        grad_sigma_q = torch.dot(_by_block(q, g_q, out=spare).view(-1), d_in.view(-1))
+        if ctx.liu:
+            grad_sigma_q = grad_sigma_q + torch.dot(e.view(-1), d_in.view(-1))
+        grad_sigma_q = grad_sigma_q / sigma_q**2
+        dd = e.mul_(-1.0 / sigma_phi).masked_fill_(clamped, 0.0)
+        w = torch.add(dd, dd.transpose(0, 1), out=d_phi)  # d_phi is not read again
+        grad_phi = 2.0 * (w.sum(dim=1, keepdim=True) * phi - w @ phi)
+        ctx.matrices = None
+        return grad_phi, grad_sigma_phi, grad_sigma_q, None, None, None
 
 
 class DeepKernelFeaturizer(nn.Sequential):
@@ -130,6 +213,7 @@ class MmdDLoss(nn.Module):
         self.sigma_q_root = nn.Parameter(torch.tensor(math.sqrt(sigma_q), dtype=KERNEL_DTYPE))
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
         self._shuffle_rng = torch.Generator().manual_seed(int(seed))
+        self._workspace = _Workspace()
 
     @property
     def epsilon(self) -> float:
@@ -184,28 +268,28 @@ class MmdDLoss(nn.Module):
 
         The same value as :meth:`objective` on (x, y[perm]) without building a permuted or sliced matrix: every
         term of MMD²_u and σ̂² is a sum of H's rows, and the rows of H for (x, y[perm]) are
-        rowsum(K_xx)_i + rowsum(K_yy)_π(i) − rowsum(K_xy)_i − colsum(K_xy)_π(i), read off K·S with S the two
-        block indicators; the trace needs only K_xy[i, π(i)]. About half a kernel step's former cost (issue 23).
+        rowsum(K_xx)_i + rowsum(K_yy)_π(i) − rowsum(K_xy)_i − colsum(K_xy)_π(i), read off the (2n, 2) block row
+        sums of the kernel matrices (:class:`_BlockRowSums`, whose backward is written out); the trace needs only
+        K_xy[i, π(i)]. Issue 23's profile: autograd through the (2n, 2n) matrices was most of a refit.
         """
         n = z.shape[0] // 2
         phi = self.featurizer(z)
         eps = torch.sigmoid(self.eps_logit)
-        # The (2n, 2n) matrices see no scalar parameter: ε multiplies their (2n, 2) block sums only.
-        k_phi = torch.exp(squared_distances(phi, phi) / -(self.sigma_phi_root**2))
-        q = torch.exp(d_in / -(self.sigma_q_root**2))
-        first = k_phi if self.kernel_form == "paper" else k_phi * q  # K = (1 − ε)·first + ε·q
-        blocks = z.new_zeros((2 * n, 2))
-        blocks[:n, 0] = 1.0
-        blocks[n:, 1] = 1.0
-        sums = (1.0 - eps) * (first @ blocks) + eps * (q @ blocks)  # (2n, 2): row sums over x and y columns
+        sigma_phi = self.sigma_phi_root**2
+        sigma_q = self.sigma_q_root**2
+        # The (2n, 2n) matrices see no ε: it multiplies their (2n, 2) block row sums only. K = (1 − ε)·first + ε·q
+        # with first = k_φ ("paper") or k_φ·q ("liu").
+        first_sums, q_sums = _BlockRowSums.apply(phi, sigma_phi, sigma_q, d_in, self.kernel_form == "liu",
+                                                 self._workspace)
+        sums = (1.0 - eps) * first_sums + eps * q_sums  # (2n, 2): row sums over the x and the y columns
         pi = perm + n
         rows = sums[:n, 0] + sums[pi, 1] - sums[:n, 1] - sums[pi, 0]  # H·1 for (x, y[perm])
 
         def entries(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
             # k_ω(z_r, z_c) for listed pairs, from the rows themselves (no gather from, or gradient into, a
             # (2n, 2n) matrix): the diagonal and the pairs (x_i, y_π(i)) of the trace
-            e_phi = torch.exp(((phi[r] - phi[c]) ** 2).sum(dim=1) / -(self.sigma_phi_root**2))
-            e_q = torch.exp(((z[r] - z[c]) ** 2).sum(dim=1) / -(self.sigma_q_root**2))
+            e_phi = torch.exp(((phi[r] - phi[c]) ** 2).sum(dim=1) / -sigma_phi)
+            e_q = torch.exp(((z[r] - z[c]) ** 2).sum(dim=1) / -sigma_q)
             f = e_phi if self.kernel_form == "paper" else e_phi * e_q
             return (1.0 - eps) * f + eps * e_q
 
