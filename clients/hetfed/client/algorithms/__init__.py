@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
-from hetfed.wire.specs import AlgorithmSpec
+from hetfed.wire.specs import AlgorithmSpec, load_half
 
 __all__ = ["ClientContext", "ClientHalf", "client_half_type", "make_client_half"]
 
 
 def client_half_type(spec: AlgorithmSpec) -> type[ClientHalf]:  # type: ignore[type-arg]
     """The client half class ``spec`` names, imported on first use (its ``make_model`` builds the model)."""
-    module, _, name = spec.client.partition(":")
-    try:
-        half = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"algorithm {spec.name!r}: its client half {spec.client!r} cannot be loaded: {exc}") from None
-    if not (isinstance(half, type) and issubclass(half, ClientHalf)):
-        raise ValueError(f"algorithm {spec.name!r}: {spec.client!r} is not a ClientHalf")
-    return half
+    return load_half(spec, spec.client, ClientHalf, "client")
 
 
 def make_client_half(spec: AlgorithmSpec, ctx: ClientContext) -> ClientHalf:  # type: ignore[type-arg]

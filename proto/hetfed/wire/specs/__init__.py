@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import TypeVar
 
 from hetfed.wire.specs.base import AlgorithmSpec, Figure, TrainConfig, WireDtype
 
-__all__ = ["REGISTERED", "SPECS", "AlgorithmSpec", "Figure", "TrainConfig", "WireDtype", "get_spec", "register"]
+__all__ = ["REGISTERED", "SPECS", "AlgorithmSpec", "Figure", "TrainConfig", "WireDtype", "get_spec", "load_half", "register"]
 
 # Every algorithm's spec, as "module:NAME" (one line per algorithm or preset).
 REGISTERED: tuple[str, ...] = (
@@ -39,6 +40,7 @@ REGISTERED: tuple[str, ...] = (
 ENVIRONMENT = "HETFED_ALGORITHMS"
 
 SPECS: dict[str, AlgorithmSpec] = {}
+H = TypeVar("H")
 
 
 def register(reference: str) -> AlgorithmSpec:
@@ -55,6 +57,19 @@ def register(reference: str) -> AlgorithmSpec:
 
 for _reference in (*REGISTERED, *filter(None, os.environ.get(ENVIRONMENT, "").split(","))):
     register(_reference)
+
+
+def load_half(spec: AlgorithmSpec, reference: str, base: type[H], side: str) -> type[H]:
+    """The class ``reference`` (``"module:Class"``, one of ``spec``'s halves) names, imported on first use and
+    checked to be a ``base``; ValueError names the algorithm and the ``side`` ("server", "client")."""
+    module, _, name = reference.partition(":")
+    try:
+        half = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"algorithm {spec.name!r}: its {side} half {reference!r} cannot be loaded: {exc}") from None
+    if not (isinstance(half, type) and issubclass(half, base)):
+        raise ValueError(f"algorithm {spec.name!r}: {reference!r} is not a {base.__name__}")
+    return half
 
 
 def get_spec(name: str) -> AlgorithmSpec:
