@@ -66,12 +66,8 @@ def test_mmdd_kernel_estimate_and_variance_match_a_float64_loop(form: str) -> No
     assert float(var) == pytest.approx(want_var, rel=1e-12, abs=1e-15)
 
 
-@pytest.mark.parametrize("form", ["paper", "liu"])
-def test_mmdd_shuffled_criterion_is_the_objective_on_the_shuffled_pairs(form: str) -> None:
-    # The refit's criterion (row sums, no permuted matrices) equals MMD²_u/σ̂ of (x, y[perm]), value and gradient.
-    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
-    x, y = _rows(7, 6, 3), _rows(8, 6, 3, shift=0.5)
-    perm = torch.tensor([2, 0, 5, 1, 4, 3])
+def assert_criterion_is_the_objective(loss: MmdDLoss, x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor) -> None:
+    """The refit's criterion equals MMD²_u/σ̂ of (x, y[perm]) from the full matrices: value and gradient."""
     mmd2, var = loss.objective(x, y[perm])
     want = mmd2 / torch.sqrt(var.clamp_min(1e-8))
     z = torch.cat([x, y])
@@ -80,6 +76,15 @@ def test_mmdd_shuffled_criterion_is_the_objective_on_the_shuffled_pairs(form: st
     params = list(loss.parameters())
     for a, b in zip(torch.autograd.grad(want, params), torch.autograd.grad(got, params), strict=True):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["paper", "liu"])
+def test_mmdd_shuffled_criterion_is_the_objective_on_the_shuffled_pairs(form: str) -> None:
+    # The refit's criterion (row sums, no permuted matrices) equals MMD²_u/σ̂ of (x, y[perm]), value and gradient.
+    loss = MmdDLoss(3, kernel_form=form, sigma_phi_init=0.5, sigma_q_init=4.0, epsilon_init=0.2, seed=3)
+    x, y = _rows(7, 6, 3), _rows(8, 6, 3, shift=0.5)
+    perm = torch.tensor([2, 0, 5, 1, 4, 3])
+    assert_criterion_is_the_objective(loss, x, y, perm)
 
 
 @pytest.mark.parametrize("form", ["paper", "liu"])
@@ -91,14 +96,7 @@ def test_mmdd_criterion_gradient_matches_autograd_with_tied_rows(form: str) -> N
     x[3] = x[1]
     y[2] = x[1]
     perm = torch.randperm(9, generator=torch.Generator().manual_seed(2))
-    mmd2, var = loss.objective(x, y[perm])
-    want = mmd2 / torch.sqrt(var.clamp_min(1e-8))
-    z = torch.cat([x, y])
-    got = loss.shuffled_criterion(z, squared_distances(z, z), perm)
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
-    params = list(loss.parameters())
-    for a, b in zip(torch.autograd.grad(want, params), torch.autograd.grad(got, params), strict=True):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-9, atol=1e-12)
+    assert_criterion_is_the_objective(loss, x, y, perm)
 
 
 @pytest.mark.parametrize("form", ["paper", "liu"])
