@@ -233,8 +233,7 @@ class Run:
 
     def _duplicate_locked(self, organization: str, round_: int, digest: bytes) -> bool:
         """Whether this is an accepted update again (counted); ``late`` or ``replayed`` when it cannot be."""
-        step = rs.accept(self.state, self.rules, organization, round_, digest)
-        if isinstance(step.effects[0], rs.Duplicate):
+        if rs.is_duplicate(self.state, self.rules, organization, round_, digest):
             self.observer.duplicate()
             return True
         return False

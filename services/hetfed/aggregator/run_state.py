@@ -206,15 +206,20 @@ def join(state: RunState, rules: Rules, org: str, declared: contract.Schema | No
     return Step(new, tuple(effects))
 
 
+def is_duplicate(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) -> bool:
+    """Whether this update was accepted already (the same digest); ``late`` for another round, ``replayed`` for
+    a different update of the same round. Builds no state: pushes ask it before and after their slow steps."""
+    check_round(state, rules, round_)
+    held = state.pushed.get(org)
+    if held is not None and held != digest:
+        raise WireError("replayed", f"organization {org!r} already pushed a different update for round {state.round}")
+    return held is not None
+
+
 def accept(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) -> Step:
     """A member's update for the open round: fold it, acknowledge a duplicate, or refuse a different replay. An
     accepted update lifts a refusal at a push (the next checkpoint records it)."""
-    check_round(state, rules, round_)
-    held = state.pushed.get(org)
-    if held is not None:
-        if held != digest:
-            raise WireError("replayed", f"organization {org!r} already pushed a different update for round "
-                                        f"{state.round}")
+    if is_duplicate(state, rules, org, round_, digest):
         return Step(state, (Duplicate(org),))
     new = replace(state, pushed={**state.pushed, org: digest})
     old = state.refused.get(org)
