@@ -255,3 +255,39 @@ def test_count_parameters_trainable_only() -> None:
     for p in model.head.parameters():
         p.requires_grad_(False)
     assert count_parameters(model, trainable_only=True) == total - (2 * 3 + 3)
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8), (3, 32, 32), (1, 9, 9), (1, 10, 10), (1, 15, 15),
+                                   (1, 16, 16), (1, 3, 3), (60,), (2,), (0, 28, 28)])
+def test_the_registrys_input_check_agrees_with_every_builder(shape: tuple[int, ...]) -> None:
+    """``hetfed run`` refuses a model the data does not fit from the registry alone (no torch); that check must
+    say exactly what building the model would."""
+    from hetfed.client.model_registry import MODELS, input_mismatch
+
+    for name, entry in MODELS.items():
+        if entry.vision:  # torchvision is absent here; their side is checked by the same _image_shape
+            continue
+        why = input_mismatch(name, shape)
+        try:
+            build_model(name, shape, 10, seed=0)
+            built = True
+        except ValueError:
+            built = False
+        assert built == (why is None), (name, shape, why)
+
+
+def test_builtin_datasets_declare_the_input_shape_their_data_has() -> None:
+    from hetfed.client.data import DATASETS, DataConfig, DatasetUnavailableError, load_client_data
+    from hetfed.client.data.fmnist import check_available
+
+    for name, entry in DATASETS.items():
+        if not entry.builtin:
+            continue
+        if name == "fmnist":
+            try:
+                check_available()
+            except DatasetUnavailableError:
+                continue  # its loader's own tests cover the shape on files they write
+        data = load_client_data(DataConfig(dataset=name, partition=next(iter(entry.partitions)), num_clients=4,
+                                           client_index=0, seed=0))
+        assert data.input_shape == entry.input_shape, name

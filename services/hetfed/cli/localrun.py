@@ -147,7 +147,7 @@ def _data_mapping(opts: LocalRunOptions, partition: str, clients: int, index: in
 def plan(opts: LocalRunOptions) -> LocalPlan:
     """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
     from hetfed.client.data import DATASETS, PARTITIONS, DataConfig, load_seed_set
-    from hetfed.client.model_registry import MODELS
+    from hetfed.client.model_registry import MODELS, input_mismatch, models_for
 
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
@@ -221,6 +221,13 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         unknown = [m for m in models if m not in MODELS]
         if unknown:
             raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}")
+        if entry.input_shape is not None:
+            for m in models:
+                why = input_mismatch(m, entry.input_shape)
+                if why is not None:
+                    whose = "" if opts.models else f"{spec.name}'s default on {opts.dataset!r}: "
+                    raise ConfigError(f"{whose}{why} (dataset {opts.dataset!r}); choose one with --model: "
+                                      f"{', '.join(models_for(entry.input_shape))}")
         latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
         fields = {f.name for f in dataclasses.fields(spec.config_type)}
         config: dict[str, Any] = {k: v for k, v in d.config.items() if k in fields}

@@ -61,6 +61,9 @@ EXPERIMENTS: dict[str, Experiment] = {
             # MNIST-5k's small organizations about as far as the tuning runs needed (docs/algorithms/simfed.md).
             ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20,
                                        config={"local_epochs": 5, "lr": 0.05, "momentum": 0.0, "batch_size": 128}),
+            # The feature vectors take the MLP (LeNet needs images); gauss4's 2-D latent space is drawn.
+            "synthetic": LocalDefaults(models=("mlp",)),
+            "gauss4": LocalDefaults(models=("mlp",), latent_dim=2),
         },
         labels={
             "mask_density": FigureLabel("sent mask density",

@@ -61,6 +61,9 @@ class DatasetEntry:
     # ``"module:function"`` raising DatasetUnavailableError (one line saying how to install it) when the dataset's
     # files are missing: ``hetfed run`` checks it before starting any process.
     check: str = ""
+    # Shape of one example as the models see it (None: known only from the files); ``hetfed run`` checks the
+    # chosen models against it before starting any process.
+    input_shape: tuple[int, ...] | None = None
 
 
 PARTITIONS: dict[str, PartitionInfo] = {
@@ -87,6 +90,7 @@ DATASETS: dict[str, DatasetEntry] = {
                                    seed_set="hetfed.client.data.rotated:load_seed_set"),
          "rotated_lodo": PartitionEntry("hetfed.client.data.rotated_lodo:load_rotated_lodo")},
         num_classes=10,
+        input_shape=(1, 28, 28),
     ),
     "fmnist": DatasetEntry(
         "Fashion-MNIST (60,000 + 10,000 images, 28×28) from Debian's dataset-fashion-mnist package",
@@ -94,22 +98,26 @@ DATASETS: dict[str, DatasetEntry] = {
          "dirichlet": PartitionEntry("hetfed.client.data.fmnist:load_fmnist")},
         num_classes=10,
         check="hetfed.client.data.fmnist:check_available",
+        input_shape=(1, 28, 28),
     ),
     "digits": DatasetEntry(
         "scikit-learn's 1,797 handwritten digits (8×8)",
         {"iid": PartitionEntry(_IMAGES), "dirichlet": PartitionEntry(_IMAGES)},
         num_classes=10,
+        input_shape=(1, 8, 8),
     ),
     "synthetic": DatasetEntry(
         "FedProx-style Synthetic(alpha, beta): 60 features, 10 classes, generated per organization",
         {"natural": PartitionEntry("hetfed.client.data.synthetic:load_synthetic")},
         num_classes=10,
+        input_shape=(60,),
     ),
     "gauss4": DatasetEntry(
         "Fed-CMA's 2-D toy: four Gaussian classes, one dominant class per organization, one scarce organization",
         {"natural": PartitionEntry("hetfed.client.data.gauss4:load_gauss4")},
         num_classes=4,
         picture="hetfed.client.diagnostics:plot_gauss4",
+        input_shape=(2,),
     ),
     "npz": DatasetEntry(
         "the organization's own .npz files (train.npz with x, y and optionally domain; optionally test.npz)",
