@@ -20,6 +20,7 @@ from hetfed.client.algorithms.simfed.layers import (
     criteria_embeddings,
     criteria_inputs,
     decode_mask,
+    densify_model,
     encode_factors,
     encode_mask,
     factorize_model,
@@ -27,7 +28,7 @@ from hetfed.client.algorithms.simfed.layers import (
     load_factors,
     mask_density,
 )
-from hetfed.client.models import build_model
+from hetfed.client.models import build_model, load_state_arrays, state_arrays
 
 
 def _fill(layer: FactorizedLinear | FactorizedConv2d, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -125,6 +126,34 @@ def test_factorize_model_replaces_encoder_layers_keeps_head_and_is_seeded() -> N
         assert abs(float(fc1.dense_weight().detach().double().mean())) < 0.1 * target**0.5
     no_mask = factorize_model(dense, seed=5, masks=False)
     assert all(layer.mask is None for _, layer in factorized_layers(no_mask))
+
+
+@pytest.mark.parametrize(("name", "shape"), [("lenet", (1, 28, 28)), ("mlp", (60,))])
+def test_densify_model_writes_each_factorised_weight_as_the_dense_layer_it_computes(
+    name: str, shape: tuple[int, ...]
+) -> None:
+    """What local snapshots hold for SimFed: the registered architecture with W = u × v ⊕ μ, so a model rebuilt by
+    name loads it and computes what the factorised model does."""
+    fact = build_factorized_model(name, shape, 10, seed=3)
+    with torch.no_grad():  # a trained-looking state: every factor and mask entry non-zero
+        for _, layer in factorized_layers(fact):
+            for p in (layer.u, layer.v, layer.mask):
+                assert p is not None
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    before = {k: t.clone() for k, t in fact.state_dict().items()}
+    dense = densify_model(fact)
+    for k, t in fact.state_dict().items():  # the factorised model is untouched
+        assert torch.equal(t, before[k])
+    assert not factorized_layers(dense)
+    for qualified, layer in factorized_layers(fact):
+        replaced = dense.get_submodule(qualified)
+        assert torch.equal(replaced.weight, layer.dense_weight().detach())  # type: ignore[arg-type]
+        assert torch.equal(replaced.bias, layer.bias)  # type: ignore[arg-type]
+    plain = build_model(name, shape, 10, seed=0)
+    load_state_arrays(plain, state_arrays(dense))  # the registered architecture's names and shapes
+    x = torch.randn(8, *shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), fact(x), rtol=1e-5, atol=1e-6)
 
 
 def test_mask_l1_value_and_gradient() -> None:

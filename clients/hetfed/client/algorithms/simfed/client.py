@@ -24,6 +24,7 @@ from hetfed.client.algorithms.simfed.layers import (
     build_factorized_model,
     criteria_embeddings,
     criteria_inputs,
+    densify_model,
     encode_factors,
     load_factors,
     mask_density,
@@ -119,6 +120,11 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         z = criteria_embeddings(ctx.model, self.criteria)
         metrics = ctx.metrics(result.loss, evaluated_round=round_, extra=self.figures)
         return [factors, CriteriaEmbeddings(self.criteria_id, z), metrics]
+
+    def deployed_model(self) -> SplitModel:
+        """The model with each factorised weight W = u × v ⊕ μ written as the dense layer it computes: the
+        registered architecture, so local snapshots load into it by name."""
+        return densify_model(self.ctx.model)
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The organization's model after its last local training."""

@@ -333,6 +333,39 @@ def build_factorized_model(
                            conv_mask_density=conv_mask_density)
 
 
+def _densify(module: nn.Module) -> None:
+    for child_name, child in module.named_children():
+        if isinstance(child, (FactorizedLinear, FactorizedConv2d)):
+            with torch.no_grad():
+                weight = child.dense_weight().detach().clone()
+                new: nn.Module
+                if isinstance(child, FactorizedLinear):
+                    new = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                else:
+                    new = nn.Conv2d(child.in_channels, child.out_channels, child.kernel_size, stride=child.stride,
+                                    padding=child.padding, dilation=child.dilation, groups=child.groups,
+                                    bias=child.bias is not None)
+                new = new.to(device=weight.device, dtype=weight.dtype)
+                new.weight.copy_(weight)
+                if child.bias is not None and new.bias is not None:
+                    new.bias.copy_(child.bias.detach())
+            setattr(module, child_name, new)
+        else:
+            _densify(child)
+
+
+def densify_model(model: SplitModel) -> SplitModel:
+    """A copy of ``model`` with every factorised layer replaced by the nn.Linear or nn.Conv2d of its weight W.
+
+    The inverse of :func:`factorize_model` up to the factors: the copy computes the same function and has the
+    registered architecture's parameter names, so anything that rebuilds a model by name (local snapshots, the
+    gauss4 picture) loads it. ``model`` itself is left unchanged.
+    """
+    out = copy.deepcopy(model)
+    _densify(out.encoder)
+    return out
+
+
 def factorized_layers(model: nn.Module) -> list[tuple[str, FactorizedModule]]:
     """The factorised layers of ``model`` with their qualified names, in module order."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (FactorizedLinear, FactorizedConv2d))]
