@@ -6,6 +6,7 @@ thread, with the paper's batch 10: what each constraint adds to the local work, 
 reproduction (`hetfed bench ditto`) measures the same over real processes.
 
     nice -n 5 python benchmarks/ditto_round_cost.py [--variants ditto,ditto_mmdd_s5] [--repeat 2]
+    nice -n 5 python benchmarks/ditto_round_cost.py --refit   # one refit, both dtypes
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ditto_mmdd_s5": ("ditto_mmdd", {"refit_batches": 5}),
     "ditto_mkmmd20_s50": ("ditto_mkmmd", {"refit_batches": 50}),
     "ditto_mmdd_s50": ("ditto_mmdd", {"refit_batches": 50}),
+    # the reference code's float32 kernel maths (kernel_dtype)
+    "ditto_mkmmd-1_f32": ("ditto_mkmmd", {"refit_every": -1, "kernel_dtype": "float32"}),
+    "ditto_mkmmd20_s50_f32": ("ditto_mkmmd", {"refit_batches": 50, "kernel_dtype": "float32"}),
+    "ditto_mmdd_s50_f32": ("ditto_mmdd", {"refit_batches": 50, "kernel_dtype": "float32"}),
 }
 
 
@@ -51,6 +56,27 @@ def epoch_cost(algorithm: str, config: dict[str, Any], seed: int = 100) -> tuple
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
+def refit_cost(measure: str, dtype: torch.dtype, rows: int = 500, width: int = 20, repeat: int = 5) -> float:
+    """Least CPU seconds of one refit on ``rows`` + ``rows`` feature rows (s = 50 batches of 10): MMD-D's five
+    kernel steps, or MK-MMD's (d̂, Q̂) and QP."""
+    from hetfed.client.algorithms.ditto.mkmmd import MkMmdLoss
+    from hetfed.client.algorithms.ditto.mmdd import MmdDLoss
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g)
+    y = x + 0.1 * torch.randn(rows, width, generator=g)
+    module = MmdDLoss(width, kernel_form="liu", dtype=dtype) if measure == "mmdd" else MkMmdLoss(dtype=dtype)
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first warms up
+        cpu = time.process_time()
+        if isinstance(module, MmdDLoss):
+            module.train_kernel(x, y)
+        else:
+            module.refit(x, y)
+        best = min(best, time.process_time() - cpu)
+    return best
+
+
 def main() -> None:
     """Print each variant's CPU seconds per local epoch (the least of --repeat) and its ratio to Ditto's.
 
@@ -60,8 +86,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--repeat", type=int, default=2, help="rounds timed per variant; the least CPU time is shown")
+    p.add_argument("--refit", action="store_true", help="time one refit of MK-MMD and MMD-D on 500 + 500 rows "
+                                                          "in float64 and float32 instead")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.refit:
+        print(f"{'refit (500 + 500 rows)':<24} {'float64 CPU ms':>15} {'float32 CPU ms':>15}")
+        for measure in ("mkmmd", "mmdd"):
+            f64, f32 = refit_cost(measure, torch.float64), refit_cost(measure, torch.float32)
+            print(f"{measure:<24} {1e3 * f64:>15.1f} {1e3 * f32:>15.1f}", flush=True)
+        return
     epoch_cost("ditto", {})  # warm up torch's first-call costs
     base_algorithm, base_config = VARIANTS["ditto"]
     print(f"{'variant':<20} {'CPU s / epoch':>14} {'wall s':>8} {'Ditto CPU s':>12} {'x Ditto':>8}")

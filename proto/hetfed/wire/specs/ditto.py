@@ -61,6 +61,9 @@ class DittoConfig(FedAvgConfig):
     # Train both models on CrossEntropy(softmax(logits)) instead of CrossEntropy(logits): the reference code's
     # model ends in a Softmax and is trained with CrossEntropyLoss, which reproduces the paper's magnitudes.
     double_softmax: bool = False
+    # MK-MMD and MMD-D kernel maths: "float64" (hetfed's own choice: their estimates are differences of nearly
+    # equal sums) or "float32" (the reference code's: torch's default dtype). The cosine always runs in float64.
+    kernel_dtype: Literal["float64", "float32"] = "float64"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +83,8 @@ class DittoConfig(FedAvgConfig):
         check(self.mkmmd_qp in ("paper", "fl4health"), f"mkmmd_qp must be paper or fl4health, got {self.mkmmd_qp!r}")
         check(self.mkmmd_beta_init in ("uniform", "random"),
               f"mkmmd_beta_init must be uniform or random, got {self.mkmmd_beta_init!r}")
+        check(self.kernel_dtype in ("float64", "float32"),
+              f"kernel_dtype must be float64 or float32, got {self.kernel_dtype!r}")
 
 
 SPEC = fedavg.SPEC.derive(

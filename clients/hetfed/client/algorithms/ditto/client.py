@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from hetfed.client.algorithms.base import ClientContext
 from hetfed.client.algorithms.ditto.cosine import CosineDrift
 from hetfed.client.algorithms.ditto.features import RefitSchedule, forward_with_layers, named_layer
+from hetfed.client.algorithms.ditto.kernels import KERNEL_DTYPES
 from hetfed.client.algorithms.ditto.mkmmd import MkMmdLoss
 from hetfed.client.algorithms.ditto.mmdd import MmdDLoss
 from hetfed.client.algorithms.ditto.penalty import add_proximal_gradient
@@ -68,10 +69,11 @@ class LayerDrift:
         elif config.measure == "mkmmd":
             self.module = MkMmdLoss(epsilon=config.qp_epsilon, normalize_features=config.mkmmd_normalize,
                                     bandwidth_form=config.mkmmd_bandwidth, estimator=config.mkmmd_estimator,
-                                    qp_form=config.mkmmd_qp, beta_init=config.mkmmd_beta_init, seed=seed)
+                                    qp_form=config.mkmmd_qp, beta_init=config.mkmmd_beta_init, seed=seed,
+                                    dtype=KERNEL_DTYPES[config.kernel_dtype])
         elif config.measure == "mmdd":
             self.module = MmdDLoss(width, kernel_form=config.mmdd_kernel, lr=config.mmdd_lr,
-                                   train_steps=config.mmdd_steps, seed=seed)
+                                   train_steps=config.mmdd_steps, seed=seed, dtype=KERNEL_DTYPES[config.kernel_dtype])
         else:
             raise ValueError(f"no drift measure for measure {config.measure!r}")
         self.width = width

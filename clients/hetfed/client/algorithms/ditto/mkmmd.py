@@ -3,7 +3,8 @@
 Paper: Ayromlou & Emerson, "Adaptive Latent-Space Constraints in Personalized FL" (shared/papers/001). Public
 reference code, read for understanding only: VectorInstitute/FL4Health (fl4health/losses/mkmmd_loss.py). Where
 the two differ, the paper's form is the default and the code's form is a named option. Kernel maths in float64
-(:mod:`hetfed.client.algorithms.ditto.kernels`).
+unless ``dtype`` says float32, the reference code's (:mod:`hetfed.client.algorithms.ditto.kernels`); the QP
+always in float64 numpy.
 """
 
 from __future__ import annotations
@@ -388,9 +389,13 @@ class MkMmdLoss(nn.Module):
         qp_form: QpForm = "paper",
         beta_init: BetaInit = "uniform",
         seed: int = 0,
+        dtype: torch.dtype = KERNEL_DTYPE,
     ) -> None:
         super().__init__()
-        g = paper_gammas() if gammas is None else torch.as_tensor(gammas, dtype=KERNEL_DTYPE).reshape(-1).clone()
+        if dtype not in (torch.float64, torch.float32):
+            raise ValueError(f"MK-MMD dtype must be torch.float64 or torch.float32, got {dtype}")
+        self.dtype = dtype
+        g = paper_gammas(dtype) if gammas is None else torch.as_tensor(gammas, dtype=dtype).reshape(-1).clone()
         if g.numel() < 1 or not bool(torch.all(torch.isfinite(g) & (g > 0))):
             raise ValueError(f"MK-MMD gammas must be a non-empty list of positive numbers, got {g.tolist()}")
         check_choice("bandwidth_form", bandwidth_form, BANDWIDTH_FORMS)
@@ -406,13 +411,13 @@ class MkMmdLoss(nn.Module):
         if beta_init == "uniform":
             start = torch.full_like(g, 1.0 / g.numel())
         else:  # the reference code's torch.rand start, normalised to sum 1, from this module's own seed
-            u = torch.rand(g.numel(), generator=torch.Generator().manual_seed(int(seed)), dtype=KERNEL_DTYPE)
-            start = u / u.sum()
+            u = torch.rand(g.numel(), generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+            start = (u / u.sum()).to(dtype)  # drawn in float64 whatever the dtype: one start per seed
         self.register_buffer("beta", start)
         self.last_refit: RefitOutcome | None = None
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xf, yf = as_feature_pair(x, y, "MK-MMD")
+        xf, yf = as_feature_pair(x, y, "MK-MMD", self.dtype)
         if self.normalize_features:
             xf, yf = F.normalize(xf, dim=1), F.normalize(yf, dim=1)
         return xf, yf
@@ -425,7 +430,7 @@ class MkMmdLoss(nn.Module):
         three distance matrices and three kernel stacks, each its own autograd nodes, cost as much as Ditto's
         whole step).
         """
-        xf, yf = as_feature_pair(x, y, "MK-MMD")
+        xf, yf = as_feature_pair(x, y, "MK-MMD", self.dtype)
         z = torch.cat((xf, yf), dim=0)
         if self.normalize_features:  # row by row, so once on [x; y]
             z = F.normalize(z, dim=1)
@@ -435,7 +440,7 @@ class MkMmdLoss(nn.Module):
         return d_hat, k
 
     def per_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The per-kernel estimates d̂_j (float64, differentiable in x and y)."""
+        """The per-kernel estimates d̂_j (in the module's dtype, differentiable in x and y)."""
         return self._estimates_and_stack(x, y)[0]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -444,7 +449,7 @@ class MkMmdLoss(nn.Module):
 
     @torch.no_grad()
     def statistics(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d̂, Q̂) of two samples, without gradients (float64)."""
+        """(d̂, Q̂) of two samples, without gradients (in the module's dtype)."""
         xf, yf = self._prepare(x, y)
         return mkmmd_statistics(xf, yf, self.gammas, self.bandwidth_form, self.estimator)
 

@@ -2,8 +2,8 @@
 
 Paper: Ayromlou & Emerson (shared/papers/001). Public reference code, read for understanding only:
 VectorInstitute/FL4Health (fl4health/losses/deep_mmd_loss.py). Where the two differ, the paper's form is the
-default and the code's form is a named option. Kernel maths in float64
-(:mod:`hetfed.client.algorithms.ditto.kernels`).
+default and the code's form is a named option. Kernel maths in float64 unless ``dtype`` says float32, the
+reference code's (:mod:`hetfed.client.algorithms.ditto.kernels`).
 """
 
 from __future__ import annotations
@@ -191,8 +191,12 @@ class MmdDLoss(nn.Module):
         train_steps: int = 5,
         shuffle_pairs: bool = True,
         seed: int = 0,
+        dtype: torch.dtype = KERNEL_DTYPE,
     ) -> None:
         super().__init__()
+        if dtype not in (torch.float64, torch.float32):
+            raise ValueError(f"MMD-D dtype must be torch.float64 or torch.float32, got {dtype}")
+        self.dtype = dtype
         check_choice("kernel_form", kernel_form, _DEEP_KERNEL_FORMS)
         eps0 = float(epsilon_init)
         if not 0.0 < eps0 < 1.0:
@@ -207,10 +211,12 @@ class MmdDLoss(nn.Module):
         self.shuffle_pairs = bool(shuffle_pairs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(seed))
-            self.featurizer = DeepKernelFeaturizer(in_features, hidden_features, out_features).to(KERNEL_DTYPE)
-        self.eps_logit = nn.Parameter(torch.tensor(math.log(eps0 / (1.0 - eps0)), dtype=KERNEL_DTYPE))
-        self.sigma_phi_root = nn.Parameter(torch.tensor(math.sqrt(sigma_phi), dtype=KERNEL_DTYPE))
-        self.sigma_q_root = nn.Parameter(torch.tensor(math.sqrt(sigma_q), dtype=KERNEL_DTYPE))
+            # built in float64 then cast: one initial kernel per seed whatever the dtype
+            self.featurizer = DeepKernelFeaturizer(in_features, hidden_features, out_features).to(torch.float64)
+            self.featurizer.to(dtype)
+        self.eps_logit = nn.Parameter(torch.tensor(math.log(eps0 / (1.0 - eps0)), dtype=dtype))
+        self.sigma_phi_root = nn.Parameter(torch.tensor(math.sqrt(sigma_phi), dtype=dtype))
+        self.sigma_q_root = nn.Parameter(torch.tensor(math.sqrt(sigma_q), dtype=dtype))
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
         self._shuffle_rng = torch.Generator().manual_seed(int(seed))
         self._workspace = _Workspace()
@@ -229,7 +235,7 @@ class MmdDLoss(nn.Module):
         self, x: torch.Tensor, y: torch.Tensor, *, train: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K_xx, K_yy, K_xy) under k_ω; ω takes gradients only when ``train``."""
-        xf, yf = as_feature_pair(x, y, "MMD-D")
+        xf, yf = as_feature_pair(x, y, "MMD-D", self.dtype)
         params: dict[str, torch.Tensor] = dict(self.named_parameters())
         if not train:
             params = {k: v.detach() for k, v in params.items()}
@@ -259,7 +265,7 @@ class MmdDLoss(nn.Module):
         return mmd2_unbiased(*self.kernel_matrices(x, y)).to(x.dtype)
 
     def objective(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MMD²_u, σ̂²) with gradients into the kernel parameters (float64)."""
+        """(MMD²_u, σ̂²) with gradients into the kernel parameters (in the module's dtype)."""
         kxx, kyy, kxy = self.kernel_matrices(x, y, train=True)
         return mmd2_unbiased(kxx, kyy, kxy), mmd2_variance(kxx, kyy, kxy)
 
@@ -303,7 +309,7 @@ class MmdDLoss(nn.Module):
     def train_kernel(self, x: torch.Tensor, y: torch.Tensor, steps: int | None = None) -> list[float]:
         """Take ``steps`` (default ``train_steps``) AdamW steps on −MMD²_u/σ̂; returns the criterion MMD²_u/σ̂ before each."""
         n_steps = self.train_steps if steps is None else int(steps)
-        xd, yd = as_feature_pair(x.detach(), y.detach(), "MMD-D")
+        xd, yd = as_feature_pair(x.detach(), y.detach(), "MMD-D", self.dtype)
         n = xd.shape[0]
         z = torch.cat([xd, yd], dim=0)
         d_in = squared_distances(z, z)  # the inputs do not change during the refit: computed once
