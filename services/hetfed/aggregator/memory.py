@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("hetfed.aggregator")
@@ -33,7 +34,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 class Trimmer:
     """Trims the allocator's free memory in a thread of its own after ``request``: one trim per burst of
-    requests, and one more after a request that came while a trim was under way."""
+    requests, ``delay`` after the burst's last request (or ``interval`` after its first, whichever is sooner),
+    and one more after a request that came while a trim was under way or was cut short."""
 
     def __init__(self, delay: float = TRIM_DELAY_SECONDS, interval: float = TRIM_INTERVAL_SECONDS) -> None:
         self.delay = delay
@@ -59,8 +61,14 @@ class Trimmer:
         while True:
             self._wanted.wait()
             self._wanted.clear()
-            self._wanted.wait(self.delay)  # let the push's buffers be freed first
-            self._wanted.clear()
+            # Let the latest push's buffers be freed first: wait until `delay` passes without a new request
+            # (each one restarts it), but at most `interval` in all, so that a stream of requests still trims.
+            first = time.monotonic()
+            while self._wanted.wait(self.delay):
+                self._wanted.clear()
+                if time.monotonic() - first >= self.interval:
+                    self._wanted.set()  # a request is still owed a trim after this one
+                    break
             self._trim(0)
             self.trims += 1
             threading.Event().wait(self.interval)
