@@ -59,7 +59,9 @@ def _latent_activation(bounded: bool) -> nn.Module:
     return nn.Sigmoid() if bounded else nn.ReLU()
 
 
-def _image_shape(name: str, input_shape: tuple[int, ...], min_side: int) -> tuple[int, int, int]:
+def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(C, H, W) of ``input_shape``, checked against the registry's least image side for model ``name``."""
+    min_side = MODELS[name].min_image_side
     if len(input_shape) != 3:
         raise ValueError(f"model {name!r} needs an image input shape (C, H, W), got {input_shape}")
     c, h, w = input_shape
@@ -107,7 +109,7 @@ def linear(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.M
 
 def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
-    c, _, _ = _image_shape("lenet", input_shape, min_side=4)
+    c, _, _ = _image_shape("lenet", input_shape)
     features = nn.Sequential(
         nn.Conv2d(c, 6, kernel_size=5, padding=2),
         nn.ReLU(),
@@ -131,7 +133,7 @@ def lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
     """LeNet with twice the channels (12, 32) and 200 hidden units."""
     # LeNet with twice the convolution channels (12, 32) and a wider hidden layer (200), for
     # heterogeneous federations that mix architectures of one family at different sizes.
-    c, _, _ = _image_shape("lenet_wide", input_shape, min_side=4)
+    c, _, _ = _image_shape("lenet_wide", input_shape)
     features = nn.Sequential(
         nn.Conv2d(c, 12, kernel_size=5, padding=2),
         nn.ReLU(),
@@ -156,7 +158,7 @@ def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
     # FedGen's 'mnist' config (zhuangdizhu/FedGen: utils/model_config.py, FLAlgorithms/trainmodel/models.py):
     # [6, 16, 'F'] with 3x3 stride-2 padding-1 convolutions, each followed by BatchNorm and ReLU, then a
     # linear layer to the latent (784 -> 32 on 28x28); the latent has no activation in FedGen.
-    c, _, _ = _image_shape("fedgen_cnn", input_shape, min_side=4)
+    c, _, _ = _image_shape("fedgen_cnn", input_shape)
     features = nn.Sequential(
         nn.Conv2d(c, 6, kernel_size=3, stride=2, padding=1),
         nn.BatchNorm2d(6),
@@ -176,7 +178,7 @@ def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
 def _two_conv(name: str, widths: tuple[int, int], input_shape: tuple[int, ...], latent_dim: int,
               bounded: bool) -> nn.Module:
     """Two 3x3 convolutions of ``widths`` channels, each with ReLU and 2x2 max-pooling, then a linear layer to d_e."""
-    c, _, _ = _image_shape(name, input_shape, min_side=4)
+    c, _, _ = _image_shape(name, input_shape)
     features = nn.Sequential(
         nn.Conv2d(c, widths[0], kernel_size=3, padding=1),
         nn.ReLU(),
@@ -264,7 +266,7 @@ def _torchvision_models(name: str) -> ModuleType:
 
 def resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """torchvision's ResNet-18 (untrained) with a linear layer to d_e; needs torchvision."""
-    c, _, _ = _image_shape("resnet18", input_shape, min_side=8)
+    c, _, _ = _image_shape("resnet18", input_shape)
     backbone = _torchvision_models("resnet18").resnet18(weights=None)
     if c != 3:
         old = backbone.conv1
@@ -283,7 +285,7 @@ def resnet18(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn
 
 def mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """torchvision's MobileNetV2 (untrained) with a linear layer to d_e; needs torchvision."""
-    c, _, _ = _image_shape("mobilenet_v2", input_shape, min_side=8)
+    c, _, _ = _image_shape("mobilenet_v2", input_shape)
     backbone = _torchvision_models("mobilenet_v2").mobilenet_v2(weights=None)
     if c != 3:
         old = backbone.features[0][0]
