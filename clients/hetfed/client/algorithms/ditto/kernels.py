@@ -94,6 +94,13 @@ def as_feature_pair(x: torch.Tensor, y: torch.Tensor, what: str,
     return xf.to(dtype), yf.to(dtype)
 
 
+def check_kernel_dtype(what: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or a clear ValueError unless it is one of :data:`KERNEL_DTYPES`."""
+    if dtype not in KERNEL_DTYPES.values():
+        raise ValueError(f"{what} dtype must be torch.float64 or torch.float32, got {dtype}")
+    return dtype
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Raise a clear ValueError unless ``value`` is one of ``choices``."""
     if value not in choices:

@@ -26,6 +26,7 @@ from hetfed.client.algorithms.ditto.kernels import (
     MmdEstimator,
     as_feature_pair,
     check_choice,
+    check_kernel_dtype,
     check_positive,
     doubling_period,
     paper_gammas,
@@ -392,9 +393,7 @@ class MkMmdLoss(nn.Module):
         dtype: torch.dtype = KERNEL_DTYPE,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float64, torch.float32):
-            raise ValueError(f"MK-MMD dtype must be torch.float64 or torch.float32, got {dtype}")
-        self.dtype = dtype
+        self.dtype = check_kernel_dtype("MK-MMD", dtype)
         g = paper_gammas(dtype) if gammas is None else torch.as_tensor(gammas, dtype=dtype).reshape(-1).clone()
         if g.numel() < 1 or not bool(torch.all(torch.isfinite(g) & (g > 0))):
             raise ValueError(f"MK-MMD gammas must be a non-empty list of positive numbers, got {g.tolist()}")

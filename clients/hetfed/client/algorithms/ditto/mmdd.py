@@ -19,6 +19,7 @@ from hetfed.client.algorithms.ditto.kernels import (
     KERNEL_DTYPE,
     as_feature_pair,
     check_choice,
+    check_kernel_dtype,
     check_positive,
     squared_distances,
 )
@@ -194,9 +195,7 @@ class MmdDLoss(nn.Module):
         dtype: torch.dtype = KERNEL_DTYPE,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float64, torch.float32):
-            raise ValueError(f"MMD-D dtype must be torch.float64 or torch.float32, got {dtype}")
-        self.dtype = dtype
+        self.dtype = check_kernel_dtype("MMD-D", dtype)
         check_choice("kernel_form", kernel_form, _DEEP_KERNEL_FORMS)
         eps0 = float(epsilon_init)
         if not 0.0 < eps0 < 1.0:
