@@ -72,5 +72,5 @@ def test_kernel_dtype_is_a_checked_config_field_that_reaches_the_modules() -> No
         cfg = get_spec(name).config(kernel_dtype="float32")
         drift = LayerDrift(cfg, 20, seed=0)
         assert isinstance(drift.module, module) and drift.module.dtype == torch.float32
-    with pytest.raises(ValueError, match="MMD-D dtype must be torch.float64 or torch.float32"):
+    with pytest.raises(ValueError, match=r"MMD-D dtype must be torch\.float64 or torch\.float32"):
         MmdDLoss(4, dtype=torch.float16)
