@@ -154,8 +154,10 @@ def thread_names(pid: int) -> dict[str, int]:
     """How many threads of a process carry each name."""
     names: dict[str, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with open(task / "comm") as f:
-            name = f.read().strip()
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread exited after the listing
+            continue
         names[name] = names.get(name, 0) + 1
     return dict(sorted(names.items()))
 

@@ -171,11 +171,17 @@ def test_health_listener_refuses_a_taken_port_and_leaves_no_process(aggregator: 
     assert not _listener_pids()
 
 
-def _listener_pids() -> list[int]:
-    """Health listener processes that are children of this process."""
+def _listener_pids(parent: int | None = None) -> list[int]:
+    """Health listener processes that are children of ``parent`` (this process by default).
+
+    Any of the parent's threads may have started a child, so every task's children list is read. A thread or a
+    child that exits between the listing and the read is skipped: it holds no listener."""
     out = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        children = (task / "children").read_text().split()
+    for task in Path(f"/proc/{os.getpid() if parent is None else parent}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
         for pid in children:
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -199,16 +205,20 @@ def test_a_killed_aggregator_leaves_no_health_listener(tmp_path: Path) -> None:
     try:
         wait_until(ready.exists, timeout=60, what="the aggregator to serve")
         assert _check(health_port)[0] == health_pb2.HealthCheckResponse.SERVING
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        listener = [int(p) for p in children
-                    if b"health_listener" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        listener = _listener_pids(proc.pid)
         assert len(listener) == 1
     finally:
         proc.kill()
         proc.wait()
-    wait_until(lambda: not Path(f"/proc/{listener[0]}").exists() or
-               Path(f"/proc/{listener[0]}/stat").read_text().split()[2] == "Z", timeout=10,
-               what="the orphaned listener to exit")
+    wait_until(lambda: _gone(listener[0]), timeout=10, what="the orphaned listener to exit")
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited: reaped (no /proc entry) or a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_the_shared_health_page_falls_back_to_the_temp_directory(monkeypatch: pytest.MonkeyPatch,
