@@ -50,6 +50,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_pids(pid: int) -> list[int]:
+    """The children of ``pid``, started by any of its threads (Linux /proc children lists). A thread that exits
+    between the listing and the read is skipped; a ``pid`` that is gone has none."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """``pid`` is running: it has a /proc entry and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

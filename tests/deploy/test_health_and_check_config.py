@@ -21,7 +21,7 @@ from hetfed.cli import main as hetfed_main
 from hetfed.cli.certs import make_federation_certs
 from hetfed.wire.traffic import KindCount, TrafficBreakdown
 from hetfed.wire.transport import Health
-from tests.conftest import free_port, run_config, wait_until
+from tests.conftest import child_pids, free_port, process_alive, run_config, wait_until
 
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -172,23 +172,15 @@ def test_health_listener_refuses_a_taken_port_and_leaves_no_process(aggregator: 
 
 
 def _listener_pids(parent: int | None = None) -> list[int]:
-    """Health listener processes that are children of ``parent`` (this process by default).
-
-    Any of the parent's threads may have started a child, so every task's children list is read. A thread or a
-    child that exits between the listing and the read is skipped: it holds no listener."""
+    """Health listener processes that are children of ``parent`` (this process by default)."""
     out = []
-    for task in Path(f"/proc/{os.getpid() if parent is None else parent}/task").iterdir():
+    for pid in child_pids(os.getpid() if parent is None else parent):
         try:
-            children = (task / "children").read_text().split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        for pid in children:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"hetfed.aggregator.health_listener" in cmd:
-                out.append(int(pid))
+        if b"hetfed.aggregator.health_listener" in cmd:
+            out.append(pid)
     return out
 
 
@@ -210,15 +202,7 @@ def test_a_killed_aggregator_leaves_no_health_listener(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
-    wait_until(lambda: _gone(listener[0]), timeout=10, what="the orphaned listener to exit")
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited: reaped (no /proc entry) or a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
+    wait_until(lambda: not process_alive(listener[0]), timeout=10, what="the orphaned listener to exit")
 
 
 def test_the_shared_health_page_falls_back_to_the_temp_directory(monkeypatch: pytest.MonkeyPatch,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import child_pids, process_alive
 
 GOLDEN = Path(__file__).parent / "golden"
 pytestmark = pytest.mark.e2e
@@ -132,22 +133,11 @@ def _descendants(pid: int) -> set[int]:
     found: set[int] = set()
     todo = [pid]
     while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                for child in (task / "children").read_text().split():
-                    if int(child) not in found:
-                        found.add(int(child))
-                        todo.append(int(child))
+        for child in child_pids(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
@@ -168,8 +158,8 @@ def test_sigterm_stops_the_federation_it_started(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in started):
-            assert time.monotonic() < deadline, f"left running: {[p for p in started if _alive(p)]}"
+        while any(process_alive(p) for p in started):
+            assert time.monotonic() < deadline, f"left running: {[p for p in started if process_alive(p)]}"
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
