@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -87,3 +88,27 @@ def test_kill_between_pushes_then_resume(aggregator_process: Callable[[], tuple[
     assert a.pull(completed=3).action == apb.ACTION_FINISH
     status = a.stub.Status(apb.StatusRequest(run_id="r"), timeout=5).runs[0]
     assert [h.round for h in status.history] == [1, 2, 3]
+
+
+def test_the_runs_label_count_and_input_shape_survive_a_kill(aggregator_process: Callable[[], tuple[Any, int]],
+                                                            raw_client: Callable[..., RawClient]) -> None:
+    """The first organization's declared data is written with its Join: after a kill it still decides."""
+
+    def join(cl: RawClient, num_classes: int, input_shape: tuple[int, ...]) -> apb.JoinResponse:
+        req = apb.JoinRequest(run_id="r", organization_id=cl.organization, num_classes=num_classes,
+                              input_shape=input_shape)
+        return cl.stub.Join(req, metadata=cl.metadata, timeout=10)
+
+    proc, port = aggregator_process()
+    join(raw_client(port, "a"), 10, (1, 28, 28))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    _, port = aggregator_process()
+    b, c = raw_client(port, "b"), raw_client(port, "c")
+    with pytest.raises(grpc.RpcError) as err:
+        join(c, 5, (3, 64, 64))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == ("data_mismatch: organization 'c' has 5 classes and inputs (3, 64, 64); run 'r' "
+                                   "has 10 classes and inputs (1, 28, 28) from 'a'")
+    join(b, 10, (1, 28, 28))  # the same data joins

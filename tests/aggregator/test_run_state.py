@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hetfed.aggregator import run_state as rs
@@ -154,3 +156,50 @@ def test_the_state_survives_its_checkpoint_form() -> None:
     # A refusal stored before refusals at a push were kept (two fields) reads as one at Join.
     old = {**state.to_json(), "refused": {"c": ["schema_mismatch", "x"], "gone": ["x", "y"]}}
     assert RunState.from_json(old, RULES, closed=0).refused == {"c": Refused("schema_mismatch", "x")}
+
+
+MNIST, OTHER_DATA = rs.DataShape(10, (1, 28, 28)), rs.DataShape(5, (3, 64, 64))
+
+
+def test_the_first_declared_data_fixes_the_run_and_the_same_again_changes_nothing() -> None:
+    step = rs.join(RunState.start(RULES), RULES, "a", None, 0, MNIST)
+    assert step == Step(RunState(Phase.TRAIN, 1, joined=frozenset("a"), data=MNIST, data_from="a"), (Persist(),))
+    assert rs.join(step.state, RULES, "a", None, 0, MNIST) == Step(step.state)
+    again = rs.join(step.state, RULES, "b", None, 0, MNIST)
+    assert again == Step(replace(step.state, joined=frozenset("ab")), (Persist(),))  # b joined; a fixed the data
+
+
+def test_other_data_is_refused_naming_both_sides_and_changes_nothing() -> None:
+    state = rs.join(RunState.start(RULES), RULES, "a", None, 0, MNIST).state
+    for org in ("b", "a"):  # the organization that fixed the data cannot change it either
+        with pytest.raises(WireError) as err:
+            rs.join(state, RULES, org, None, 0, OTHER_DATA)
+        assert (err.value.reason, err.value.status, err.value.retryable) == ("data_mismatch", "FAILED_PRECONDITION",
+                                                                             False)
+        assert err.value.message == (f"organization {org!r} has 5 classes and inputs (3, 64, 64); run 'r' has 10 "
+                                     "classes and inputs (1, 28, 28) from 'a'")
+    with pytest.raises(WireError, match=r"^data_mismatch: organization 'b' has 10 classes and inputs \(784\); "):
+        rs.join(state, RULES, "b", None, 0, rs.DataShape(10, (784,)))
+
+
+def test_undeclared_data_is_not_checked_and_fixes_nothing() -> None:
+    start = RunState.start(RULES)
+    old_client = rs.join(start, RULES, "a", None, 0)
+    assert old_client.state.data == rs.DataShape() and old_client.state.data_from == ""
+    state = rs.join(old_client.state, RULES, "b", None, 0, MNIST).state
+    assert (state.data, state.data_from) == (MNIST, "b")
+    assert rs.join(state, RULES, "a", None, 0) == Step(state)  # an older client again: accepted, unchecked
+    # A value only one side declared is not compared.
+    assert rs.join(state, RULES, "c", None, 0, rs.DataShape(10)).state.data == MNIST
+    assert rs.join(state, RULES, "c", None, 0, rs.DataShape(0, (1, 28, 28))).state.data == MNIST
+    with pytest.raises(WireError, match="has 7 classes; run 'r' has 10 classes and inputs"):
+        rs.join(state, RULES, "c", None, 0, rs.DataShape(7))
+
+
+def test_the_fixed_data_survives_the_checkpoint_form() -> None:
+    state = rs.join(RunState.start(RULES), RULES, "a", None, 0, MNIST).state
+    assert state.to_json()["data"] == {"num_classes": 10, "input_shape": [1, 28, 28], "organization": "a"}
+    assert RunState.from_json(state.to_json(), RULES, closed=0) == state
+    # A checkpoint written before runs fixed their data reads as none fixed.
+    old = {k: v for k, v in state.to_json().items() if k != "data"}
+    assert RunState.from_json(old, RULES, closed=0) == replace(state, data=rs.DataShape(), data_from="")

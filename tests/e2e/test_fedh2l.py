@@ -118,7 +118,8 @@ def test_uploads_are_exactly_posteriors_indices_confidences_metrics_and_envelope
             idx = np.frombuffer(sp.indices.data, "<i8")
             assert idx.min() >= 0 and idx.max() < 100  # org-0 teaches on its own domain's part only
     (join,) = [req for method, req in federation["sent"] if method.endswith("/Join")]
-    assert _fields(join) == {"run_id", "organization_id", "seed_set", "num_train_examples"}
+    assert _fields(join) == {"run_id", "organization_id", "seed_set", "num_train_examples", "num_classes",
+                             "input_shape"}
     assert not join.declared_tensors
     for method, req in federation["sent"]:
         if method.endswith("/PullInstructions"):

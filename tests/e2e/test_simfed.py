@@ -124,7 +124,8 @@ def test_uploads_are_factors_criteria_embeddings_and_metrics_only(federation: di
                 assert kind == "eval_metrics"
     for method, req in federation["sent"]:
         if method.endswith("/Join"):
-            assert _fields(req) <= {"run_id", "organization_id", "num_train_examples"} and not req.declared_tensors
+            assert _fields(req) <= {"run_id", "organization_id", "num_train_examples", "num_classes",
+                                    "input_shape"} and not req.declared_tensors
         else:
             assert method.endswith(("/PullInstructions", "/PushUpdate", "/Status")), method
 

@@ -89,8 +89,11 @@ def test_messages_round_trip_through_protobuf() -> None:
     from hetfed.wire.payloads import PayloadKind
 
     req = messages.JoinRequest("r", "a", (DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", np.zeros((2, 3), np.float32),
-                                                          "bfloat16"),), messages.Fingerprint("s", "ab" * 32), 7)
+                                                          "bfloat16"),), messages.Fingerprint("s", "ab" * 32), 7,
+                               10, (1, 28, 28))
     assert messages.join_request_from_proto(messages.join_request_to_proto(req)) == req
+    old = messages.join_request_from_proto(messages.join_request_to_proto(messages.JoinRequest("r", "a")))
+    assert (old.num_classes, old.input_shape) == (0, ())  # an older client declares neither
     reply = messages.JoinReply("r", "fedavg", "{}", 3, 10, 5, ("a", "b"), True)
     assert messages.join_reply_from_proto(messages.join_reply_to_proto(reply)) == reply
     pull = messages.PullRequest("r", "a", 4, 2.5)

@@ -86,18 +86,22 @@ class DatasetFingerprint(_message.Message):
     def __init__(self, id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "organization_id", "declared_tensors", "seed_set", "num_train_examples")
+    __slots__ = ("run_id", "organization_id", "declared_tensors", "seed_set", "num_train_examples", "num_classes", "input_shape")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     DECLARED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     SEED_SET_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAIN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     organization_id: str
     declared_tensors: _containers.RepeatedCompositeFieldContainer[DeclaredTensor]
     seed_set: DatasetFingerprint
     num_train_examples: int
-    def __init__(self, run_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., declared_tensors: _Optional[_Iterable[_Union[DeclaredTensor, _Mapping]]] = ..., seed_set: _Optional[_Union[DatasetFingerprint, _Mapping]] = ..., num_train_examples: _Optional[int] = ...) -> None: ...
+    num_classes: int
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., declared_tensors: _Optional[_Iterable[_Union[DeclaredTensor, _Mapping]]] = ..., seed_set: _Optional[_Union[DatasetFingerprint, _Mapping]] = ..., num_train_examples: _Optional[int] = ..., num_classes: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required")

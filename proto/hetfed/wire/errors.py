@@ -33,6 +33,9 @@ REASONS: dict[str, Reason] = {
     "implausible_update": Reason("INVALID_ARGUMENT", False),
     "implausible_metric": Reason("INVALID_ARGUMENT", False),
     "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
+    # The organization's model and data are built for another label count or input shape than the run's (which
+    # the first organization to declare them fixed): joining again with the same data cannot succeed.
+    "data_mismatch": Reason("FAILED_PRECONDITION", False),
     "not_declared": Reason("FAILED_PRECONDITION", False),
     "payload_kind_not_allowed": Reason("PERMISSION_DENIED", False),
     "unknown_organization": Reason("PERMISSION_DENIED", False),

@@ -59,6 +59,9 @@ class JoinRequest:
     declared: tuple[contract.DeclaredTensor, ...] = ()
     seed_set: Fingerprint | None = None
     num_train_examples: int = 0
+    # The label count and the shape of one input its model and data are built for (0 / (): not declared).
+    num_classes: int = 0
+    input_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class JoinReply:
 def join_request_to_proto(req: JoinRequest) -> apb.JoinRequest:
     """Encode a JoinRequest."""
     msg = apb.JoinRequest(run_id=req.run_id, organization_id=req.organization,
-                          num_train_examples=req.num_train_examples)
+                          num_train_examples=req.num_train_examples, num_classes=req.num_classes,
+                          input_shape=req.input_shape)
     if req.seed_set is not None:
         msg.seed_set.id, msg.seed_set.sha256 = req.seed_set.id, req.seed_set.sha256
     for d in req.declared:
@@ -100,7 +104,8 @@ def join_request_from_proto(msg: apb.JoinRequest) -> JoinRequest:
         declared.append(contract.DeclaredTensor(
             kind, d.name, contract.TensorDecl(codec.dtype_name(d.dtype), tuple(int(s) for s in d.shape))))
     seed_set = Fingerprint(msg.seed_set.id, msg.seed_set.sha256) if msg.HasField("seed_set") else None
-    return JoinRequest(msg.run_id, msg.organization_id, tuple(declared), seed_set, int(msg.num_train_examples))
+    return JoinRequest(msg.run_id, msg.organization_id, tuple(declared), seed_set, int(msg.num_train_examples),
+                       int(msg.num_classes), tuple(int(s) for s in msg.input_shape))
 
 
 def join_reply_to_proto(reply: JoinReply) -> apb.JoinResponse:

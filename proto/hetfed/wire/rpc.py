@@ -542,10 +542,13 @@ class AggregatorClient:
         return self._retry(what, once)
 
     def join(self, declared: Sequence[messages.contract.DeclaredTensor] = (),
-             seed_set: messages.Fingerprint | None = None, num_train_examples: int = 0) -> JoinReply:
-        """Join the run (declaring ``declared`` tensors); learns the algorithm, config and seed."""
+             seed_set: messages.Fingerprint | None = None, num_train_examples: int = 0, num_classes: int = 0,
+             input_shape: Sequence[int] = ()) -> JoinReply:
+        """Join the run (declaring ``declared`` tensors, and the label count and input shape its model and data
+        are built for); learns the algorithm, config and seed."""
         req = messages.join_request_to_proto(JoinRequest(self.run_id, self.organization, tuple(declared), seed_set,
-                                                         num_train_examples))
+                                                         num_train_examples, num_classes,
+                                                         tuple(int(s) for s in input_shape)))
         resp = self._call("Join", lambda: self._stub.Join(req, metadata=self._metadata, timeout=self._timeout))
         reply = messages.join_reply_from_proto(resp)
         self.algorithm = reply.algorithm

@@ -43,6 +43,8 @@ class Limits:
     max_metrics_per_report: int = 64
     max_name_chars: int = 128
     max_declared_tensors: int = 10_000
+    # Dimensions of one input an organization declares at Join (its input_shape).
+    max_input_dims: int = 8
 
 
 def bad_name(name: str, limit: int) -> str:
@@ -70,7 +72,7 @@ def check_metric_domains(m: EvalMetrics) -> None:
 
 
 def check_join(cfg: RunConfig, limits: Limits, max_examples: int, request: JoinRequest) -> None:
-    """A Join request's seed set, example count and declared tensor names."""
+    """A Join request's seed set, example count, label count, input shape and declared tensor names."""
     if cfg.seed_set is not None:
         got, want = request.seed_set, cfg.seed_set
         if got is None or got.id != want.id or got.sha256 != want.sha256:
@@ -81,6 +83,12 @@ def check_join(cfg: RunConfig, limits: Limits, max_examples: int, request: JoinR
     if not 0 <= n <= max_examples:
         raise WireError("invalid_value", f"num_train_examples must be in [0, {max_examples}] (the run's "
                                          f"max_examples, server.max_examples_per_organization), got {n}")
+    if request.num_classes < 0:
+        raise WireError("invalid_value", f"num_classes must be >= 0 (0: not declared), got {request.num_classes}")
+    shape = request.input_shape
+    if len(shape) > limits.max_input_dims or any(s <= 0 for s in shape):
+        raise WireError("invalid_value", f"input_shape must be at most {limits.max_input_dims} positive sizes "
+                                         f"(empty: not declared), got {clip(str(list(shape[:16])), 64)}")
     if len(request.declared) > limits.max_declared_tensors:
         raise WireError("oversized", f"{len(request.declared)} declared tensors; at most {limits.max_declared_tensors}")
     for d in request.declared:

@@ -149,15 +149,18 @@ class Run:
         rs.check_member(self.state, self.rules, organization)
 
     def join(self, organization: str, request: JoinRequest) -> JoinReply:
-        """Admit an organization of this run; the first declaration fixes the run's tensor schema."""
+        """Admit an organization of this run; the first declaration fixes the run's tensor schema, the first
+        declared label count and input shape (those the algorithm shares) the run's data."""
         declared = None  # rs.join refuses a non-member or a finished run first
         if organization in self.cfg.organizations and self.phase is not Phase.FINISHED:
             admission.check_join(self.cfg, self.limits, self.max_examples, request)
             if request.declared and self.spec.shared_schema:
                 declared = contract.schema_from_declared(request.declared, self.spec)
+        data = rs.DataShape(request.num_classes if self.spec.shared_label_space else 0,
+                            request.input_shape if self.spec.shared_input_shape else ())
         with self._lock:
             self._await_commit_locked()  # a join's checkpoint must not overtake the last close's
-            step = rs.join(self.state, self.rules, organization, declared, request.num_train_examples)
+            step = rs.join(self.state, self.rules, organization, declared, request.num_train_examples, data)
             self._apply_locked(step)
             if not self._deadline_armed:  # the first round's clock starts when the first organization arrives
                 self._deadline_armed = True

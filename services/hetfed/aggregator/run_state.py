@@ -1,10 +1,11 @@
 """A run's state as a value, and its transitions as pure functions.
 
-``RunState`` is frozen: who joined and declared, the tensor schema, the open round and who pushed in it, and who
-was refused for good. Each transition (``join``, ``accept``, ``close``, ``refuse``) takes a state and returns a
-``Step``: the next state and the effects the engine must carry out (persist a checkpoint, fold an update into
-the server half, aggregate a round). Nothing here does I/O, reads a clock or takes a lock; the engine
-(``hetfed.aggregator.engine``) does, and observers (metrics, Events) watch the effects.
+``RunState`` is frozen: who joined and declared, the tensor schema, the label count and input shape, the open
+round and who pushed in it, and who was refused for good. Each transition (``join``, ``accept``, ``close``,
+``refuse``) takes a state and returns a ``Step``: the next state and the effects the engine must carry out
+(persist a checkpoint, fold an update into the server half, aggregate a round). Nothing here does I/O, reads a
+clock or takes a lock; the engine (``hetfed.aggregator.engine``) does, and observers (metrics, Events) watch
+the effects.
 """
 
 from __future__ import annotations
@@ -45,6 +46,40 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class DataShape:
+    """What an organization's model and data are built for: the label count and the shape of one input (0 and
+    (): not declared, not checked)."""
+
+    num_classes: int = 0
+    input_shape: tuple[int, ...] = ()
+
+    @property
+    def declared(self) -> bool:
+        """Whether it declares anything."""
+        return bool(self.num_classes or self.input_shape)
+
+    def conflicts(self, other: DataShape) -> bool:
+        """Whether a value both declare differs."""
+        return bool((self.num_classes and other.num_classes and self.num_classes != other.num_classes)
+                    or (self.input_shape and other.input_shape and self.input_shape != other.input_shape))
+
+    def __str__(self) -> str:
+        parts = [f"{self.num_classes} classes"] if self.num_classes else []
+        if self.input_shape:
+            parts.append(f"inputs ({', '.join(map(str, self.input_shape))})")
+        return " and ".join(parts) or "no declared data"
+
+    def to_json(self) -> dict[str, Any]:
+        """The checkpoint's form."""
+        return {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DataShape:
+        """Inverse of ``to_json``."""
+        return cls(int(d["num_classes"]), tuple(int(s) for s in d["input_shape"]))
+
+
+@dataclass(frozen=True)
 class RunState:
     """Everything a run's rounds depend on; the checkpoint persists it (``to_json``)."""
 
@@ -57,6 +92,9 @@ class RunState:
     examples: Mapping[str, int] = field(default_factory=dict)  # training examples declared at Join
     pushed: Mapping[str, bytes] = field(default_factory=dict)  # SHA-256 of each accepted update this round
     refused: Mapping[str, Refused] = field(default_factory=dict)
+    # The label count and input shape the first organization to declare them fixed for the run, and who it was.
+    data: DataShape = DataShape()
+    data_from: str = ""
 
     @classmethod
     def start(cls, rules: Rules) -> RunState:
@@ -70,6 +108,7 @@ class RunState:
             "schema": contract.schema_to_json(self.schema), "joined": sorted(self.joined),
             "declared": sorted(self.declared), "examples": dict(sorted(self.examples.items())),
             "refused": {o: [r.reason, r.message, r.at_push, r.round] for o, r in sorted(self.refused.items())},
+            "data": {**self.data.to_json(), "organization": self.data_from} if self.data.declared else None,
         }
 
     @classmethod
@@ -83,6 +122,8 @@ class RunState:
             examples={str(k): int(v) for k, v in d.get("examples", {}).items()},
             refused={str(o): Refused(str(v[0]), str(v[1]), *((bool(v[2]), int(v[3])) if len(v) > 3 else ()))
                      for o, v in d.get("refused", {}).items() if o in rules.organizations},
+            data=DataShape.from_json(d["data"]) if d.get("data") else DataShape(),
+            data_from=str(d["data"]["organization"]) if d.get("data") else "",
         )
 
     def admitted(self, org: str, rules: Rules) -> bool:
@@ -174,15 +215,26 @@ def check_round(state: RunState, rules: Rules, round_: int) -> None:
         raise WireError("late", f"round {round_} {where}; the current round is {state.round} ({state.phase.value})")
 
 
-def join(state: RunState, rules: Rules, org: str, declared: contract.Schema | None, examples: int) -> Step:
+def check_data(state: RunState, rules: Rules, org: str, data: DataShape) -> None:
+    """WireError ``data_mismatch`` when ``data`` declares a label count or input shape other than the run's."""
+    if state.data.conflicts(data):
+        raise WireError("data_mismatch", f"organization {org!r} has {data}; run {rules.run_id!r} has {state.data} "
+                                         f"from {state.data_from!r}")
+
+
+def join(state: RunState, rules: Rules, org: str, declared: contract.Schema | None, examples: int,
+         data: DataShape = DataShape()) -> Step:
     """Admit a member. ``declared``: the schema its declaration gives (None when it declares nothing); the first
-    one fixes the run's schema, later ones must equal it. Persist when anything durable changed."""
+    one fixes the run's schema, later ones must equal it. ``data``: the label count and input shape it declares;
+    the first declaration fixes the run's, later ones must agree where both declare a value. Persist when anything
+    durable changed."""
     if org not in rules.organizations:
         raise WireError("unknown_organization", f"organization {clip(org, 64)!r} is not part of run {rules.run_id!r}")
     if state.phase is Phase.FINISHED:
         raise WireError("run_finished", f"run {rules.run_id!r} finished after {state.closed} rounds (its state is in "
                                         f"{rules.state_dir}); to train again give the run a new id, or remove its "
                                         "state to start it over")
+    check_data(state, rules, org, data)
     schema = state.schema
     if declared is not None:
         if schema:
@@ -194,12 +246,14 @@ def join(state: RunState, rules: Rules, org: str, declared: contract.Schema | No
         declared=state.declared | {org} if declared is not None else state.declared,
         examples={**state.examples, org: examples} if examples else state.examples,
     )
+    if data.declared and not state.data.declared:
+        new = replace(new, data=data, data_from=org)
     old = state.refused.get(org)
     if old is not None:
         new = replace(new, refused={o: r for o, r in state.refused.items() if o != org})
     effects: list[Effect] = []
-    if (new.schema, new.joined, new.declared, new.examples, new.refused) != \
-            (state.schema, state.joined, state.declared, state.examples, state.refused):
+    if (new.schema, new.joined, new.declared, new.examples, new.refused, new.data) != \
+            (state.schema, state.joined, state.declared, state.examples, state.refused, state.data):
         effects.append(Persist())
     if old is not None:
         effects.append(RefusalChanged(org, None, old))

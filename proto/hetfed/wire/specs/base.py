@@ -121,6 +121,11 @@ class AlgorithmSpec(Generic[C]):
     bounded_latent: bool = False
     # True when every organization must hold the run's shared seed set (its id and SHA-256 are checked at Join).
     needs_seed_set: bool = False
+    # True when every organization must count the same classes, or feed inputs of the same shape: the first
+    # organization to declare its num_classes (input_shape) at Join fixes the run's, others are refused
+    # (data_mismatch). False where organizations share no head (their own label spaces), or nothing at all.
+    shared_label_space: bool = True
+    shared_input_shape: bool = True
     # Figures the algorithm's metrics carry beyond accuracy (the aggregator exports them by key).
     figures: tuple[Figure, ...] = ()
     # The two halves, as "module:Class": the server half (numpy, in the aggregator) and the client half (torch).

@@ -21,6 +21,8 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.EVAL_METRICS}),
     download=frozenset(),
     model_private=True,
+    shared_label_space=False,  # nothing is shared
+    shared_input_shape=False,
     server="hetfed.aggregator.algorithms.local:LocalServer",
     client="hetfed.client.algorithms.local:LocalClient",
 )

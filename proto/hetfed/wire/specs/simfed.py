@@ -91,6 +91,7 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.FACTORIZED_WEIGHTS, K.CRITERIA_EMBEDDINGS, K.EVAL_METRICS}),
     download=frozenset({K.FACTORIZED_WEIGHTS}),
     model_private=True,
+    shared_label_space=False,  # heads stay local: organizations may count their classes differently
     figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density")),
     server="hetfed.aggregator.algorithms.simfed:SimFedServer",
     client="hetfed.client.algorithms.simfed:SimFedClient",
