@@ -148,7 +148,7 @@ def test_uploads_that_break_the_run_layout_or_criteria_are_refused() -> None:
             half.validate(Phase.TRAIN, "a", u)
         assert err.value.reason == reason
 
-    refused(update("a", factors([1.0, 2.0], [1.0], [], [])), "schema_mismatch", "differ from the run's")
+    refused(update("a", factors([1.0, 2.0], [1.0], [], [])), "schema_mismatch", "differ from those it sent before")
     refused(update("a", factors([1.0, 2.0, 3.0], [1.0], [], [], name="encoder.9")), "schema_mismatch", "encoder.9")
     refused(update("a", factors([1.0, 2.0, 3.0], [1.0], [2, 1], [1.0, 1.0])), "invalid_value", "strictly increasing")
     refused(update("a", factors([1.0, 2.0, 3.0], [1.0], [3], [1.0])), "invalid_value", "strictly increasing")
@@ -162,3 +162,19 @@ def test_uploads_that_break_the_run_layout_or_criteria_are_refused() -> None:
         half.validate(Phase.TRAIN, "a", Received([UPLOADS["a"], EvalMetrics()]))
     assert err.value.reason == "missing_payload"
     half.validate(Phase.TRAIN, "a", update("a"))  # the round is unharmed: a valid upload still passes
+
+
+def test_organizations_of_another_architecture_are_left_out_of_the_reflection() -> None:
+    """b's factors have another layout (another architecture): a, similar to b, reflects with itself alone, and
+    b receives its own factors; the layouts survive a restart."""
+    other = factors([5.0, 6.0], [5.0, 4.0], [1], [4.0], name="encoder.3")
+    half = server(tau=-1.0)  # everyone similar: only the layouts separate them
+    train_round(half, 1, {**UPLOADS, "b": other})
+    assert half.sets["a"][0] == ("a", "c") and half.sets["b"][0] == ("b",) and half.sets["c"][0] == ("a", "c")
+    own = layer_of(half.payloads_for(Phase.TRAIN, 2, "b"))
+    assert (own.name, own.u.tolist(), own.v.tolist()) == ("encoder.3", [5.0, 6.0], [5.0, 4.0])
+    restored = server(tau=-1.0)
+    restored.load_state(half.state())
+    assert restored.layouts == half.layouts and restored.sets["b"][0] == ("b",)
+    with pytest.raises(WireError, match="differ from those it sent before"):
+        half.validate(Phase.TRAIN, "b", update("b", UPLOADS["b"]))

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,9 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import CriteriaEmbeddings, FactorizedLayer, FactorizedWeights, Payload, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs.simfed import SimFedConfig
+
+Layout = tuple[tuple[str, int, int, tuple[int, ...]], ...]
+"""An organization's factorised layers: (name, len u, len v, mask shape) each."""
 
 __all__ = [
     "SimFedServer",
@@ -332,8 +336,10 @@ class SimFedServer(ServerHalf[SimFedConfig]):
         self.sigma = np.zeros((0, 0))
         self.sets: dict[str, tuple[tuple[str, ...], np.ndarray]] = {}
         self.closed_round = 0
-        # The run's layer layout (name, len u, len v, mask shape) and criteria set, fixed by the first upload.
-        self.layout: tuple[tuple[str, int, int, tuple[int, ...]], ...] | None = None
+        # Each organization's layer layout (name, len u, len v, mask shape), fixed by its first upload:
+        # organizations with different architectures reflect only between those of one layout. The run's
+        # criteria set and embedding shape are fixed by the first upload.
+        self.layouts: dict[str, Layout] = {}
         self.criteria_set_id = ""
         self.embedding_shape: tuple[int, ...] | None = None
 
@@ -348,9 +354,10 @@ class SimFedServer(ServerHalf[SimFedConfig]):
             return WireError(reason, f"simfed upload from {organization!r}: {message}")
 
         layout = _layout(fw, bad)
-        if self.layout is not None and layout != self.layout:
-            raise bad("schema_mismatch", f"factorised layers {_describe(layout)} differ from the run's "
-                                         f"{_describe(self.layout)}")
+        earlier = self.layouts.get(organization)
+        if earlier is not None and layout != earlier:
+            raise bad("schema_mismatch", f"factorised layers {_describe(layout)} differ from those it sent "
+                                         f"before, {_describe(earlier)}")
         for layer in fw.layers:
             for what, arr in (("u", layer.u), ("v", layer.v), ("mask_values", layer.mask_values)):
                 if np.asarray(arr).dtype.kind != "f":
@@ -382,10 +389,10 @@ class SimFedServer(ServerHalf[SimFedConfig]):
         if phase is not Phase.TRAIN:
             return
         fw, ce = update.get(FactorizedWeights), update.get(CriteriaEmbeddings)
-        if self.layout is None:
-            self.layout = _layout(fw, WireError)
+        if not self.criteria_set_id:
             self.criteria_set_id = ce.criteria_set_id
             self.embedding_shape = tuple(np.shape(ce.embeddings))
+        self.layouts.setdefault(organization, _layout(fw, WireError))
         self.pending[organization] = (fw, np.asarray(ce.embeddings))
 
     # ----------------------------------------------------------------------------------------- the close
@@ -410,9 +417,14 @@ class SimFedServer(ServerHalf[SimFedConfig]):
         if self.config.matching == "random":
             sets = random_similarity_sets(len(self.order), self.config.random_partners,
                                           [self.run.seed, RANDOM_MATCHING_STREAM, round_])
-            weights = [np.full(m.size, 1.0 / m.size) for m in sets]
         else:
             sets = similarity_sets(self.sigma, self.config.tau, self.config.min_similarity_set)
+        # Factors reflect only between organizations of one layer layout (one architecture): hetfed's own rule
+        # for heterogeneous architectures, which the paper (one architecture) never meets.
+        sets = [m[[self.layouts[self.order[j]] == self.layouts[self.order[k]] for j in m]] for k, m in enumerate(sets)]
+        if self.config.matching == "random":
+            weights = [np.full(m.size, 1.0 / m.size) for m in sets]
+        else:
             weights = [reflection_weights(self.sigma[k], m, self.config.alpha) for k, m in enumerate(sets)]
         self.sets = {org: (tuple(self.order[j] for j in sets[k]), weights[k]) for k, org in enumerate(self.order)}
 
@@ -429,7 +441,8 @@ class SimFedServer(ServerHalf[SimFedConfig]):
     def state(self) -> dict[str, np.ndarray]:
         """The latest factors and embeddings of every organization, σ, and what fixes the run's layout."""
         meta = {"closed_round": self.closed_round, "criteria_set_id": self.criteria_set_id,
-                "layout": [[n, u, v, list(s)] for n, u, v, s in self.layout or ()],
+                "layouts": {org: [[n, u, v, list(s)] for n, u, v, s in layout]
+                            for org, layout in self.layouts.items()},
                 "organizations": {org: [fw.num_examples, [layer.name for layer in fw.layers]]
                                   for org, fw in self.latest.items()}}
         out: dict[str, np.ndarray] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
@@ -449,11 +462,16 @@ class SimFedServer(ServerHalf[SimFedConfig]):
         meta = json.loads(bytes(arrays["meta"]).decode())
         self.closed_round = int(meta["closed_round"])
         self.criteria_set_id = str(meta["criteria_set_id"])
-        self.layout = tuple((str(n), int(u), int(v), tuple(int(d) for d in s)) for n, u, v, s in meta["layout"]) \
-            or None
-        shapes = {n: tuple(s) for n, _, _, s in self.layout or ()}
+        def layout_of(rows: list[Any]) -> Layout:
+            return tuple((str(n), int(u), int(v), tuple(int(d) for d in s)) for n, u, v, s in rows)
+
+        if "layouts" in meta:
+            self.layouts = {org: layout_of(rows) for org, rows in meta["layouts"].items()}
+        else:  # a checkpoint of one run-wide layout
+            self.layouts = {org: layout_of(meta["layout"]) for org in meta["organizations"]}
         self.latest, self.embeddings, self.pending = {}, {}, {}
         for org, (num_examples, names) in meta["organizations"].items():
+            shapes = {n: s for n, _, _, s in self.layouts[org]}
             layers = tuple(FactorizedLayer(name, arrays[f"f/{org}/{i}/u"], arrays[f"f/{org}/{i}/v"],
                                            arrays[f"f/{org}/{i}/mask_indices"], arrays[f"f/{org}/{i}/mask_values"],
                                            shapes[name])
@@ -472,7 +490,7 @@ class SimFedServer(ServerHalf[SimFedConfig]):
         return total + self.sigma.nbytes
 
 
-def _layout(fw: FactorizedWeights, fail: Callable[[str, str], WireError]) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+def _layout(fw: FactorizedWeights, fail: Callable[[str, str], WireError]) -> Layout:
     """(name, len u, len v, mask shape) of every layer, checked for shape consistency."""
     out = []
     for layer in fw.layers:
