@@ -193,7 +193,7 @@ def test_array_dataset_coerces_and_subsets() -> None:
         ({"synthetic_beta": "x"}, "data.synthetic_beta must be a number"),
         ({"synthetic_samples": 5}, "data.synthetic_samples must be >= 10"),
         ({"test_split": "equal"}, "data.test_split must be one of"),
-        ({"path": "/data"}, "data.path is only used with dataset 'npz'"),
+        ({"path": "/data"}, "data.path is only used with dataset 'imagefolder' or 'npz' or 'torch'"),
         ({"dataset": "npz", "partition": "natural"}, "data.path must name a directory"),
         ({"partition": "domain"}, "partition 'domain' is not available for dataset 'mnist5k'.*'npz'"),
         ({"dataset": "synthetic"}, "partition 'dirichlet' is not available for dataset 'synthetic'"),

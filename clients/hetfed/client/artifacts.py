@@ -18,26 +18,36 @@ import torch
 
 from hetfed.client.data import ClientData
 from hetfed.client.models import SplitModel, state_arrays
-from hetfed.client.training import eval_mode
+from hetfed.client.training import DataSource, DeviceData, eval_mode, source_of
 
 STATE_PREFIX = "state/"
 
 
 @torch.no_grad()
-def embed(model: SplitModel, x: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
-    """Latents z of ``x`` in eval mode (float32 numpy)."""
+def embed(model: SplitModel, data: DataSource | torch.Tensor, batch_size: int = 1024) -> np.ndarray:
+    """Latents z of ``data`` (a data source, streamed in batches, or a tensor of inputs) in eval mode (float32)."""
+    if isinstance(data, torch.Tensor):
+        data = DeviceData(data, torch.zeros(int(data.shape[0]), dtype=torch.int64, device=data.device))
+    n = len(data)
     with eval_mode(model):
-        out = [model.embed(x[i : i + batch_size]).float().cpu() for i in range(0, int(x.shape[0]), batch_size)]
+        out = [model.embed(b.x).float().cpu()
+               for b in data.batches(slice(i, i + batch_size) for i in range(0, n, batch_size))]
     return torch.cat(out).numpy() if out else np.zeros((0, model.latent_dim), np.float32)
 
 
-def write_snapshot(output_dir: str | Path, tag: str, model: SplitModel, data: ClientData, model_name: str) -> Path:
-    """Write ``<output_dir>/<tag>.npz`` (model state and probe latents) and ``meta.json``; returns the npz path."""
+def write_snapshot(output_dir: str | Path, tag: str, model: SplitModel, data: ClientData, model_name: str,
+                   probe_source: DataSource | None = None) -> Path:
+    """Write ``<output_dir>/<tag>.npz`` (model state and probe latents) and ``meta.json``; returns the npz path.
+
+    ``probe_source`` reads the probe set (the runtime's, which streams an organization's own files); default:
+    the probe set's arrays on the model's device."""
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     probe_name, probe = data.probe_set()
     device = next(model.parameters()).device
-    z = embed(model, torch.as_tensor(probe.x, device=device))
+    if probe_source is None:
+        probe_source = source_of(probe, device)
+    z = embed(model, probe_source)
     arrays = {STATE_PREFIX + k: v for k, v in state_arrays(model).items()}
     arrays["probe_z"] = z
     arrays["probe_y"] = probe.y

@@ -6,20 +6,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetfed.client.data import DataConfig
+from hetfed.client.model_registry import DEFAULT_MODEL
 from hetfed.wire.config import check, load_file
 from hetfed.wire.transport import TlsConfig
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The organization's private architecture (it never leaves the organization under model-private algorithms)."""
+    """The organization's private architecture (it never leaves the organization under model-private algorithms).
 
-    name: str = "lenet"
+    Exactly one of ``name`` (a built-in architecture, ``hetfed run --help`` lists them) and ``builder`` (the
+    organization's own encoder builder, ``"package.module:function"``; docs/models.md); neither: ``lenet``.
+    """
+
+    name: str = ""
+    builder: str = ""
     # Width of the latent space z (0: the architecture's default).
     latent_dim: int = 0
 
     def __post_init__(self) -> None:
         check(self.latent_dim >= 0, f"latent_dim must be >= 0, got {self.latent_dim}")
+        check(not (self.name and self.builder),
+              f"model.name ({self.name!r}) and model.builder ({self.builder!r}) exclude each other: set one")
+        if self.builder:
+            module, sep, func = self.builder.partition(":")
+            check(bool(sep and module and func and func.isidentifier()),
+                  f"model.builder must be 'package.module:function', got {self.builder!r}")
+
+    @property
+    def reference(self) -> str:
+        """The architecture as ``build_model`` takes it: the builder reference, else the registry name."""
+        return self.builder or self.name or DEFAULT_MODEL
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
     import torch
 
     from hetfed.client.artifacts import embed, read_snapshot
-    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.data import ArrayDataset, DataConfig, load_client_data
     from hetfed.client.models import build_model, load_state_arrays
     from hetfed.wire.specs import get_spec
 
@@ -126,6 +126,8 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
         ccfg = json.loads(path.read_text())
         out_dir = workdir / ccfg.get("output_dir", "")
         data = load_client_data(DataConfig(**ccfg["data"]))
+        train = data.train
+        assert isinstance(train, ArrayDataset), "the gauss4 picture draws the 2-D toy's arrays"
         meta_file = out_dir / "meta.json"
         if not meta_file.exists():
             continue
@@ -139,14 +141,14 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
             state, probe_z, probe_y = read_snapshot(snap)
             load_state_arrays(model, state)
             model.eval()
-            x = torch.as_tensor(data.train.x)
+            x = torch.as_tensor(train.x)
             z = embed(model, x)
             ax_in, ax_z, ax_all = axes[2 * s, col], axes[2 * s + 1, col], axes[2 * s + 1, n]
             with torch.no_grad():
                 pred_in = model(torch.as_tensor(grid_in, dtype=torch.float32)).argmax(1).numpy()
             ax_in.contourf(grid_in[:, 0].reshape(200, 200), grid_in[:, 1].reshape(200, 200),
                            pred_in.reshape(200, 200), levels=np.arange(-0.5, 4), colors=colors, alpha=0.25)
-            ax_in.scatter(data.train.x[:, 0], data.train.x[:, 1], c=colors[data.train.y], s=8, edgecolors="none")
+            ax_in.scatter(train.x[:, 0], train.x[:, 1], c=colors[train.y], s=8, edgecolors="none")
             ax_in.set_title(f"org-{col} ({meta['model']}, {len(data.train)} pts)\ninput space, {stage}", fontsize=8)
             if meta["latent_dim"] == 2:
                 lo, hi = (0.0, 1.0) if bounded else (float(z.min()) - 0.1, float(z.max()) + 0.1)

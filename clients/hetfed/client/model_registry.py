@@ -53,6 +53,10 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
+DEFAULT_MODEL = "lenet"
+"""The architecture of an organization that names none."""
+
+
 def input_mismatch(model: str, input_shape: tuple[int, ...]) -> str | None:
     """Why ``model`` cannot take inputs of ``input_shape`` (one line), or None when it can; needs no torch."""
     if not input_shape or any(d < 1 for d in input_shape):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -15,13 +16,18 @@ from hetfed.client.model_registry import MODELS
 from hetfed.client.training import eval_mode
 
 __all__ = [
+    "OWN_LATENT_DIM",
+    "ModelBuilderError",
     "ModelUnavailableError",
     "SplitModel",
     "available_models",
     "build_model",
     "count_parameters",
+    "default_latent_dim",
     "encoder_builder",
+    "is_reference",
     "load_state_arrays",
+    "make_encoder",
     "state_arrays",
 ]
 
@@ -302,18 +308,111 @@ def mobilenet_v2(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -
     return nn.Sequential(backbone, nn.Linear(width, latent_dim), _latent_activation(bounded))
 
 
-def encoder_builder(name: str) -> EncoderBuilder:
-    """The encoder builder a registered architecture names (its module imported now)."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
-    module, _, func = MODELS[name].builder.partition(":")
-    builder: EncoderBuilder = getattr(importlib.import_module(module), func)
-    return builder
+class ModelBuilderError(ValueError):
+    """An architecture that cannot be built as named: an unknown name, a builder that cannot be imported, that
+    raises, or that returns something the algorithms cannot train (docs/models.md lists the contract)."""
+
+
+OWN_LATENT_DIM = 64
+"""The latent width of an organization's own builder that declares none (``builder.latent_dim``) and is given
+none (``[model] latent_dim``): hetfed's own choice, the width of the built-in MLP's latent."""
+
+
+def is_reference(model: str) -> bool:
+    """Whether ``model`` names an organization's own builder (``"package.module:function"``), not a built-in."""
+    return ":" in model
+
+
+def encoder_builder(model: str) -> EncoderBuilder:
+    """The encoder builder ``model`` names: a registered architecture, or an organization's own builder
+    ``"package.module:function"`` (its module imported now); ModelBuilderError in one line if it cannot be."""
+    if not is_reference(model):
+        if model not in MODELS:
+            raise ModelBuilderError(f"unknown model {model!r}; available: {', '.join(available_models())}, or an "
+                                    "own builder 'package.module:function'")
+        model_ref = MODELS[model].builder
+    else:
+        model_ref = model
+    module_name, _, func = model_ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises when imported
+        raise ModelBuilderError(f"model builder {model_ref!r}: cannot import module {module_name!r} "
+                                f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    builder = getattr(module, func, None)
+    if not callable(builder):
+        raise ModelBuilderError(f"model builder {model_ref!r}: module {module_name!r} has no function {func!r}")
+    return builder  # type: ignore[no-any-return]
+
+
+def default_latent_dim(model: str) -> int:
+    """The latent width ``model`` uses unless the run or the organization sets one: the registry's for a
+    built-in, ``builder.latent_dim`` for an organization's own builder that declares it, else OWN_LATENT_DIM."""
+    if not is_reference(model):
+        return MODELS[model].latent_dim if model in MODELS else OWN_LATENT_DIM
+    declared = getattr(encoder_builder(model), "latent_dim", OWN_LATENT_DIM)
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise ModelBuilderError(f"model builder {model!r}: its latent_dim attribute must be a positive int, "
+                                f"got {declared!r}")
+    return declared
 
 
 def available_models() -> list[str]:
-    """Names accepted by :func:`build_model`."""
+    """Names accepted by :func:`build_model` (besides own builders ``"package.module:function"``)."""
     return list(MODELS)
+
+
+def _call_builder(model: str, builder: EncoderBuilder, shape: tuple[int, ...], dim: int, bounded: bool,
+                  num_classes: int) -> nn.Module:
+    """The builder's module; a builder that takes ``num_classes`` (to return a whole model) is given it."""
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    kwargs = {"num_classes": num_classes} if "num_classes" in params else {}
+    try:
+        return builder(shape, dim, bounded, **kwargs)
+    except (ModelBuilderError, ModelUnavailableError):
+        raise
+    except Exception as exc:
+        raise ModelBuilderError(f"model builder {model!r} raised {type(exc).__name__} for input shape {shape}, "
+                                f"latent_dim {dim}: {' '.join(str(exc).split())}") from None
+
+
+def make_encoder(model: str, input_shape: tuple[int, ...], latent_dim: int, bounded: bool,
+                 num_classes: int) -> nn.Module:
+    """The encoder ``model``'s builder makes, under the caller's RNG state (a whole model's ``encoder``)."""
+    built = _call_builder(model, encoder_builder(model), tuple(input_shape), latent_dim, bounded, num_classes)
+    if not isinstance(built, nn.Module):
+        raise ModelBuilderError(f"model builder {model!r} returned {type(built).__name__}, not a torch.nn.Module")
+    return built.encoder if _is_whole(built) else built  # type: ignore[return-value]
+
+
+def _is_whole(built: nn.Module) -> bool:
+    """Whether a builder returned a whole model (an ``encoder`` module and a linear ``head``)."""
+    return isinstance(built, SplitModel) or (hasattr(built, "encoder") and isinstance(getattr(built, "head", None),
+                                                                                         nn.Linear))
+
+
+def _probe(model: str, encoder: nn.Module, shape: tuple[int, ...], dim: int, bounded: bool) -> None:
+    """Check the encoder on a probe batch of two inputs: output (2, latent_dim), finite, in [0, 1] if bounded."""
+    probe = torch.rand((2, *shape), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad(), eval_mode(encoder):
+            z = encoder(probe)
+    except Exception as exc:
+        raise ModelBuilderError(f"model {model!r}: the encoder fails on a probe batch of shape {tuple(probe.shape)} "
+                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
+    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (2, dim):
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        raise ModelBuilderError(f"model {model!r}: the encoder must map a batch of inputs {shape} to (batch, "
+                                f"latent_dim) = (2, {dim}) on a probe batch, got {got}")
+    if not bool(torch.isfinite(z).all()):
+        raise ModelBuilderError(f"model {model!r}: the encoder's output on a probe batch is not finite")
+    if bounded and not bool(((z >= 0) & (z <= 1)).all()):
+        raise ModelBuilderError(f"model {model!r}: this algorithm needs a bounded latent in [0, 1] (the builder's "
+                                "bounded_latent argument is True: end the encoder with nn.Sigmoid()), got values in "
+                                f"[{float(z.min()):.3g}, {float(z.max()):.3g}]")
 
 
 def build_model(
@@ -325,26 +424,48 @@ def build_model(
     bounded_latent: bool = False,
     seed: int = 0,
 ) -> SplitModel:
-    """Build a model by registry name on CPU, with initial weights fixed by ``seed`` (same in every process).
+    """Build an architecture on CPU, with initial weights fixed by ``seed`` (the same in every process).
 
-    ``bounded_latent`` ends the encoder with a Sigmoid so that z lies in [0, 1]^latent_dim (Fed-CMA).
-    The global torch RNG state is left as it was.
+    ``name`` is a registered architecture or an organization's own builder ``"package.module:function"``; both
+    go through the same path: the builder makes the encoder (or a whole model with ``encoder`` and a linear
+    ``head``), hetfed checks it on a probe batch and adds the head. ``bounded_latent`` asks the encoder to end
+    in a Sigmoid so that z lies in [0, 1]^latent_dim (Fed-CMA). The global torch RNG state is left as it was.
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
     shape = tuple(int(s) for s in input_shape)
     if not shape or any(s < 1 for s in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     builder = encoder_builder(name)
-    dim = MODELS[name].latent_dim if latent_dim is None else int(latent_dim)
+    dim = default_latent_dim(name) if latent_dim is None else int(latent_dim)
     if dim < 1:
         raise ValueError(f"latent_dim must be >= 1, got {latent_dim}")
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.default_generator.manual_seed(int(seed))
-        encoder = builder(shape, dim, bounded_latent)
-        return SplitModel(encoder, dim, int(num_classes))
+        built = _call_builder(name, builder, shape, dim, bounded_latent, int(num_classes))
+        if not isinstance(built, nn.Module):
+            raise ModelBuilderError(f"model builder {name!r} returned {type(built).__name__}, not a torch.nn.Module")
+        if _is_whole(built):
+            return _whole(name, built, shape, dim, bounded_latent, int(num_classes))
+        _probe(name, built, shape, dim, bounded_latent)
+        return SplitModel(built, dim, int(num_classes))
+
+
+def _whole(name: str, built: nn.Module, shape: tuple[int, ...], dim: int, bounded: bool,
+           num_classes: int) -> SplitModel:
+    """A builder's whole model (``encoder`` and a linear ``head``) as a SplitModel, its own head kept."""
+    encoder, head = built.encoder, built.head
+    if not isinstance(encoder, nn.Module) or not isinstance(head, nn.Linear):
+        raise ModelBuilderError(f"model builder {name!r} returned a whole model whose encoder is not a module or "
+                                "whose head is not an nn.Linear")
+    if (head.in_features, head.out_features) != (dim, num_classes):
+        raise ModelBuilderError(f"model builder {name!r}: its head is Linear({head.in_features}, "
+                                f"{head.out_features}), the run needs Linear(latent_dim={dim}, "
+                                f"num_classes={num_classes})")
+    _probe(name, encoder, shape, dim, bounded)
+    model = SplitModel(encoder, dim, num_classes)
+    model.head = head
+    return model
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

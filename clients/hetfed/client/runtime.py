@@ -29,6 +29,7 @@ from hetfed.wire.traffic import TrafficMetrics
 
 if TYPE_CHECKING:
     from hetfed.client.algorithms.base import ClientHalf
+    from hetfed.client.data import ClientData
     from hetfed.client.state import StateFile
 
 log = logging.getLogger("hetfed.client")
@@ -143,7 +144,7 @@ class ClientRuntime:
                      cfg.organization)
             return None
         store = StateFile(cfg.state_dir, cfg.run, {"run": cfg.run, "organization": cfg.organization,
-                                                   "algorithm": algorithm, "seed": seed, "model": cfg.model.name})
+                                                   "algorithm": algorithm, "seed": seed, "model": cfg.model.reference})
         try:
             saved = store.load()
         except StateMismatchError as exc:
@@ -165,6 +166,22 @@ class ClientRuntime:
         log.info("%s: resumed from %s after round %d (%s)", cfg.organization, store.path, saved.round,
                  digest(half.private_state()))
         return store
+
+    def _own_data_and_model(self) -> ClientData:
+        """This organization's data, with its architecture built once on a probe batch: a data factory or model
+        builder that cannot serve (it cannot be imported, raises, returns the wrong thing) stops the client in
+        one line before it joins, so nothing is sent."""
+        from hetfed.client.data import load_client_data
+        from hetfed.client.models import build_model
+
+        cfg = self.config
+        try:
+            data = load_client_data(cfg.data)
+            build_model(cfg.model.reference, data.input_shape, data.num_classes,
+                        latent_dim=cfg.model.latent_dim or None)
+        except (ValueError, ImportError) as exc:
+            raise ClientError(" ".join(str(exc).split()), permanent=True) from None
+        return data
 
     def _evaluated_before(self) -> bool:
         """Whether the state directory says this organization finished the run's evaluate round."""
@@ -194,7 +211,6 @@ class ClientRuntime:
 
         from hetfed.client.algorithms import ClientContext, client_half_type
         from hetfed.client.artifacts import write_snapshot
-        from hetfed.client.data import load_client_data
         from hetfed.client.models import SplitModel
 
         cfg = self.config
@@ -203,10 +219,11 @@ class ClientRuntime:
         if cfg.metrics_port >= 0:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.registry)
         device = torch.device(resolve_device(cfg.device))
-        data = load_client_data(cfg.data)
+        data = self._own_data_and_model()
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
         try:
-            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train))
+            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train),
+                                      num_classes=data.num_classes, input_shape=data.input_shape)
         except RemoteError as err:
             if err.reason == "run_finished" and self._evaluated_before():
                 # Killed between its last push and FINISH: the run it completed has ended; nothing to redo.
@@ -227,20 +244,23 @@ class ClientRuntime:
         def build() -> SplitModel:
             # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
             # builds the architecture (most as registered, some wrapped in what the algorithm needs).
-            return half_type.make_model(cfg.model.name, data.input_shape, data.num_classes, seed=int(joined.seed),
+            return half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes, seed=int(joined.seed),
                                         latent_dim=latent, bounded_latent=spec.bounded_latent,
                                         config=config).to(device)
 
-        ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build)
+        ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build,
+                            num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory)
         half = half_type(ctx)
         if joined.declare_required:
             self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
-                             num_train_examples=len(data.train))
+                             num_train_examples=len(data.train), num_classes=data.num_classes,
+                             input_shape=data.input_shape)
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
         labels = (cfg.run, joined.algorithm, cfg.organization)
         store = self._resume(half, joined.algorithm, int(joined.seed), int(joined.current_round))
         completed = self.resumed_round
+        final: tuple[int, EvalMetrics] | None = None  # the evaluate round's figures, when this process reported them
         while True:
             ins = self.client.pull(completed, cfg.pull_wait_seconds, spec)
             round_ = ins.round
@@ -265,14 +285,21 @@ class ClientRuntime:
                          store.save(round_, half.private_state(), evaluated=ins.action is Action.EVALUATE))
             if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
                 tag = "final" if ins.action is Action.EVALUATE else "round-1"
-                write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.name)
+                write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
+                               half.ctx.source(data.probe_set()[1]))
             completed = round_
             for p in upload:
                 if isinstance(p, EvalMetrics):
                     self.reports.append((round_, p))
                     self.train_loss.labels(*labels).set(p.train_loss)
                     self.test_accuracy.labels(*labels).set(p.test_accuracy)
+                    if ins.action is Action.EVALUATE:
+                        final = (round_, p)
             self.round_gauge.labels(*labels).set(round_)
+        if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
+            from hetfed.client.export import export_after_run
+
+            export_after_run(cfg, half, joined.algorithm, *final, self.registry)
         if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
             time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
         return self.reports

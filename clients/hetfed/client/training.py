@@ -22,13 +22,30 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hetfed.client.data import ArrayDataset
+from hetfed.client.data.core import ArrayDataset, Examples, StreamedDataset
 from hetfed.wire.specs import TrainConfig
+
+
+class _Resident(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A resident set's batches by index: ``self[idx]`` gathers a whole batch on the device in one indexing."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def __getitem__(self, idx: torch.Tensor | slice) -> Batch:
+        return Batch(self.x[idx], self.y[idx])
+
+
+def _as_is(batch: Batch) -> Batch:
+    return batch
 
 
 @dataclass
 class DeviceData:
-    """A data set moved to the training device once."""
+    """A data set held on the training device (the built-in in-memory sets), read in batches by index."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -41,6 +58,11 @@ class DeviceData:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    @property
+    def device(self) -> torch.device:
+        """Where the batches are."""
+        return self.y.device
+
     def take(self, idx: np.ndarray) -> Batch:
         """The examples at ``idx`` as a batch."""
         return self.take_at(torch.as_tensor(idx, device=self.x.device))
@@ -48,6 +70,90 @@ class DeviceData:
     def take_at(self, idx: torch.Tensor) -> Batch:
         """The examples at ``idx``, an index tensor on the data's device, as a batch."""
         return Batch(self.x[idx], self.y[idx])
+
+    def batches(self, indices: Iterable[torch.Tensor | slice]) -> Iterator[Batch]:
+        """One batch per element of ``indices`` (index tensors on the device, or slices), through a DataLoader:
+        each batch is one gather on the device, with no worker, copy or collation."""
+        loader = torch.utils.data.DataLoader(_Resident(self.x, self.y), batch_size=None,
+                                             sampler=indices, collate_fn=_as_is)  # type: ignore[arg-type]
+        yield from loader
+
+
+class _Order(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler whose batches are set before each pass (one DataLoader, its workers kept, every epoch)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class StreamData:
+    """A data set read from the organization's files in batches (a ``StreamedDataset``): only its labels are
+    held, on the device; inputs stream through a DataLoader (``num_workers`` processes, pinned memory and
+    non-blocking copies on CUDA) batch by batch, in the order the training loop's seeded sampler draws."""
+
+    def __init__(self, ds: StreamedDataset, device: torch.device, *, num_workers: int = 0,
+                 pin_memory: bool = True, seed: int = 0) -> None:
+        self.ds = ds
+        self.y = torch.as_tensor(ds.y, device=device)
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._order = _Order()
+        self._loader = torch.utils.data.DataLoader(
+            ds.dataset, batch_sampler=self._order, num_workers=num_workers,
+            pin_memory=pin_memory and self._cuda, persistent_workers=num_workers > 0,
+            # Worker seeds (for datasets that draw augmentations) follow the run's seed.
+            generator=torch.Generator().manual_seed(int(seed)),
+        )
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the batches are."""
+        return self._device
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
+        x = x.to(self._device, dtype=torch.float32, non_blocking=self._cuda)
+        return Batch(x, y.to(self._device, dtype=torch.int64, non_blocking=self._cuda))
+
+    def take(self, idx: np.ndarray) -> Batch:
+        """The examples at ``idx`` as one batch on the device (read now)."""
+        rows = [int(i) for i in np.asarray(idx).reshape(-1)]
+        if not rows:
+            return Batch(torch.zeros((0, *self.ds.input_shape), device=self._device),
+                         torch.zeros(0, dtype=torch.int64, device=self._device))
+        x, y = torch.utils.data.default_collate([self.ds.dataset[i] for i in rows])
+        return self._to_device(torch.as_tensor(x), torch.as_tensor(y))
+
+    def take_at(self, idx: torch.Tensor) -> Batch:
+        """The examples at ``idx`` (an index tensor) as one batch."""
+        return self.take(idx.cpu().numpy())
+
+    def batches(self, indices: Iterable[torch.Tensor | slice]) -> Iterator[Batch]:
+        """One batch per element of ``indices`` (index tensors or slices), streamed through the DataLoader."""
+        n = len(self)
+        self._order.batches = [list(range(n))[i] if isinstance(i, slice) else i.cpu().tolist() for i in indices]
+        for x, y in self._loader:
+            yield self._to_device(x, y)
+
+
+DataSource = DeviceData | StreamData
+"""A data set as the training loop reads it: resident on the device, or streamed from files."""
+
+
+def source_of(ds: Examples, device: torch.device, *, num_workers: int = 0, pin_memory: bool = True,
+              seed: int = 0) -> DataSource:
+    """The training loop's view of ``ds``: arrays go to the device once, streamed datasets stay on disk."""
+    if isinstance(ds, StreamedDataset):
+        return StreamData(ds, device, num_workers=num_workers, pin_memory=pin_memory, seed=seed)
+    return DeviceData.of(ds, device)
 
 
 @dataclass
@@ -142,7 +248,7 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
     return FitResult([float(t) / max(steps, 1) for t in totals], steps)
 
 
-def epoch_batches(data: DeviceData, cfg: TrainConfig, rng: np.random.Generator) -> Iterator[Batch]:
+def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) -> Iterator[Batch]:
     """``local_epochs`` shuffled epochs of minibatches, or exactly ``local_steps`` of them when it is > 0."""
     n = len(data)
     if n == 0:
@@ -153,19 +259,21 @@ def epoch_batches(data: DeviceData, cfg: TrainConfig, rng: np.random.Generator) 
     for _ in range(epochs):
         # The epoch's order goes to the device once; each batch is a slice of it (one copy per epoch, not one
         # per step, where a host-to-device copy waits for the device).
-        order = torch.as_tensor(rng.permutation(n), device=data.x.device)
-        for start in range(0, n, cfg.batch_size):
-            yield data.take_at(order[start : start + cfg.batch_size])
-            steps += 1
-            if budget is not None and steps >= budget:
-                return
+        order = torch.as_tensor(rng.permutation(n), device=data.device)
+        starts = range(0, n, cfg.batch_size)
+        if budget is not None:
+            starts = starts[: budget - steps]
+        yield from data.batches(order[start : start + cfg.batch_size] for start in starts)
+        steps += len(starts)
+        if budget is not None and steps >= budget:
+            return
 
 
-def sampled_batches(data: DeviceData, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Batch]:
+def sampled_batches(data: DataSource, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Batch]:
     """``steps`` independent minibatches, each drawn without replacement."""
     n = len(data)
-    for _ in range(steps):
-        yield data.take(rng.choice(n, size=min(batch_size, n), replace=False))
+    yield from data.batches(torch.as_tensor(rng.choice(n, size=min(batch_size, n), replace=False), device=data.device)
+                            for _ in range(steps))
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -199,7 +307,7 @@ def log_softmax_of(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DeviceData, batch_size: int = 1024,
+def evaluate(model: nn.Module, data: DataSource, batch_size: int = 1024,
              predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on ``data``, in eval mode.
 
@@ -211,8 +319,8 @@ def evaluate(model: nn.Module, data: DeviceData, batch_size: int = 1024,
     pred = predict or log_softmax_of(model)
     correct, loss = 0, 0.0
     with eval_mode(model):
-        for start in range(0, len(data), batch_size):
-            x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+        for batch in data.batches(slice(start, start + batch_size) for start in range(0, len(data), batch_size)):
+            x, y = batch.x, batch.y
             log_probs = pred(x)
             loss += float(F.nll_loss(log_probs, y, reduction="sum"))
             correct += int((log_probs.argmax(dim=1) == y).sum())

@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from hetfed.cli import allocator, checkconfig, health, k8s_status, report
+from hetfed.cli import allocator, checkconfig, export, health, k8s_status, report
 from hetfed.wire.config import ConfigError
 
 if TYPE_CHECKING:
@@ -106,6 +106,16 @@ def _parse_data(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _dataset_of(args: argparse.Namespace) -> str:
+    """The --dataset given, else the data factory's data set when --data names a factory, else the default."""
+    from hetfed.client.data.registry import DEFAULT_DATASET, FACTORY_DATASET
+
+    if args.dataset is not None:
+        return str(args.dataset)
+    factory = any(item.partition("=")[0] == "factory" for item in (args.data or []))
+    return FACTORY_DATASET if factory else DEFAULT_DATASET
+
+
 def run_options(args: argparse.Namespace) -> LocalRunOptions:
     """The options of ``hetfed run`` as parsed; unset ones stay ``None`` for the plan to resolve."""
     from hetfed.cli.localrun import LocalRunOptions
@@ -119,7 +129,7 @@ def run_options(args: argparse.Namespace) -> LocalRunOptions:
         clients=args.clients,
         rounds=args.rounds,
         public_fraction=args.public_fraction,
-        dataset=args.dataset,
+        dataset=_dataset_of(args),
         partition=args.partition,
         alpha=args.alpha,
         seed=args.seed,
@@ -181,6 +191,15 @@ def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     return parse
 
 
+def _model_choice(options: Sequence[str]) -> Callable[[str], str]:
+    """A built-in architecture's name, or an organization's own builder ``package.module:function``."""
+    named = _choice("model", options)
+
+    def parse(text: str) -> str:
+        return text if ":" in text else named(text)
+    return parse
+
+
 def _choice(name: str, options: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in options:
@@ -218,8 +237,9 @@ class _RunHelp(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         from hetfed.cli.rundefaults import defaults_table
+        from hetfed.client.data import DEFAULT_DATASET
 
-        parser.epilog = defaults_table(namespace.dataset)
+        parser.epilog = defaults_table(namespace.dataset or DEFAULT_DATASET)
         parser.print_help()
         parser.exit()
 
@@ -229,6 +249,7 @@ _FROM_TABLE = "(default: the algorithm's, in the table below)"
 
 def _add_run(sub: Any) -> None:
     from hetfed.client.data import DATASETS, DEFAULT_DATASET, PARTITIONS, TEST_SPLITS
+    from hetfed.client.data.registry import FACTORY_DATASET
     from hetfed.client.model_registry import MODELS
     from hetfed.experiments import DEFAULT_COMPARISON
     from hetfed.wire.specs import SPECS
@@ -251,8 +272,12 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--clients", type=_positive(int, "--clients"), default=None,
                    help="organizations per algorithm (default: the partition's, in the table below)")
     r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None, help=f"training rounds {_FROM_TABLE}")
-    r.add_argument("--dataset", type=_choice("dataset", builtin), default=DEFAULT_DATASET, metavar="NAME",
-                   help="(default %(default)s) " + _listing({k: DATASETS[k].summary for k in builtin}))
+    own = [n for n, e in DATASETS.items() if not e.builtin]
+    r.add_argument("--dataset", type=_choice("dataset", list(DATASETS)), default=None, metavar="NAME",
+                   help=f"(default {DEFAULT_DATASET}; with --data factory=..., {FACTORY_DATASET}) "
+                   + _listing({k: DATASETS[k].summary for k in builtin})
+                   + f"; an organization's own data ({', '.join(own)}) with --data path=... or factory=... "
+                   "(docs/data.md)")
     r.add_argument("--partition", type=_choice("partition", list(PARTITIONS)), default=None, metavar="NAME",
                    help="(default: what the algorithms need, else the dataset's) "
                    + _listing({k: v.summary for k, v in PARTITIONS.items()}))
@@ -261,11 +286,13 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--public-fraction", type=_positive(float, "--public-fraction"), default=0.1,
                    help="partitions with a shared seed set: its fraction of each domain (default %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default %(default)s)")
-    r.add_argument("--model", type=_choice("model", list(MODELS)), default=None, metavar="NAME",
+    r.add_argument("--model", type=_model_choice(list(MODELS)), default=None, metavar="NAME",
                    help="one architecture for every organization (default: the algorithm's or dataset's) "
-                   + _listing({k: v.summary for k, v in MODELS.items()}))
+                   + _listing({k: v.summary for k, v in MODELS.items()})
+                   + "; or an own builder package.module:function (docs/models.md)")
     r.add_argument("--models", default=None, metavar="M[,M...]",
-                   help="architectures assigned to organizations in turn (heterogeneous federations)")
+                   help="architectures assigned to organizations in turn (heterogeneous federations): names above "
+                   "or own builders package.module:function")
     r.add_argument("--latent-dim", type=_positive(int, "--latent-dim"), default=None,
                    help="latent width d_e (default: the algorithm's or the architecture's)")
     r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default="proportional",
@@ -333,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=_cmd_certs)
 
     report.add_parser(sub)
+    export.add_parser(sub)
 
     b = sub.add_parser("bench", help="reproduce a paper's claim or measure the system (see docs/benchmarks.md)")
     b.add_argument("name", nargs="?", help="benchmark name (see --list)")

@@ -37,10 +37,10 @@ def check_client_config(path: str) -> str:
 
     cfg = load_client_config(path)
     models = list(MODELS)
-    if cfg.model.name not in models:
+    if not cfg.model.builder and cfg.model.reference not in models:
         raise ConfigError(f"{path}: model.name {cfg.model.name!r} is not an available architecture "
                           f"({', '.join(sorted(models))})")
     tls = "mTLS" if cfg.tls else "plaintext"
     return (f"{path}: client config OK: organization {cfg.organization} in run {cfg.run} via {cfg.aggregator} "
             f"({tls}); data {cfg.data.dataset}/{cfg.data.partition} part {cfg.data.client_index} of "
-            f"{cfg.data.num_clients}; model {cfg.model.name} on {cfg.device}")
+            f"{cfg.data.num_clients}; model {cfg.model.reference} on {cfg.device}")

@@ -36,7 +36,7 @@ from hetfed.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaul
 from hetfed.wire.config import ConfigError, to_mapping
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import status_of
-from hetfed.wire.specs import AlgorithmSpec, get_spec
+from hetfed.wire.specs import SPECS, AlgorithmSpec, get_spec
 from hetfed.wire.specs.base import SharedSpaceConfig
 from hetfed.wire.traffic import Direction
 from hetfed.wire.transport import TlsConfig
@@ -149,6 +149,9 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     from hetfed.client.data import DATASETS, PARTITIONS, DataConfig, load_seed_set
     from hetfed.client.model_registry import MODELS, input_mismatch, models_for
 
+    def is_reference(model: str) -> bool:  # an organization's own builder, "package.module:function"
+        return ":" in model
+
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
     known = {f.name for f in dataclasses.fields(DataConfig)}
@@ -174,9 +177,8 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     for name in opts.extra_algorithm_config:
         if name not in opts.algorithms:
             raise ConfigError(f"--set names algorithm {name!r}, which is not among {', '.join(opts.algorithms)}")
-    if opts.dataset not in DATASETS or not DATASETS[opts.dataset].builtin:
-        builtin = sorted(n for n, e in DATASETS.items() if e.builtin)
-        raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(builtin)}")
+    if opts.dataset not in DATASETS:
+        raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(DATASETS)}")
     entry = DATASETS[opts.dataset]
     if entry.check:
         from hetfed.client.data import DatasetUnavailableError, resolve
@@ -209,6 +211,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         seed_cfg = DataConfig(**_data_mapping(opts, partition, clients, 0))
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
+    own_data = None if entry.builtin else _check_own_data(opts, partition, clients)
     runs = []
     for spec in specs:
         d = layered[spec.name]
@@ -218,11 +221,17 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
                               f"{opts.dataset!r} has none" + (f" (use --partition {' or '.join(offer)})" if offer
                                                               else f", and no partition of {opts.dataset!r} has one"))
         models = opts.models or d.models
-        unknown = [m for m in models if m not in MODELS]
+        unknown = [m for m in models if m not in MODELS and not is_reference(m)]
         if unknown:
-            raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}")
+            raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}, or an own builder "
+                              "'package.module:function'")
+        if not spec.model_private and len(set(models)) > 1:
+            private = ", ".join(s.name for s in SPECS.values() if s.model_private)
+            raise ConfigError(f"{spec.name} averages one model, so its organizations need one architecture, got "
+                              f"{', '.join(dict.fromkeys(models))}; organizations with different architectures "
+                              f"federate with {private}")
         if entry.input_shape is not None:
-            for m in models:
+            for m in [m for m in models if not is_reference(m)]:
                 why = input_mismatch(m, entry.input_shape)
                 if why is not None:
                     whose = "" if opts.models else f"{spec.name}'s default on {opts.dataset!r}: "
@@ -237,6 +246,8 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         shared = issubclass(spec.config_type, SharedSpaceConfig)
         if shared and entry.num_classes is not None:
             config["num_classes"] = entry.num_classes
+        elif shared and own_data is not None:
+            config["num_classes"] = own_data.num_classes
         if shared and latent is not None:
             config["latent_dim"] = latent
         config.update(opts.extra_algorithm_config.get(spec.name, {}))
@@ -255,8 +266,60 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         rounds = opts.rounds if opts.rounds is not None else int(d.rounds or 10)
         if rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {rounds}")
+        if own_data is not None or any(is_reference(m) for m in models):
+            _check_models(opts, models, latent, spec.bounded_latent, own_data, partition, clients)
         runs.append(RunPlan(run_id_of(spec.name), spec, rounds, tuple(models), latent, config, seed_set))
     return LocalPlan(opts, partition, tuple(runs), entry.picture, clients)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnData:
+    """What the organizations' own data sets agree on (checked before any process starts)."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+def _check_own_data(opts: LocalRunOptions, partition: str, clients: int) -> OwnData:
+    """Load every organization's own data set (imagefolder, a data factory, npz) as its client will, so that a
+    factory that cannot be imported or raises, labels out of range, an empty training set, an unreadable image
+    or organizations that disagree on the label count or input shape stop ``hetfed run`` in one line."""
+    from hetfed.client.data import DataConfig, load_client_data
+
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    for index in range(clients):
+        try:
+            data = load_client_data(DataConfig(**_data_mapping(opts, partition, clients, index)))
+        except (ValueError, TypeError, ImportError) as exc:
+            raise ConfigError(f"org-{index}'s data: {' '.join(str(exc).split())}") from None
+        seen.setdefault((data.num_classes, data.input_shape), f"org-{index}")
+    if len(seen) > 1:
+        (k0, s0), (k1, s1) = list(seen)[:2]
+        first, other = seen[(k0, s0)], seen[(k1, s1)]
+        raise ConfigError(f"the organizations' data disagree: {first} has {k0} classes and inputs {s0}, {other} has "
+                          f"{k1} classes and inputs {s1}")
+    (k, shape), = seen
+    return OwnData(k, shape)
+
+
+def _check_models(opts: LocalRunOptions, models: Sequence[str], latent: int | None, bounded: bool,
+                  own: OwnData | None, partition: str, clients: int) -> None:
+    """Build each architecture once on a probe batch of the data's inputs (an own builder that cannot be imported,
+    raises, or does not map to (batch, latent_dim) stops ``hetfed run`` in one line)."""
+    from hetfed.client.data import DATASETS
+    from hetfed.client.models import build_model
+
+    entry = DATASETS[opts.dataset]
+    if own is not None:
+        shape, classes = own.input_shape, own.num_classes
+    else:
+        assert entry.input_shape is not None and entry.num_classes is not None
+        shape, classes = entry.input_shape, entry.num_classes
+    for m in dict.fromkeys(models):
+        try:
+            build_model(m, shape, classes, latent_dim=latent, bounded_latent=bounded)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(" ".join(str(exc).split())) from None
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -425,6 +488,7 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
     """The config of organization ``index`` in run ``run_id`` (``tls``: its certificate, under mTLS)."""
     p = opts if isinstance(opts, LocalPlan) else plan(opts)
     r = next(r for r in p.runs if r.run_id == run_id)
+    model = r.models[index % len(r.models)]
     cfg: dict[str, Any] = {
         "organization": f"org-{index}",
         "run": run_id,
@@ -432,10 +496,11 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
         "device": "auto",
         "threads": 1,
         "data": _data_mapping(p.opts, p.partition, p.clients, index),
-        "model": {"name": r.models[index % len(r.models)], "latent_dim": r.latent_dim or 0},
+        "model": {("builder" if ":" in model else "name"): model, "latent_dim": r.latent_dim or 0},
         "retry": {"give_up_after_seconds": 120.0},
     }
-    if p.opts.artifacts or p.picture:
+    if p.opts.artifacts or p.picture or p.opts.output:
+        # With --output each organization's snapshots and its exported model (model/) are kept there.
         cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
     if p.opts.timing:
         cfg["report_timing"] = True

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from hetfed.client.data import ClientData
+from hetfed.client.data.core import Examples
 from hetfed.client.models import SplitModel, build_model
-from hetfed.client.training import DeviceData, evaluate
+from hetfed.client.training import DataSource, evaluate, source_of
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.specs import TrainConfig
@@ -40,15 +41,23 @@ class ClientContext(Generic[C]):
     # Builds another model of this organization's architecture with the run's initial weights (two-model
     # algorithms keep a second copy).
     build_model: Callable[[], SplitModel] | None = None
-    eval_sets: dict[str, DeviceData] = field(init=False)
+    # Streamed data sets (an organization's own files): DataLoader worker processes, pinned memory on CUDA.
+    num_workers: int = 0
+    pin_memory: bool = True
+    eval_sets: dict[str, DataSource] = field(init=False)
     # Set by the round loop each round: evaluate on the held-out sets, or resend the last evaluation's figures.
     evaluating: bool = field(default=True, init=False)
     last_evaluation: EvalMetrics | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.train = DeviceData.of(self.data.train, self.device)
-        self.test = DeviceData.of(self.data.test, self.device)
-        self.eval_sets = {name: DeviceData.of(ds, self.device) for name, ds in self.data.eval_sets().items()}
+        self.train = self.source(self.data.train)
+        self.test = self.source(self.data.test)
+        self.eval_sets = {name: self.source(ds) for name, ds in self.data.eval_sets().items()}
+
+    def source(self, ds: Examples) -> DataSource:
+        """``ds`` as the training loop reads it: in-memory arrays moved to the device once, an organization's
+        own files streamed batch by batch."""
+        return source_of(ds, self.device, num_workers=self.num_workers, pin_memory=self.pin_memory, seed=self.seed)
 
     def rng(self, round_seed: int) -> np.random.Generator:
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
@@ -112,7 +121,8 @@ class ClientHalf(Generic[C]):
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
                    latent_dim: int | None, bounded_latent: bool, config: C) -> SplitModel:
         """The organization's model on CPU, initial weights fixed by ``seed`` (the runtime calls it through the
-        half's class before the half exists); default: the registered architecture ``name`` as it is."""
+        half's class before the half exists); default: the architecture ``name`` (a registry name or an
+        organization's builder ``"package.module:function"``) as it is."""
         return build_model(name, input_shape, num_classes, seed=seed, latent_dim=latent_dim,
                            bounded_latent=bounded_latent)
 

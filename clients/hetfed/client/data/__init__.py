@@ -17,8 +17,11 @@ from hetfed.client.data.core import (
     ArrayDataset,
     ClientData,
     DatasetUnavailableError,
+    Examples,
     Seed,
+    StreamedDataset,
 )
+from hetfed.client.data.factory import DataContext, DataFactoryError
 from hetfed.client.data.npz import load_npz_dir
 from hetfed.client.data.partitions import (
     TEST_SPLITS,
@@ -44,9 +47,13 @@ __all__ = [
     "ArrayDataset",
     "ClientData",
     "DataConfig",
+    "DataContext",
+    "DataFactoryError",
     "DatasetUnavailableError",
+    "Examples",
     "Seed",
     "SeedSet",
+    "StreamedDataset",
     "class_counts",
     "class_proportions",
     "dirichlet_partition",

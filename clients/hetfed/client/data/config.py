@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hetfed.client.data.core import check_choice, check_float, check_int
 from hetfed.client.data.partitions import TEST_SPLITS
 from hetfed.client.data.registry import DATASETS, PARTITIONS, DatasetName, PartitionName
+
+# Datasets that may be given a data.path without needing one (the data factory receives it as context.path).
+_OPTIONAL_PATH = ("torch",)
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,22 @@ class DataConfig:
     # model, so the validation rows only shrink the training set as in the reference runs).
     split: Literal["stratified", "random"] = "stratified"
     validation_fraction: float = 0.0
+    # Dataset "torch": the organization's data factory, "package.module:function" (hetfed.client.data.factory;
+    # docs/data.md), and free-form settings handed to it as ``context.options``.
+    factory: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+    # Dataset "imagefolder": resize every image to image_size x image_size (0: keep the stored size, which must
+    # then agree), read as channels 1 (grey) or 3 (RGB) (0: from the first image), normalise each channel by
+    # (x - mean) / std after scaling to [0, 1] (empty: no normalisation), and open every file's header at load.
+    image_size: int = 0
+    channels: int = 0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    verify_images: bool = True
+    # Datasets streamed from files ("imagefolder", "torch"): DataLoader worker processes, and pinned host
+    # memory with non-blocking copies when the device is CUDA.
+    num_workers: int = 0
+    pin_memory: bool = True
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, tuple(DATASETS))
@@ -69,8 +91,8 @@ class DataConfig:
             if not isinstance(self.path, str) or not self.path:
                 raise ValueError(f"data.path must name {entry.path_help} for dataset {self.dataset!r}, "
                                  f"got {self.path!r}")
-        elif self.path is not None:
-            with_path = sorted(n for n, e in DATASETS.items() if e.needs_path)
+        elif self.path is not None and self.dataset not in _OPTIONAL_PATH:
+            with_path = sorted([*(n for n, e in DATASETS.items() if e.needs_path), *_OPTIONAL_PATH])
             raise ValueError(f"data.path is only used with dataset {' or '.join(map(repr, with_path))}, "
                              f"got {self.path!r} for dataset {self.dataset!r}")
         check_float("data.public_fraction", self.public_fraction, minimum=0.0, inclusive=False)
@@ -113,3 +135,51 @@ class DataConfig:
             with_seeds = sorted(p for p, e in supported.items() if e.seed_set)
             raise ValueError("data.train_on_public and data.seed_set_path need a partition with a shared seed set "
                              f"({', '.join(map(repr, with_seeds)) or 'none for this dataset'})")
+        self._check_own_data()
+
+    def _check_own_data(self) -> None:
+        """The fields of an organization's own data: its factory (dataset "torch") and its images ("imagefolder")."""
+        if self.dataset == "torch":
+            if not isinstance(self.factory, str) or not _FACTORY.fullmatch(self.factory):
+                raise ValueError('data.factory must name the data factory as "package.module:function" for '
+                                 f"dataset 'torch', got {self.factory!r}")
+            if self.path is not None and (not isinstance(self.path, str) or not self.path):
+                raise ValueError(f"data.path must be a non-empty string or absent, got {self.path!r}")
+            if self.train_on_public:
+                raise ValueError("data.train_on_public is not available with dataset 'torch': add the seed set to "
+                                 "the train set in the data factory")
+        elif self.factory != "" or self.options:
+            given = ", ".join(f"{name} {value!r}" for name, value in (("factory", self.factory),
+                                                                      ("options", self.options)) if value)
+            raise ValueError(f"data.factory and data.options are only used with dataset 'torch', got {given} for "
+                             f"dataset {self.dataset!r}")
+        if not isinstance(self.options, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.options.items()):
+            raise ValueError(f"data.options must map names to strings, got {self.options!r}")
+        check_int("data.image_size", self.image_size, minimum=0)
+        check_int("data.channels", self.channels, minimum=0)
+        if self.channels not in (0, 1, 3):
+            raise ValueError(f"data.channels must be 0 (from the first image), 1 or 3, got {self.channels}")
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if not isinstance(values, tuple | list):
+                raise ValueError(f"data.{name} must be a list of numbers, got {values!r}")
+            for v in values:
+                check_float(f"data.{name}", v, minimum=0.0 if name == "std" else -math.inf, inclusive=name != "std")
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"data.mean and data.std must have the same length, got {len(self.mean)} and "
+                             f"{len(self.std)}")
+        if self.mean and len(self.mean) not in ((self.channels,) if self.channels else (1, 3)):
+            raise ValueError(f"data.mean and data.std need one value per channel ({self.channels or '1 or 3'}), "
+                             f"got {len(self.mean)}")
+        if not isinstance(self.verify_images, bool):
+            raise ValueError(f"data.verify_images must be true or false, got {self.verify_images!r}")
+        if self.dataset != "imagefolder":
+            set_here = [f"{name} {value!r}" for name, value, default in (
+                ("image_size", self.image_size, 0), ("channels", self.channels, 0), ("mean", self.mean, ()),
+                ("std", self.std, ()), ("verify_images", self.verify_images, True)) if value != default]
+            if set_here:
+                raise ValueError(f"data.image_size, channels, mean, std and verify_images apply to dataset "
+                                 f"'imagefolder' only, got {', '.join(set_here)} for dataset {self.dataset!r}")
+        check_int("data.num_workers", self.num_workers, minimum=0)
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"data.pin_memory must be true or false, got {self.pin_memory!r}")

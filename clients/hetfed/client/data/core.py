@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,44 @@ class ArrayDataset:
         return ArrayDataset(self.x[idx], self.y[idx], domain)
 
 
+@dataclass(frozen=True, eq=False)
+class StreamedDataset:
+    """Examples read one at a time from a map-style ``torch.utils.data.Dataset`` (an organization's own files).
+
+    The client never holds the whole set: training and evaluation stream batches of it through a DataLoader
+    (:mod:`hetfed.client.training`). ``y`` holds every example's label, known up front (a dataset's
+    ``targets``, or read once), so that partitions, class counts and per-class draws need no example's
+    input. ``dataset[i]`` returns ``(x, label)`` with ``x`` a float tensor of ``input_shape``.
+    """
+
+    dataset: Any
+    y: np.ndarray
+    input_shape: tuple[int, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        y = np.asarray(self.y, dtype=np.int64)
+        if y.ndim != 1 or y.shape[0] != len(self.dataset):
+            raise ValueError(f"StreamedDataset.y must have shape ({len(self.dataset)},), got {y.shape}")
+        object.__setattr__(self, "y", y)
+        object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        return int(self.y.shape[0])
+
+    def subset(self, indices: np.ndarray | Sequence[int]) -> StreamedDataset:
+        """The examples at ``indices`` (in that order), still read on demand."""
+        from torch.utils.data import Subset
+
+        idx = np.asarray(indices, dtype=np.int64)
+        return StreamedDataset(Subset(self.dataset, idx.tolist()), self.y[idx], self.input_shape, self.name)
+
+
+Examples = ArrayDataset | StreamedDataset
+"""A data set as an algorithm sees it: arrays in memory, or a dataset streamed from the organization's files."""
+
+
 @dataclass(frozen=True)
 class ClientData:
     """One organization's share: its train set, its own test set, and the further held-out sets it evaluates on.
@@ -76,17 +115,17 @@ class ClientData:
     organization holds (partitions that provide one) and ``domain`` this organization's domain.
     """
 
-    train: ArrayDataset
-    test: ArrayDataset
-    global_test: ArrayDataset | None
+    train: Examples
+    test: Examples
+    global_test: Examples | None
     num_classes: int
     input_shape: tuple[int, ...]
     name: str
-    cross_test: ArrayDataset | None = None
+    cross_test: Examples | None = None
     public: SeedSet | None = None
     domain: int = -1
     # Further named held-out sets (for example a held-out target domain), evaluated as ``<name>_accuracy``.
-    extra_eval: dict[str, ArrayDataset] = field(default_factory=dict)
+    extra_eval: dict[str, Examples] = field(default_factory=dict)
     # The held-out set whose latents local snapshots record (a name of ``eval_sets()`` or "test"; empty:
     # ``global_test`` when present, else ``test``).
     probe: str = ""
@@ -96,12 +135,12 @@ class ClientData:
         """(id, SHA-256) of the seed set this organization holds, sent when it joins a run."""
         return None if self.public is None else (self.public.id, self.public.sha256)
 
-    def eval_sets(self) -> dict[str, ArrayDataset]:
+    def eval_sets(self) -> dict[str, Examples]:
         """Every held-out set besides the own test set, by name (reported as ``<name>_accuracy``)."""
         out = {"global_test": self.global_test, "cross_test": self.cross_test, **self.extra_eval}
         return {k: v for k, v in out.items() if v is not None}
 
-    def probe_set(self) -> tuple[str, ArrayDataset]:
+    def probe_set(self) -> tuple[str, Examples]:
         """(name, set) of the held-out images local snapshots embed (see ``probe``)."""
         if self.probe:
             sets = {"test": self.test, **self.eval_sets()}

@@ -11,10 +11,11 @@ that disagree on what each output means.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
-from hetfed.client.data.core import ArrayDataset, ClientData
+from hetfed.client.data.core import ArrayDataset, ClientData, Examples, StreamedDataset
 
 # Stream of the data seed that draws the label permutations (independent of the partition's streams).
 STREAM_PERMUTATION = 0x5EF
@@ -41,7 +42,25 @@ def permute_labels(labels: np.ndarray, permutation: np.ndarray) -> np.ndarray:
     return perm[y.astype(np.int64)]
 
 
-def _relabel(data: ArrayDataset, perm: np.ndarray) -> ArrayDataset:
+class _Relabelled:
+    """A streamed dataset whose labels go through ψ as each example is read (map-style)."""
+
+    def __init__(self, dataset: Any, perm: np.ndarray) -> None:
+        self.dataset, self.perm = dataset, perm
+        self.targets = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        x, y = self.dataset[i]
+        return x, int(self.perm[int(y)])
+
+
+def _relabel(data: Examples, perm: np.ndarray) -> Examples:
+    if isinstance(data, StreamedDataset):
+        return StreamedDataset(_Relabelled(data.dataset, perm), permute_labels(data.y, perm), data.input_shape,
+                               data.name)
     return ArrayDataset(data.x, permute_labels(data.y, perm), data.domain)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-DatasetName = Literal["mnist5k", "fmnist", "digits", "synthetic", "gauss4", "npz"]
+DatasetName = Literal["mnist5k", "fmnist", "digits", "synthetic", "gauss4", "npz", "imagefolder", "torch"]
 PartitionName = Literal["iid", "dirichlet", "domain", "natural", "rotated", "rotated_lodo"]
 
 
@@ -127,11 +127,30 @@ DATASETS: dict[str, DatasetEntry] = {
         needs_path=True,
         path_help="a directory holding train.npz",
     ),
+    "imagefolder": DatasetEntry(
+        "the organization's own images: a directory per class (PNG or JPEG), optionally under train/ and test/, "
+        "read through Pillow and streamed in batches",
+        {"natural": PartitionEntry("hetfed.client.data.imagefolder:load_imagefolder"),
+         "iid": PartitionEntry("hetfed.client.data.imagefolder:load_imagefolder"),
+         "dirichlet": PartitionEntry("hetfed.client.data.imagefolder:load_imagefolder")},
+        builtin=False,
+        needs_path=True,
+        path_help="a directory of class directories (or of train/ and test/ holding them)",
+    ),
+    "torch": DatasetEntry(
+        "the organization's own map-style torch Datasets from its data factory (data.factory = "
+        "\"package.module:function\"), streamed in batches",
+        {"natural": PartitionEntry("hetfed.client.data.factory:load_factory",
+                                   seed_set="hetfed.client.data.factory:load_factory_seed_set")},
+        builtin=False,
+    ),
 }
 
 
 # The data ``hetfed run`` federates when the user names none: real images that ship with the install.
 DEFAULT_DATASET: DatasetName = "mnist5k"
+# The data set of an organization's own data factory (``data.factory``): ``--data factory=...`` implies it.
+FACTORY_DATASET: DatasetName = "torch"
 
 
 def resolve(reference: str) -> Callable[..., Any]:

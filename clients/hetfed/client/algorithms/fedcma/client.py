@@ -87,8 +87,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
                 take = min(self.cfg.class_batch_size, idx.size)
                 self._batch_sizes[k] = take
                 chosen.append(np.sort(rng.choice(idx, size=take, replace=False)) if take else idx[:0])
-            sel = torch.as_tensor(np.concatenate(chosen), device=self.ctx.device)
-            self._batch = DeviceData(self.ctx.train.x[sel], self.ctx.train.y[sel])
+            batch = self.ctx.train.take(np.concatenate(chosen))
+            self._batch = DeviceData(batch.x, batch.y)
         return self._batch
 
     def setup(self, round_seed: int) -> list[Payload]:

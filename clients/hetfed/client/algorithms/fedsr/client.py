@@ -30,8 +30,7 @@ from hetfed.client.algorithms.fedsr.losses import (
     build_probabilistic_model,
     predict_proba,
 )
-from hetfed.client.model_registry import MODELS
-from hetfed.client.models import SplitModel, encoder_builder
+from hetfed.client.models import SplitModel, default_latent_dim, make_encoder
 from hetfed.client.training import Batch, Forward, LossTerm, cross_entropy, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
@@ -59,8 +58,12 @@ class FedSRClient(ModelAveragingClient[FedSRConfig]):
         if not config.probabilistic:
             return super().make_model(name, input_shape, num_classes, seed=seed, latent_dim=latent_dim,
                                       bounded_latent=bounded_latent, config=config)
-        z_dim = latent_dim or MODELS[name].latent_dim
-        return build_probabilistic_model(encoder_builder(name), input_shape, z_dim, num_classes, seed=seed,
+        z_dim = latent_dim or default_latent_dim(name)
+
+        def encoder(shape: tuple[int, ...], dim: int, bounded: bool) -> nn.Module:
+            return make_encoder(name, shape, dim, bounded, num_classes)
+
+        return build_probabilistic_model(encoder, input_shape, z_dim, num_classes, seed=seed,
                                          sigma_eps=config.sigma_eps)
 
     def __init__(self, ctx: ClientContext[FedSRConfig]) -> None:
