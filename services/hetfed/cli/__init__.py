@@ -274,7 +274,7 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--rounds", type=_positive(int, "--rounds"), default=None, help=f"training rounds {_FROM_TABLE}")
     own = [n for n, e in DATASETS.items() if not e.builtin]
     r.add_argument("--dataset", type=_choice("dataset", list(DATASETS)), default=None, metavar="NAME",
-                   help=f"(default {DEFAULT_DATASET}; with --data factory=..., {FACTORY_DATASET}) "
+                   help=f"(default: {DEFAULT_DATASET}, or {FACTORY_DATASET} with --data factory=...) "
                    + _listing({k: DATASETS[k].summary for k in builtin})
                    + f"; an organization's own data ({', '.join(own)}) with --data path=... or factory=... "
                    "(docs/data.md)")

@@ -194,6 +194,8 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     partition = opts.partition
     if partition is None:
         wanted = {s.name: experiment(s).defaults_for(opts.dataset).partition for s in specs}
+        if not entry.builtin:  # an organization's own data is split as it offers, whatever the algorithms' demos use
+            wanted = {n: p for n, p in wanted.items() if p in entry.partitions}
         needs = {p for p in wanted.values() if p is not None}
         if len(needs) > 1:
             raise ConfigError(f"the algorithms need different partitions ({', '.join(sorted(needs))}): "
@@ -281,7 +283,7 @@ class OwnData:
 
 
 def _check_own_data(opts: LocalRunOptions, partition: str, clients: int) -> OwnData:
-    """Load every organization's own data set (imagefolder, a data factory, npz) as its client will, so that a
+    """Load every organization's own data set (its files, or its data factory's) as its client will, so that a
     factory that cannot be imported or raises, labels out of range, an empty training set, an unreadable image
     or organizations that disagree on the label count or input shape stop ``hetfed run`` in one line."""
     from hetfed.client.data import DataConfig, load_client_data

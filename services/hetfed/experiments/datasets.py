@@ -15,6 +15,8 @@ DATASET_DEFAULTS: dict[str, LocalDefaults] = {
                                        "weight_decay": 0.001}),
     "gauss4": LocalDefaults(partition="natural", models=("mlp",), latent_dim=2),
     "npz": LocalDefaults(partition="natural"),
+    "imagefolder": LocalDefaults(partition="natural"),
+    "torch": LocalDefaults(partition="natural"),
 }
 
 

@@ -1,0 +1,1 @@
+"""An organization's own code for hetfed: encoder builders (models) and a data factory (data), plain PyTorch."""
