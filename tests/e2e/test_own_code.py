@@ -94,3 +94,24 @@ def test_a_factory_that_cannot_be_imported_stops_hetfed_run(tmp_path: Path) -> N
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "org-0's data:" in line and "tests.ownpkg.nosuch" in line and "ModuleNotFoundError" in line
+
+
+@pytest.mark.parametrize(("model", "data", "message"), [
+    ({"builder": "tests.ownpkg.models:raises"}, {"dataset": "mnist5k", "num_clients": 2},
+     "model builder 'tests.ownpkg.models:raises' raised RuntimeError for input shape (1, 28, 28)"),
+    ({"name": "lenet"}, {"dataset": "torch", "partition": "natural", "factory": "tests.ownpkg.nosuch:f"},
+     "tests.ownpkg.nosuch"),
+])
+def test_hetfed_client_refuses_bad_own_code_before_it_joins(tmp_path: Path, model: dict[str, str],
+                                                            data: dict[str, Any], message: str) -> None:
+    """Nothing listens at the aggregator's address: a client that tried to join would retry, not exit 2 at once."""
+    config = tmp_path / "client.json"
+    config.write_text(json.dumps({"organization": "org-0", "run": "r", "aggregator": "127.0.0.1:9",
+                                  "model": model, "data": data, "retry": {"give_up_after_seconds": 600.0}}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "client", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("hetfed client:")]
+    assert message in line and "joined" not in proc.stderr
