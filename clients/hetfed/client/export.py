@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
+from hetfed.client.card import CARD_FILE, CARD_FORMAT, file_sha256
 from hetfed.client.training import eval_mode
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.traffic import Direction
@@ -48,9 +48,6 @@ EXPORT_DIR = "model"
 """The folder under a client's ``output_dir`` that holds its exported model."""
 MODEL_FILE = "model.ts"
 STATE_FILE = "state_dict.pt"
-CARD_FILE = "card.json"
-CARD_FORMAT = "hetfed-model-card/1"
-"""The card's ``format`` field: ``hetfed export`` recognises a card by it."""
 EXAMPLES = 64
 """Held-out examples the export traces on (when scripting fails) and checks the saved file with."""
 SAMPLES = 20
@@ -135,14 +132,6 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -239,7 +228,7 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
     _atomic(out / STATE_FILE, lambda p: torch.save(state, p))
 
     shape = [int(s) for s in x.shape[1:]]
-    files = {name: {"sha256": _sha256(out / name), "bytes": (out / name).stat().st_size}
+    files = {name: {"sha256": file_sha256(out / name), "bytes": (out / name).stat().st_size}
              for name in (MODEL_FILE, STATE_FILE)}
     card: dict[str, Any] = {
         "format": CARD_FORMAT,

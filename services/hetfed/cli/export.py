@@ -10,15 +10,12 @@ per model, or ``--json``; ``--verify`` also checks each file against the SHA-256
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-CARD_FILE = "card.json"
-CARD_FORMAT = "hetfed-model-card/1"
-"""The ``format`` of the cards ``hetfed.client.export`` writes (a test keeps the two in step)."""
+from hetfed.client.card import CARD_FILE, CARD_FORMAT, file_sha256
 
 
 def find_cards(root: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -35,14 +32,6 @@ def find_cards(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(folder: Path, card: dict[str, Any]) -> list[str]:
     """What does not match the card in ``folder``: a missing file or another SHA-256 (empty: all match)."""
     problems = []
@@ -50,7 +39,7 @@ def verify(folder: Path, card: dict[str, Any]) -> list[str]:
         path = folder / name
         if not path.is_file():
             problems.append(f"{name} is missing")
-        elif _sha256(path) != meta.get("sha256"):
+        elif file_sha256(path) != meta.get("sha256"):
             problems.append(f"{name} does not match its SHA-256")
     return problems
 
