@@ -139,7 +139,8 @@ class StreamData:
     def batches(self, indices: Iterable[torch.Tensor | slice]) -> Iterator[Batch]:
         """One batch per element of ``indices`` (index tensors or slices), streamed through the DataLoader."""
         n = len(self)
-        self._order.batches = [list(range(n))[i] if isinstance(i, slice) else i.cpu().tolist() for i in indices]
+        self._order.batches = [list(range(*i.indices(n))) if isinstance(i, slice) else i.cpu().tolist()
+                               for i in indices]
         for x, y in self._loader:
             yield self._to_device(x, y)
 
