@@ -57,6 +57,11 @@ DEFAULT_MODEL = "lenet"
 """The architecture of an organization that names none."""
 
 
+def is_reference(model: str) -> bool:
+    """Whether ``model`` names an organization's own builder (``"package.module:function"``), not a built-in."""
+    return ":" in model
+
+
 def input_mismatch(model: str, input_shape: tuple[int, ...]) -> str | None:
     """Why ``model`` cannot take inputs of ``input_shape`` (one line), or None when it can; needs no torch."""
     if not input_shape or any(d < 1 for d in input_shape):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetfed.client.model_registry import MODELS
+from hetfed.client.model_registry import MODELS, is_reference
 from hetfed.client.training import eval_mode
 
 __all__ = [
@@ -316,11 +316,6 @@ class ModelBuilderError(ValueError):
 OWN_LATENT_DIM = 64
 """The latent width of an organization's own builder that declares none (``builder.latent_dim``) and is given
 none (``[model] latent_dim``): hetfed's own choice, the width of the built-in MLP's latent."""
-
-
-def is_reference(model: str) -> bool:
-    """Whether ``model`` names an organization's own builder (``"package.module:function"``), not a built-in."""
-    return ":" in model
 
 
 def encoder_builder(model: str) -> EncoderBuilder:

@@ -193,10 +193,12 @@ def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
 
 def _model_choice(options: Sequence[str]) -> Callable[[str], str]:
     """A built-in architecture's name, or an organization's own builder ``package.module:function``."""
+    from hetfed.client.model_registry import is_reference
+
     named = _choice("model", options)
 
     def parse(text: str) -> str:
-        return text if ":" in text else named(text)
+        return text if is_reference(text) else named(text)
     return parse
 
 

@@ -32,6 +32,7 @@ from hetfed.aggregator.store import holder_of
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
+from hetfed.client.model_registry import is_reference
 from hetfed.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaults, experiment
 from hetfed.wire.config import ConfigError, to_mapping
 from hetfed.wire.messages import RunStatus
@@ -148,9 +149,6 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
     from hetfed.client.data import DATASETS, PARTITIONS, DataConfig, load_seed_set
     from hetfed.client.model_registry import MODELS, input_mismatch, models_for
-
-    def is_reference(model: str) -> bool:  # an organization's own builder, "package.module:function"
-        return ":" in model
 
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
@@ -498,7 +496,7 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
         "device": "auto",
         "threads": 1,
         "data": _data_mapping(p.opts, p.partition, p.clients, index),
-        "model": {("builder" if ":" in model else "name"): model, "latent_dim": r.latent_dim or 0},
+        "model": {("builder" if is_reference(model) else "name"): model, "latent_dim": r.latent_dim or 0},
         "retry": {"give_up_after_seconds": 120.0},
     }
     if p.opts.artifacts or p.picture or p.opts.output:
