@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the trees are written (kept) and the runs work")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="hetfed-stream-"))
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="hetfed-stream-")).resolve()
     rows = []
     print(f"{'images':>7} {'workers':>7} {'peak_RSS_MB':>11} {'wall_s':>7} {'train':>6} {'test_acc':>8}")
     for size in (int(s) for s in args.sizes.split(",")):
