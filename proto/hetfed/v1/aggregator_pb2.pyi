@@ -155,13 +155,33 @@ class Instructions(_message.Message):
     total_rounds: int
     def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., action: _Optional[_Union[Action, str]] = ..., round_seed: _Optional[int] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., total_rounds: _Optional[int] = ...) -> None: ...
 
+class PrivacyDeclaration(_message.Message):
+    __slots__ = ("mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent")
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_SPENT_FIELD_NUMBER: _ClassVar[int]
+    mechanism: str
+    noise_multiplier: float
+    clip_norm: float
+    epsilon: float
+    delta: float
+    accountant: str
+    budget_spent: bool
+    def __init__(self, mechanism: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., budget_spent: _Optional[bool] = ...) -> None: ...
+
 class Update(_message.Message):
-    __slots__ = ("envelope", "payloads")
+    __slots__ = ("envelope", "payloads", "privacy")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     payloads: _containers.RepeatedCompositeFieldContainer[_payloads_pb2.Payload]
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ...) -> None: ...
+    privacy: PrivacyDeclaration
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., privacy: _Optional[_Union[PrivacyDeclaration, _Mapping]] = ...) -> None: ...
 
 class PushUpdateRequest(_message.Message):
     __slots__ = ("run_id", "round", "organization_id", "chunk")
@@ -264,18 +284,22 @@ class RefusedOrganization(_message.Message):
     def __init__(self, organization_id: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OrganizationStatus(_message.Message):
-    __slots__ = ("organization_id", "joined", "last_round_pushed", "bytes_up", "bytes_down")
+    __slots__ = ("organization_id", "joined", "last_round_pushed", "bytes_up", "bytes_down", "privacy_declared", "privacy_epsilon")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_PUSHED_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_EPSILON_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     joined: bool
     last_round_pushed: int
     bytes_up: int
     bytes_down: int
-    def __init__(self, organization_id: _Optional[str] = ..., joined: _Optional[bool] = ..., last_round_pushed: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+    privacy_declared: bool
+    privacy_epsilon: float
+    def __init__(self, organization_id: _Optional[str] = ..., joined: _Optional[bool] = ..., last_round_pushed: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., privacy_declared: _Optional[bool] = ..., privacy_epsilon: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("runs",)

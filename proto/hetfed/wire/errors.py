@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+# The reason a client's leave notice is refused with: its organization's privacy budget would be exceeded by its next
+# round, so it leaves the run (docs/privacy.md). The aggregator stops waiting for it in the open round at once.
+PRIVACY_BUDGET_SPENT_REASON = "privacy_budget_spent"
+
 
 class Reason(NamedTuple):
     """How a rejection reason is answered."""
@@ -32,7 +36,15 @@ REASONS: dict[str, Reason] = {
     # global model), a figure outside its domain (an accuracy outside [0, 1], a negative loss).
     "implausible_update": Reason("INVALID_ARGUMENT", False),
     "implausible_metric": Reason("INVALID_ARGUMENT", False),
+    # An update's privacy declaration out of its domain (a σ or C <= 0, a δ outside (0, 1), an unknown mechanism), or
+    # with an ε below the organization's last accepted one (its client lost its privacy ledger).
+    "invalid_privacy": Reason("INVALID_ARGUMENT", False),
+    "privacy_regressed": Reason("INVALID_ARGUMENT", False),
     "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
+    # The run requires differential privacy of every organization (require_privacy) and the update declares none.
+    "privacy_required": Reason("FAILED_PRECONDITION", False),
+    # A leave notice: the update's declaration says budget_spent (no payload; its organization leaves the run).
+    PRIVACY_BUDGET_SPENT_REASON: Reason("FAILED_PRECONDITION", False),
     # The organization's model and data are built for another label count or input shape than the run's (which
     # the first organization to declare them fixed): joining again with the same data cannot succeed.
     "data_mismatch": Reason("FAILED_PRECONDITION", False),

@@ -21,6 +21,7 @@ from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.specs import AlgorithmSpec
 from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
@@ -236,12 +237,33 @@ class Update:
     round: int
     organization: str
     payloads: Sequence[Payload]
+    # The differential privacy protecting the payloads (docs/privacy.md); None: the client declares none.
+    privacy: PrivacyDeclaration | None = None
+
+
+def privacy_to_proto(d: PrivacyDeclaration, out: apb.PrivacyDeclaration | None = None) -> apb.PrivacyDeclaration:
+    """Encode a PrivacyDeclaration (filled in place when ``out`` is given)."""
+    msg = out if out is not None else apb.PrivacyDeclaration()
+    msg.mechanism, msg.noise_multiplier, msg.clip_norm = d.mechanism, d.noise_multiplier, d.clip_norm
+    msg.epsilon, msg.delta, msg.accountant = d.epsilon, d.delta, d.accountant
+    msg.budget_spent = d.budget_spent
+    return msg
+
+
+def privacy_from_proto(msg: apb.PrivacyDeclaration) -> PrivacyDeclaration:
+    """Decode a PrivacyDeclaration as sent (``PrivacyDeclaration.check`` validates it)."""
+    return PrivacyDeclaration(msg.mechanism, float(msg.noise_multiplier), float(msg.clip_norm), float(msg.epsilon),
+                              float(msg.delta), msg.accountant, bool(msg.budget_spent))
 
 
 def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
-    """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
+    """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats). A privacy
+    declaration out of its domain is WireError ``invalid_privacy`` before anything is sent. A leave notice (a
+    declaration with ``budget_spent``) has no payloads."""
     msg = apb.Update(envelope=apb.Envelope(run_id=update.run_id, round=update.round,
                                            organization_id=update.organization))
+    if update.privacy is not None:
+        privacy_to_proto(update.privacy.check(), msg.privacy)
     for p in update.payloads:
         codec.fill_payload(msg.payloads.add(), p, wire_dtype)
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
@@ -264,6 +286,8 @@ class ParsedUpdate:
         self._data: Bytes | None = data
         self.payload_traffic = payload_breakdown(msg.payloads, _payload_sizes(data, _UPDATE_PAYLOADS))
         """Bytes, messages and elements per payload kind (the envelope not included)."""
+        self.privacy = privacy_from_proto(msg.privacy) if msg.HasField("privacy") else None
+        """The privacy the update declares (None: none); ``check`` validates it (``invalid_privacy``)."""
 
     @property
     def data(self) -> Bytes:
@@ -276,9 +300,14 @@ class ParsedUpdate:
         """Drop the received bytes (they are in the log)."""
         self._data = None
 
-    def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
-              run_id: str, round_: int, organization: str) -> Received:
-        """The envelope against the stream's addressing, the payloads against the contract; decoded."""
+    @property
+    def leaving(self) -> bool:
+        """Whether this is a leave notice: its declaration says the organization's privacy budget is spent."""
+        return self.privacy is not None and self.privacy.budget_spent
+
+    def check_envelope(self, run_id: str, round_: int, organization: str) -> None:
+        """The envelope against the stream's addressing and its payloads, the privacy declaration against its
+        domain (``invalid_privacy``); the payloads are not decoded (``check`` does both)."""
         msg = self._msg
         if msg is None:
             raise ValueError("the update was checked already")
@@ -296,6 +325,16 @@ class ParsedUpdate:
         actual = [codec.payload_kind_of(p).value for p in msg.payloads]
         if declared != actual:
             raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
+        if self.privacy is not None:
+            self.privacy.check()
+
+    def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
+              run_id: str, round_: int, organization: str) -> Received:
+        """The envelope against the stream's addressing, the privacy declaration against its domain
+        (``invalid_privacy``), the payloads against the contract; decoded."""
+        self.check_envelope(run_id, round_, organization)
+        msg = self._msg
+        assert msg is not None
         received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted)
         self._msg, self._lifted = None, []  # the decoded arrays view the received bytes themselves
         return received
@@ -382,6 +421,9 @@ class OrganizationStatus:
     last_round_pushed: int
     bytes_up: int
     bytes_down: int
+    # Whether its last accepted update declared differential privacy, and the ε of its last declaration (0: none).
+    privacy_declared: bool = False
+    privacy_epsilon: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -437,7 +479,8 @@ def run_status_to_proto(status: RunStatus, summaries: Sequence[apb.RoundSummary]
     for o in status.organization_status:
         out.organization_status.add(organization_id=o.organization, joined=o.joined,
                                     last_round_pushed=o.last_round_pushed, bytes_up=o.bytes_up,
-                                    bytes_down=o.bytes_down)
+                                    bytes_down=o.bytes_down, privacy_declared=o.privacy_declared,
+                                    privacy_epsilon=o.privacy_epsilon)
     return out
 
 
@@ -471,7 +514,7 @@ def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
     )
     organizations = tuple(
         OrganizationStatus(o.organization_id, bool(o.joined), int(o.last_round_pushed), int(o.bytes_up),
-                           int(o.bytes_down))
+                           int(o.bytes_down), bool(o.privacy_declared), float(o.privacy_epsilon))
         for o in msg.organization_status
     )
     return RunStatus(msg.run_id, msg.algorithm, _STATE_FROM_PROTO.get(msg.state, Phase.TRAIN),  # type: ignore[call-overload]

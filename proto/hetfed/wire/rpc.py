@@ -39,6 +39,7 @@ from hetfed.wire.messages import (
     RunStatus,
 )
 from hetfed.wire.payloads import Payload
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.specs import AlgorithmSpec
 from hetfed.wire.traffic import Direction, TrafficBreakdown, TrafficMetrics, with_envelope
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_channel, peer_identity
@@ -578,9 +579,12 @@ class AggregatorClient:
         self._count(Direction.DOWN, with_envelope(payloads, wire, n))
         return ins
 
-    def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None) -> PushReply:
-        """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry)."""
-        encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads), wire_dtype)
+    def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None,
+             privacy: PrivacyDeclaration | None = None) -> PushReply:
+        """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry); ``privacy``:
+        what protects its payloads (docs/privacy.md), None when the client declares none."""
+        encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy),
+                                         wire_dtype)
         envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
