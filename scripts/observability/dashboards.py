@@ -3,7 +3,8 @@
 ``python scripts/gen_observability.py`` writes ``helm/hetfed/dashboards/*.json`` from this module (and the
 alert rules from ``alerts.py``). A test regenerates them and fails on drift; another type-checks them against
 Grafana's own schema (``@grafana/schema``). Every panel reads Prometheus through the ``datasource`` variable
-and filters on the ``run``, ``algorithm`` and ``organization`` variables.
+and filters on the ``run``, ``algorithm`` and ``organization`` variables (where its families carry them). A
+``row`` spec starts a titled row of the panels after it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 SCHEMA_VERSION = 39
 RUN = 'run=~"$run", algorithm=~"$algorithm"'
 ORG = 'run=~"$run", algorithm=~"$algorithm", organization=~"$organization"'
+# The privacy families are labelled by run (and organization) only: their panels filter on those.
+PRIVACY_ORG = 'run=~"$run", organization=~"$organization"'
 RATE = "$__rate_interval"
 
 
@@ -136,6 +139,17 @@ ROUNDS: tuple[PanelSpec, ...] = (
     PanelSpec("Current round", "stat",
               (Query(f"max by (run, algorithm) (hetfed_current_round{{{RUN}}})", "{{run}}"),),
               "short", "The open round of each run."),
+    PanelSpec("Privacy", "row", (), "", "Differential privacy the organizations declare with their updates "
+              "(docs/privacy.md).", width=24),
+    PanelSpec("ε per organization", "timeseries",
+              (Query(f"max by (run, organization) (hetfed_privacy_epsilon{{{PRIVACY_ORG}}})",
+                     "{{run}} {{organization}}"),),
+              "none", "The ε each organization declared with its last accepted update (hetfed_privacy_epsilon): "
+              "its client's accounting of everything it sent in the run so far. It only grows."),
+    PanelSpec("Unprotected organizations", "stat",
+              (Query('max by (run) (hetfed_privacy_unprotected_organizations{run=~"$run"})', "{{run}}"),),
+              "short", "Organizations whose last accepted update declared no differential privacy; a run with "
+              "require_privacy refuses such updates."),
 )
 
 
@@ -156,6 +170,15 @@ def _variables() -> list[dict[str, Any]]:
         query_var("organization", "organization",
                   'label_values(hetfed_aggregator_bytes_total{run=~"$run", algorithm=~"$algorithm"}, organization)'),
     ]
+
+
+def _row(spec: PanelSpec, pid: int, y: int) -> dict[str, Any]:
+    """A Grafana row: a full-width title over the panels after it (none collapsed into it)."""
+    return {"id": pid, "type": "row", "title": spec.title, "datasource": DS, "collapsed": False,
+            "gridPos": {"h": ROW_HEIGHT, "w": 24, "x": 0, "y": y}, "panels": []}
+
+
+PANEL_HEIGHT, ROW_HEIGHT = 8, 1
 
 
 def _panel(spec: PanelSpec, pid: int, x: int, y: int) -> dict[str, Any]:
@@ -189,7 +212,7 @@ def _panel(spec: PanelSpec, pid: int, x: int, y: int) -> dict[str, Any]:
                    "orientation": "horizontal"}
     panel: dict[str, Any] = {
         "id": pid, "type": spec.kind, "title": spec.title, "description": spec.description, "datasource": DS,
-        "gridPos": {"h": 8, "w": spec.width, "x": x, "y": y}, "targets": targets, "options": options,
+        "gridPos": {"h": PANEL_HEIGHT, "w": spec.width, "x": x, "y": y}, "targets": targets, "options": options,
         "fieldConfig": {"defaults": {"unit": spec.unit, "custom": custom}, "overrides": overrides},
     }
     if transformations:
@@ -198,13 +221,20 @@ def _panel(spec: PanelSpec, pid: int, x: int, y: int) -> dict[str, Any]:
 
 
 def dashboard(uid: str, title: str, description: str, specs: tuple[PanelSpec, ...]) -> dict[str, Any]:
-    """A dashboard of ``specs`` laid out two panels to a row, with the run, algorithm and organization variables."""
-    panels, x, y = [], 0, 0
+    """A dashboard of ``specs`` laid out two panels to a line, with the run, algorithm and organization variables;
+    a ``row`` spec starts a line of its own."""
+    panels: list[dict[str, Any]] = []
+    x, y, height = 0, 0, 0  # where the next panel goes; the height of the line it would join
     for i, spec in enumerate(specs, start=1):
+        if spec.kind == "row":
+            y += height if x else 0
+            panels.append(_row(spec, i, y))
+            x, y, height = 0, y + ROW_HEIGHT, 0
+            continue
         if x + spec.width > 24:
-            x, y = 0, y + 8
+            x, y = 0, y + height
         panels.append(_panel(spec, i, x, y))
-        x += spec.width
+        x, height = x + spec.width, PANEL_HEIGHT
     return {
         "uid": uid, "title": title, "description": description, "tags": ["hetfed"], "editable": True,
         "schemaVersion": SCHEMA_VERSION, "version": 1, "graphTooltip": 1, "refresh": "30s",
@@ -222,7 +252,7 @@ def dashboards() -> dict[str, dict[str, Any]]:
             BANDWIDTH),
         "hetfed-rounds.json": dashboard(
             "hetfed-rounds", "hetfed: rounds",
-            "Round latency, participation, stragglers and rejections.", ROUNDS),
+            "Round latency, participation, stragglers and rejections; the privacy organizations declare.", ROUNDS),
     }
 
 
@@ -247,8 +277,8 @@ def variable_query(definition: str) -> str:
 
 
 def panel_exprs(d: dict[str, Any]) -> list[tuple[str, str]]:
-    """(panel title, expr) of every target of a dashboard."""
-    return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]]
+    """(panel title, expr) of every target of a dashboard (rows have none)."""
+    return [(p["title"], t["expr"]) for p in d["panels"] for t in p.get("targets", ())]
 
 
 # ------------------------------------------------------------------ preview

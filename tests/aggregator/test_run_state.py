@@ -19,7 +19,7 @@ from hetfed.aggregator.run_state import (
     Stranger,
 )
 from hetfed.wire.contract import TensorDecl
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON, WireError
 from hetfed.wire.payloads import PayloadKind
 from hetfed.wire.phases import Phase
 
@@ -140,6 +140,26 @@ def test_a_refusal_at_a_push_releases_the_rounds_after_it_until_the_member_retur
     # So does joining again, persisted at once.
     rejoin = rs.join(nxt, RULES, "c", SCHEMA, 0)
     assert rejoin.effects == (Persist(), RefusalChanged("c", None, entry)) and rejoin.state.refused == {}
+
+
+def test_a_leave_notice_releases_its_own_round_too_and_survives_the_checkpoint() -> None:
+    """Refused at a push with privacy_budget_spent, a member is given up in that very round: it sent its last
+    update already. Every other reason at a push holds that round (above)."""
+    state = joined("a", "b", "c", pushed={"a": b"1"})
+    step = rs.refuse(state, RULES, "c", PRIVACY_BUDGET_SPENT_REASON, "leaves", at_push=True)
+    entry = Refused("privacy_budget_spent", "leaves", at_push=True, round=1)
+    assert step.effects == (Persist(), RefusalChanged("c", entry, None))
+    assert step.state.given_up("c", RULES) and not rs.due(step.state, RULES, overdue=False)
+    pushed = rs.accept(step.state, RULES, "b", 1, b"2").state
+    assert rs.due(pushed, RULES, overdue=False)
+    assert rs.close(pushed, RULES).state.given_up("c", RULES)
+    back = RunState.from_json(step.state.to_json(), RULES, closed=0)
+    assert back.refused == {"c": entry} and back.given_up("c", RULES)
+    # The same reason at Join (not at a push) releases nothing of an admitted member.
+    at_join = rs.refuse(state, RULES, "c", PRIVACY_BUDGET_SPENT_REASON, "leaves", at_push=False).state
+    assert not at_join.given_up("c", RULES)
+    # A refusal at a push in a later round than the open one (none can be) does not release it early.
+    assert not replace(state, refused={"c": replace(entry, round=2)}).given_up("c", RULES)
 
 
 def test_a_strangers_refusal_is_only_listed() -> None:

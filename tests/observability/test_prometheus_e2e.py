@@ -174,6 +174,12 @@ def test_every_panel_query_parses_and_returns_series(scraped: Scraped, tmp_path:
     check = subprocess.run([require("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     empty = [(n, t, e) for n, t, e in exprs if not scraped.prom.query(e, at=scraped.last)]
+    # hetfed run trains without differential privacy: no organization declares an ε, so that panel has no
+    # series. Every organization counts as unprotected instead, which the privacy stat shows.
+    unprotected = _by(scraped.prom.query("max by (run) (hetfed_privacy_unprotected_organizations)", at=scraped.last),
+                      "run")
+    assert unprotected == {(run,): CLIENTS for run in scraped.results}
+    empty = [(n, t, e) for n, t, e in empty if "hetfed_privacy_epsilon" not in e]
     assert empty == [], "queries without a series"
 
 

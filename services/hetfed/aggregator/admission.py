@@ -10,9 +10,10 @@ import dataclasses
 import math
 import unicodedata
 from dataclasses import dataclass
+from typing import NoReturn
 
 from hetfed.aggregator.config import RunConfig
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON, WireError
 from hetfed.wire.messages import JoinRequest
 from hetfed.wire.payloads import (
     EvalMetrics,
@@ -22,6 +23,7 @@ from hetfed.wire.payloads import (
     Received,
     training_examples,
 )
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.rpc import clip
 
 # Payloads whose example count is an aggregation weight.
@@ -124,6 +126,41 @@ def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization
                 bad = bad_name(name, limits.max_name_chars)
                 if bad:
                     raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")
+
+
+def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None,
+                  last: PrivacyDeclaration | None) -> None:
+    """An update's privacy declaration against the run (``declared``, already valid; None: the update declares
+    none) and the organization's last accepted one (``last``): refused without one where the run requires it
+    (``privacy_required``), refused when its ε went down (``privacy_regressed``: the client's ledger was lost)."""
+    if declared is None:
+        if cfg.require_privacy:
+            raise WireError("privacy_required", f"the update of organization {organization!r} declares no privacy; "
+                                                f"run {cfg.id!r} requires differential privacy of every organization "
+                                                "(require_privacy, docs/privacy.md)")
+        return
+    if last is not None and declared.epsilon < last.epsilon:
+        new, old = _epsilons(declared.epsilon, last.epsilon)
+        raise WireError("privacy_regressed", f"organization {organization!r} declared ε={new} after ε={old}: its "
+                                             "privacy ledger was lost; keep the client's state_dir")
+
+
+def refuse_leave(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None) -> NoReturn:
+    """Refuse a leave notice (``declared.budget_spent``): the organization's privacy budget would be exceeded by its
+    next round, so it leaves the run. Recorded as a refusal at its push, it is given up at once (``run_state``)."""
+    assert declared is not None and declared.budget_spent
+    raise WireError(PRIVACY_BUDGET_SPENT_REASON,
+                    f"organization {organization!r} leaves run {cfg.id!r}: its privacy budget is spent "
+                    f"(ε={declared.epsilon:.4g} at δ={declared.delta:.3g}); the run goes on without it")
+
+
+def _epsilons(new: float, old: float) -> tuple[str, str]:
+    """Two ε as the refusal prints them: two decimals, more where two would print them equal."""
+    for places in (2, 6):
+        a, b = f"{new:.{places}f}", f"{old:.{places}f}"
+        if a != b:
+            return a, b
+    return f"{new!r}", f"{old!r}"
 
 
 def weighted(cfg: RunConfig, declared: int, update: Received) -> Received:

@@ -71,6 +71,10 @@ class RunConfig:
     example_weights: Literal["claimed", "declared"] = "claimed"
     # Reported figures in their domains: test accuracy in [0, 1], losses >= 0 (implausible_metric otherwise).
     check_metric_domains: bool = True
+    # Differential privacy of every organization (docs/privacy.md): an update that declares none is refused
+    # (privacy_required), and so is one declaring an ε below its organization's last accepted one (privacy_regressed,
+    # checked whether or not this is set).
+    require_privacy: bool = False
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")

@@ -50,6 +50,7 @@ from hetfed.wire.messages import (
 )
 from hetfed.wire.payloads import EvalMetrics, Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.rpc import Pulled, clip
 from hetfed.wire.traffic import Direction, TrafficBreakdown
 
@@ -209,7 +210,9 @@ class Run:
 
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
              up: TrafficBreakdown, defer_commit: bool = False) -> PushReply:
-        """Check, log durably and fold in an update; idempotent by (run, round, organization).
+        """Check, log durably and fold in an update; idempotent by (run, round, organization). A leave notice
+        (its declaration says budget_spent) is refused ``privacy_budget_spent``: the caller records the refusal
+        (``refuse(at_push=True)``), and rounds stop waiting for the organization from the open one on.
 
         ``digest`` is the SHA-256 of ``update.data``. When the update completes the round, the round's
         checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
@@ -221,15 +224,20 @@ class Run:
                 return PushReply(accepted=True, duplicate=True, round=round_)
             self._fresh_locked()
             phase, half = self.phase, self.half
+        if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
+            update.check_envelope(self.cfg.id, round_, organization)
+            admission.refuse_leave(self.cfg, organization, update.privacy)
         received = update.check(self.spec, phase, self.schema, self.limits.max_tensor_elements, self.cfg.id, round_,
                                 organization)
         admission.check_update(self.cfg, self.limits, self.max_examples, organization,
                                self.examples.get(organization, 0), received)
+        # Its last accepted declaration changes only when its update of an earlier round is folded: none is pending.
+        admission.check_privacy(self.cfg, organization, update.privacy, self.ledger.get(organization).privacy)
         half.validate(phase, organization, received)
         ticket = pushes.log_update(self, organization, round_, update, digest, received, phase, half)
         if isinstance(ticket, PushReply):
             return ticket
-        reply = pushes.sync_and_fold(self, organization, round_, digest, received, ticket, up)
+        reply = pushes.sync_and_fold(self, organization, round_, digest, received, ticket, up, update.privacy)
         if not defer_commit:
             self.commit_pending()
         return reply
@@ -245,8 +253,10 @@ class Run:
         return admission.weighted(self.cfg, self.examples.get(organization, 0), update)
 
     # ----------------------------------------------------------------- effects
-    def _apply_locked(self, step: rs.Step, received: Received | None = None) -> None:
-        """Carry out a transition's effects in order, then adopt its state (a Persist first writes it)."""
+    def _apply_locked(self, step: rs.Step, received: Received | None = None,
+                      privacy: PrivacyDeclaration | None = None) -> None:
+        """Carry out a transition's effects in order, then adopt its state (a Persist first writes it).
+        ``received`` and ``privacy``: the checked update a Fold folds in, and what it declared."""
         for effect in step.effects:
             if isinstance(effect, rs.Persist):
                 self._persist_locked(step.state)
@@ -254,7 +264,7 @@ class Run:
                 assert received is not None
                 org = effect.organization
                 self.half.accumulate(self.phase, org, self._weighted(org, received))
-                self.ledger.pushed(org, self.round)
+                self.ledger.pushed(org, self.round, privacy)
                 m = received.maybe(EvalMetrics)
                 if m is not None:
                     self.current.reports[org] = m

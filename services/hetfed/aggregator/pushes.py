@@ -18,6 +18,7 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.messages import ParsedUpdate, PushReply
 from hetfed.wire.payloads import Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 if TYPE_CHECKING:
@@ -46,9 +47,9 @@ def log_update(run: Run, organization: str, round_: int, update: ParsedUpdate, d
         return ticket
 
 def sync_and_fold(run: Run, organization: str, round_: int, digest: bytes, received: Received, ticket: WalTicket,
-                   up: TrafficBreakdown) -> PushReply:
-    """Make the record durable outside the lock (concurrent pushes share one fsync), then fold it in. Not
-    folded, not acknowledged until it is on disk."""
+                   up: TrafficBreakdown, privacy: PrivacyDeclaration | None = None) -> PushReply:
+    """Make the record durable outside the lock (concurrent pushes share one fsync), then fold it in (with the
+    privacy it declared, for the organization's ledger). Not folded, not acknowledged until it is on disk."""
     try:
         durable = run.store.sync(ticket)
     except StorageError as exc:
@@ -65,7 +66,7 @@ def sync_and_fold(run: Run, organization: str, round_: int, digest: bytes, recei
         if run._duplicate_locked(organization, round_, digest):  # folded by a rebuild from the log meanwhile
             return PushReply(accepted=True, duplicate=True, round=round_)
         run._fresh_locked()
-        run._apply_locked(rs.accept(run.state, run.rules, organization, round_, digest), received)
+        run._apply_locked(rs.accept(run.state, run.rules, organization, round_, digest), received, privacy)
         reply = PushReply(accepted=True, duplicate=False, round=round_)
         # Counted before the round can close, so both belong to this round's record.
         run.record_traffic(organization, round_, Direction.UP, up)

@@ -16,6 +16,7 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.messages import ParsedUpdate
 from hetfed.wire.payloads import Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.rpc import clip
 
 if TYPE_CHECKING:
@@ -67,27 +68,29 @@ def restore(run: Run) -> None:
         log.info("run %s resumed finished after %d rounds", run.cfg.id, len(run.history))
         return
     replayed = logged_updates(run)
-    for org, received, digest in replayed:
-        run._apply_locked(rs.accept(run.state, run.rules, org, run.round, digest), received)
+    for org, received, digest, privacy in replayed:  # their declarations bring the ledger's last ε up to date
+        run._apply_locked(rs.accept(run.state, run.rules, org, run.round, digest), received, privacy)
     log.info("run %s resumed at %s round %d with %d stored updates", run.cfg.id, run.phase.value,
              run.round, len(replayed))
     run._try_close_locked()
 
 
-def logged_updates(run: Run) -> list[tuple[str, Received, bytes]]:
-    """The open round's logged updates, checked again; one that no longer passes is skipped (and logged)."""
+def logged_updates(run: Run) -> list[tuple[str, Received, bytes, PrivacyDeclaration | None]]:
+    """The open round's logged updates, checked again, with the privacy each declared; one that no longer passes
+    is skipped (and logged)."""
     out = []
     for org, data in run.store.updates(run.round):
         try:
             if org not in run.cfg.organizations:
                 raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
-            update = ParsedUpdate(data).check(run.spec, run.phase, run.schema, run.limits.max_tensor_elements,
-                                              run.cfg.id, run.round, org)
+            parsed = ParsedUpdate(data)
+            update = parsed.check(run.spec, run.phase, run.schema, run.limits.max_tensor_elements, run.cfg.id,
+                                  run.round, org)
         except WireError as err:
             log.error("run %s: the logged update of %r for round %d is skipped (%s); the organization is asked "
                       "for it again", run.cfg.id, clip(org, 64), run.round, err)
             continue
-        out.append((org, update, hashlib.sha256(data).digest()))
+        out.append((org, update, hashlib.sha256(data).digest(), parsed.privacy))
     return out
 
 
@@ -98,7 +101,7 @@ def rebuild(run: Run) -> None:
         _, arrays = run.store.read_checkpoint()
         half = run._new_half()
         half.load_state(arrays)
-        for org, received, _ in logged_updates(run):
+        for org, received, _, _ in logged_updates(run):
             if org in run.pushed:
                 half.accumulate(run.phase, org, run._weighted(org, received))
     except (StateError, OSError) as exc:

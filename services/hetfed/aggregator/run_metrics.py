@@ -4,7 +4,8 @@ The traffic counters (``hetfed_aggregator_bytes_total``) start from zero in ever
 families here are computed on each scrape from the run's closed-round records, which the aggregator
 persists and restores from its state directory, plus the open round's record: cumulative bytes per run,
 rounds closed, the reported accuracy per round and at the end, participation, the open round's age against
-its deadline, and a declared FedAvg reference (``fedavg_model_bytes`` in the run config).
+its deadline, and a declared FedAvg reference (``fedavg_model_bytes`` in the run config). The privacy families
+(``hetfed_privacy_*``) read the run's organization ledger, which the checkpoint and the log restore.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from hetfed.aggregator.engine import RoundRecord, Run
 
 RUN_LABELS = ["run", "algorithm"]
+PRIVACY_LABELS = ["run", "organization"]
 Family = CounterMetricFamily | GaugeMetricFamily
 
 
@@ -94,6 +96,15 @@ class RunMetricsCollector(Collector):
             "missed": GaugeMetricFamily(
                 "hetfed_run_organization_rounds_missed", "Consecutive most recent closed rounds without the "
                 "organization's update", labels=[*rl, "organization"]),
+            "epsilon": GaugeMetricFamily(
+                "hetfed_privacy_epsilon", "The ε of the organization's last privacy declaration: what its client "
+                "accounted for everything it sent in the run so far (docs/privacy.md)", labels=PRIVACY_LABELS),
+            "delta": GaugeMetricFamily(
+                "hetfed_privacy_delta", "The δ of the organization's last privacy declaration",
+                labels=PRIVACY_LABELS),
+            "unprotected": GaugeMetricFamily(
+                "hetfed_privacy_unprotected_organizations", "Organizations of the run whose last accepted update "
+                "declared no differential privacy", labels=["run"]),
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -146,5 +157,12 @@ class RunMetricsCollector(Collector):
         age = 0.0 if finished or not run.joined else max(0.0, self._clock() - current.started)
         f["age"].add_metric(labels, age)
         f["deadline"].add_metric(labels, run.cfg.round_deadline_seconds)
+        unprotected = 0
         for org in run.cfg.organizations:
             f["missed"].add_metric([*labels, org], rounds_missed(history, org))
+            counts = run.ledger.get(org)
+            if counts.privacy is not None:
+                f["epsilon"].add_metric([run.cfg.id, org], counts.privacy.epsilon)
+                f["delta"].add_metric([run.cfg.id, org], counts.privacy.delta)
+            unprotected += counts.unprotected
+        f["unprotected"].add_metric([run.cfg.id], unprotected)
