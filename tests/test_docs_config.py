@@ -10,6 +10,7 @@ import pytest
 from hetfed.aggregator.config import RunConfig, SeedSetConfig, ServerConfig
 from hetfed.client.config import ClientConfig, ModelConfig, RetryConfig
 from hetfed.client.data import DataConfig
+from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.experiments import docs_page
 from hetfed.wire.specs import SPECS, TrainConfig
 from hetfed.wire.transport import TlsConfig
@@ -19,7 +20,7 @@ BASE = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 @pytest.mark.parametrize("cls", [ServerConfig, RunConfig, SeedSetConfig, ClientConfig, ModelConfig, RetryConfig,
-                                 DataConfig, TlsConfig, TrainConfig], ids=lambda c: c.__name__)
+                                 DataConfig, TlsConfig, TrainConfig, PrivacyConfig], ids=lambda c: c.__name__)
 def test_core_fields_documented(cls: type) -> None:
     text = (DOCS / "configuration.md").read_text()
     missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in text]

@@ -344,3 +344,34 @@ def test_a_local_run_exports_each_organizations_model_reproducing_its_reported_a
             correct = sum(int((model(x[s : s + 1024]).argmax(dim=1) == y[s : s + 1024]).sum())
                           for s in range(0, len(y), 1024))
         assert correct / len(y) == card["accuracy"]["test_accuracy"]
+
+
+# ------------------------------------------------------------------------------------------- under DP
+def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_says_its_epsilon(tmp_path: Path) -> None:
+    """Opacus' backward hooks stop TorchScript; the session takes them off before the export, which then writes
+    the organization's (ε, δ, σ, C) into the card."""
+    from hetfed.client.privacy.config import PrivacyConfig
+    from hetfed.client.privacy.session import PrivacySession
+    from hetfed.client.training import DeviceData, Objective, epoch_batches, fit
+    from hetfed.wire.specs.fedavg import FedAvgConfig
+
+    x, y = _data(64, 0)
+    session = PrivacySession(PrivacyConfig(noise_multiplier=1.0, noise_seed=3), "r1", "org-0", None, 64,
+                             torch.device("cpu"))
+    session.set_batch_size(16)
+    session.plan("dp-sgd", [], [], 1)
+    model = build_model("mlp", SHAPE, 3, seed=1)
+    data = session.wrap(DeviceData(x, torch.as_tensor(y)))
+    session.begin_round(1, 7)
+    fit([Objective(model, torch.optim.SGD(model.parameters(), lr=0.1))],
+        epoch_batches(data, FedAvgConfig(local_steps=2, batch_size=16), np.random.default_rng(0)))
+    figures = {"epsilon": session.close_round(1).epsilon, "delta": session.delta, "noise_multiplier": 1.0,
+               "clip_norm": 1.0}
+    kwargs = dict(example_input=x, architecture="mlp", run="r1", organization="org-0", algorithm="fedavg",
+                  rounds=1, accuracy={}, num_test_examples=64, bytes_sent=1, bytes_received=1, dataset="toy",
+                  privacy=figures)
+    with pytest.raises(ExportError):
+        export_model(tmp_path / "hooked", model, **kwargs)  # type: ignore[arg-type]
+    session.release()
+    card = json.loads(export_model(tmp_path / "model", model, **kwargs).read_text())  # type: ignore[arg-type]
+    assert card["privacy"] == figures and figures["epsilon"] > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hetfed.client.data import DataConfig
 from hetfed.client.model_registry import DEFAULT_MODEL
+from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.wire.config import check, load_file
 from hetfed.wire.transport import TlsConfig
 
@@ -87,6 +88,8 @@ class ClientConfig:
     # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
     # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
     report_timing: bool = False
+    # Differential privacy of everything this organization sends (docs/privacy.md); off unless set.
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         check(bool(self.organization), "organization must not be empty")

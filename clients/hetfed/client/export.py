@@ -54,6 +54,8 @@ SAMPLES = 20
 """Draws of z a probabilistic model's exported prediction averages (FedSR's default ``num_samples``)."""
 NOISE_SEED = 0
 """Seed of those draws: fixed at export, so the exported prediction is deterministic."""
+PRIVACY_KEYS = ("epsilon", "delta", "noise_multiplier", "clip_norm")
+"""What the card's ``privacy`` holds: the last reported ``privacy_<key>`` figures of a client under DP."""
 
 
 class ExportError(RuntimeError):
@@ -197,7 +199,7 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
                  run: str = "", organization: str = "", algorithm: str = "", rounds: int = 0,
                  accuracy: Mapping[str, float] | None = None, num_test_examples: int = 0,
                  bytes_sent: int = 0, bytes_received: int = 0, dataset: str = "",
-                 samples: int = SAMPLES) -> Path:
+                 samples: int = SAMPLES, privacy: dict[str, float] | None = None) -> Path:
     """Write ``model.ts``, ``state_dict.pt`` and ``card.json`` for ``model`` into ``out_dir``; returns the card's
     path. ``example_input``: a batch of real held-out inputs (any device). The live model stays where it is,
     unchanged and in its mode; the files hold a CPU copy. ExportError when TorchScript cannot reproduce it."""
@@ -241,6 +243,8 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
         "accuracy": {k: float(v) for k, v in (accuracy or {}).items()},
         "num_test_examples": int(num_test_examples),
         "bytes": {"sent": int(bytes_sent), "received": int(bytes_received)},
+        # The (ε, δ) of what this organization sent (docs/privacy.md), None without DP.
+        "privacy": dict(privacy) if privacy else None,
         "input_shape": shape,
         "input_dtype": str(x.dtype).removeprefix("torch."),
         "num_classes": int(getattr(cpu_model, "num_classes", checks[0][1].shape[-1])),
@@ -305,7 +309,9 @@ def export_after_run(cfg: ClientConfig, half: ClientHalf, algorithm: str, evalua
             num_test_examples=metrics.num_test_examples, bytes_sent=traffic[Direction.UP.value],
             bytes_received=traffic[Direction.DOWN.value], dataset=ctx.data.name,
             # A run whose evaluation averages draws of a probabilistic latent sets how many (``num_samples``).
-            samples=int(getattr(half.config, "num_samples", SAMPLES)))
+            samples=int(getattr(half.config, "num_samples", SAMPLES)),
+            privacy={key: float(metrics.extra[f"privacy_{key}"]) for key in PRIVACY_KEYS
+                     if f"privacy_{key}" in metrics.extra})
     except (ExportError, OSError) as exc:
         log.error("%s: the trained model could not be exported: %s", cfg.organization, exc)
         return None

@@ -28,8 +28,11 @@ from hetfed.wire.specs.base import PeriodicEvalConfig, SharedSpaceConfig
 from hetfed.wire.traffic import TrafficMetrics
 
 if TYPE_CHECKING:
+    import torch
+
     from hetfed.client.algorithms.base import ClientHalf
     from hetfed.client.data import ClientData
+    from hetfed.client.privacy.session import PrivacySession
     from hetfed.client.state import StateFile
 
 log = logging.getLogger("hetfed.client")
@@ -62,6 +65,16 @@ class ClientError(RuntimeError):
     def __init__(self, message: str, permanent: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+
+class PrivacyBudgetSpent(ClientError):  # noqa: N818 (an outcome, not a fault)
+    """The organization's privacy budget would be exceeded by its next round: it sends nothing more and leaves the
+    run (exit status 3; the round goes on under the quorum rules)."""
+
+    exit_status = 3
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
 
 
 def backoff_delays(initial: float, maximum: float, multiplier: float, rng: random.Random) -> Iterator[float]:
@@ -177,11 +190,39 @@ class ClientRuntime:
         cfg = self.config
         try:
             data = load_client_data(cfg.data)
-            build_model(cfg.model.reference, data.input_shape, data.num_classes,
-                        latent_dim=cfg.model.latent_dim or None)
+            model = build_model(cfg.model.reference, data.input_shape, data.num_classes,
+                                latent_dim=cfg.model.latent_dim or None)
+            if cfg.privacy.enabled:  # a model DP-SGD cannot serve is refused before joining
+                from hetfed.client.privacy.mechanisms import prepare_model
+
+                prepare_model(model, cfg.privacy, cfg.organization)
         except (ValueError, ImportError) as exc:
             raise ClientError(" ".join(str(exc).split()), permanent=True) from None
         return data
+
+    def _privacy_session(self, data: ClientData, device: torch.device) -> PrivacySession | None:
+        """The organization's DP session (None without ``[privacy]``): its ledger continued from ``state_dir``; a
+        ledger that cannot be continued or a budget already spent stops the client before it joins."""
+        from hetfed.client.privacy.ledger import LedgerError
+        from hetfed.client.privacy.session import PrivacySession
+
+        cfg = self.config
+        if not cfg.privacy.enabled:
+            return None
+        try:
+            session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device)
+        except LedgerError as exc:
+            raise ClientError(str(exc), permanent=True) from None
+        budget, spent = cfg.privacy.epsilon_budget, session.spent()
+        if budget is not None and spent >= budget:
+            raise ClientError(f"{cfg.organization}: privacy budget ε={budget:g} is already spent in run {cfg.run!r} "
+                              f"(ε={spent:.4g}, {session.ledger.path}); nothing more can be sent", permanent=True)
+        if not cfg.state_dir:
+            log.warning("%s: privacy: no state_dir, so the privacy ledger ends with this process; a restarted client "
+                        "would count ε from zero and the aggregator refuses the lower ε it declares", cfg.organization)
+        elif spent > 0:
+            log.info("%s: privacy: ledger %s continued at ε=%.4g", cfg.organization, session.ledger.path, spent)
+        return session
 
     def _evaluated_before(self) -> bool:
         """Whether the state directory says this organization finished the run's evaluate round."""
@@ -192,6 +233,34 @@ class ClientRuntime:
             return False
         return StateFile(cfg.state_dir, cfg.run, {
             "run": cfg.run, "organization": cfg.organization}).evaluated()
+
+    def _leave(self, round_: int, wire_dtype: str | None, privacy: PrivacySession) -> None:
+        """Tell the aggregator this organization leaves (a declaration with ``budget_spent`` and no payload), so no
+        round waits for it; the aggregator answers with the refusal ``privacy_budget_spent``."""
+        from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON
+
+        try:
+            self.client.push(round_, [], wire_dtype, privacy=privacy.declaration(budget_spent=True))
+        except RemoteError as err:
+            if err.reason not in (PRIVACY_BUDGET_SPENT_REASON, "late"):
+                log.warning("%s: the aggregator did not take the leave notice (%s: %s); rounds wait for this "
+                            "organization until their deadline", self.config.organization, err.code.name, err.details)
+            return
+        log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
+
+    def _plan_privacy(self, half: ClientHalf, privacy: PrivacySession, rounds: int) -> None:  # type: ignore[type-arg]
+        """Check that ``half`` can send under DP as configured and fix σ for the run's planned rounds."""
+        from hetfed.client.privacy.mechanisms import PrivacyError
+        from hetfed.client.training import steps_per_round
+
+        mechanism = half.privacy_mechanism
+        assert mechanism is not None
+        try:
+            half.check_privacy()
+            setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_train, half.config))
+            privacy.plan(mechanism, setup, per_round, rounds)
+        except (PrivacyError, ValueError) as exc:
+            raise ClientError(f"{self.config.organization}: {' '.join(str(exc).split())}", permanent=True) from None
 
     def run(self) -> list[tuple[int, EvalMetrics]]:
         """Take part in the run until it finishes; returns the metrics reported per round."""
@@ -220,6 +289,7 @@ class ClientRuntime:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=self.registry)
         device = torch.device(resolve_device(cfg.device))
         data = self._own_data_and_model()
+        privacy = self._privacy_session(data, device)
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
         try:
             joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train),
@@ -241,16 +311,29 @@ class ClientRuntime:
 
         half_type = client_half_type(spec)
 
+        if privacy is not None and half_type.privacy_mechanism is None:
+            raise ClientError(f"{cfg.organization}: [privacy] is set, but hetfed has no DP mechanism for "
+                              f"{joined.algorithm}'s uploads (docs/privacy.md lists the algorithms it serves)",
+                              permanent=True)
+        if privacy is not None:
+            privacy.set_batch_size(config.batch_size)
+
         def build() -> SplitModel:
             # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
             # builds the architecture (most as registered, some wrapped in what the algorithm needs).
-            return half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes, seed=int(joined.seed),
-                                        latent_dim=latent, bounded_latent=spec.bounded_latent,
-                                        config=config).to(device)
+            model = half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes, seed=int(joined.seed),
+                                         latent_dim=latent, bounded_latent=spec.bounded_latent, config=config)
+            if privacy is not None:  # BatchNorm replaced by GroupNorm (or refused) before the model trains
+                from hetfed.client.privacy.mechanisms import prepare_model
+
+                model = prepare_model(model, cfg.privacy, cfg.organization)  # type: ignore[assignment]
+            return model.to(device)  # type: ignore[return-value]
 
         ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build,
-                            num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory)
+                            num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, privacy=privacy)
         half = half_type(ctx)
+        if privacy is not None:
+            self._plan_privacy(half, privacy, int(joined.total_rounds))
         if joined.declare_required:
             self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
                              num_train_examples=len(data.train), num_classes=data.num_classes,
@@ -270,12 +353,25 @@ class ClientRuntime:
                 log.info("%s: run %s finished", cfg.organization, cfg.run)
                 break
             received = Received(ins.payloads, spec.repeated_download)
+            if privacy is not None and ins.action is not Action.EVALUATE:
+                why = privacy.exhausted_before(setup=ins.action is Action.SETUP)
+                if why is not None:
+                    log.warning("%s", why)
+                    self._leave(round_, wire_dtype, privacy)
+                    raise PrivacyBudgetSpent(why)
+                privacy.begin_round(round_, ins.round_seed)
             cpu, wall = time.process_time(), time.perf_counter()
             upload = run_round(half, ins.action, round_, ins.round_seed, received)
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
+            declaration = None
+            if privacy is not None:  # the ledger is on disk before the upload leaves
+                declaration = privacy.close_round(round_)
+                figures = privacy.figures(declaration)
+                upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
+                          for p in upload]
             try:
-                self.client.push(round_, upload, wire_dtype)
+                self.client.push(round_, upload, wire_dtype, privacy=declaration)
             except RemoteError as err:
                 if err.reason != "late":
                     raise
@@ -298,6 +394,9 @@ class ClientRuntime:
             self.round_gauge.labels(*labels).set(round_)
         if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
             from hetfed.client.export import export_after_run
+
+            if privacy is not None:  # Opacus' hooks off: TorchScript cannot compile a module with backward hooks
+                privacy.release()
 
             export_after_run(cfg, half, joined.algorithm, *final, self.registry)
         if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:

@@ -13,9 +13,10 @@ Batches come from ``epoch_batches`` (shuffled epochs or a number of steps) or ``
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from torch.nn import functional as F
 
 from hetfed.client.data.core import ArrayDataset, Examples, StreamedDataset
 from hetfed.wire.specs import TrainConfig
+
+if TYPE_CHECKING:
+    from hetfed.client.privacy.mechanisms import PrivateData, PrivateStep
 
 
 class _Resident(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -145,8 +149,9 @@ class StreamData:
             yield self._to_device(x, y)
 
 
-DataSource = DeviceData | StreamData
-"""A data set as the training loop reads it: resident on the device, or streamed from files."""
+DataSource = Union[DeviceData, StreamData, "PrivateData"]
+"""A data set as the training loop reads it: resident on the device, or streamed from files; under DP the
+training set is wrapped so that the loop draws Poisson samples and privatises each step on them."""
 
 
 def source_of(ds: Examples, device: torch.device, *, num_workers: int = 0, pin_memory: bool = True,
@@ -163,6 +168,8 @@ class Batch:
 
     x: torch.Tensor
     y: torch.Tensor
+    # Set on batches of private examples under DP (hetfed.client.privacy): every step on them is DP-SGD's.
+    private: PrivateStep | None = None
 
 
 @dataclass
@@ -187,6 +194,13 @@ class LossTerm(Protocol):
         ...
 
 
+def data_free(term: Callable[[Batch, Forward], torch.Tensor]) -> LossTerm:
+    """Mark ``term`` as depending on no example (a penalty on the parameters against received values): under
+    DP-SGD its gradient is added after the privatised one instead of being clipped per example."""
+    term.data_free = True  # type: ignore[attr-defined]
+    return term  # type: ignore[return-value]
+
+
 def cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
     """The classification loss: cross-entropy of the logits against the labels."""
     return F.cross_entropy(out.logits, batch.y)
@@ -205,8 +219,12 @@ class Objective:
     optimizer: torch.optim.Optimizer
     terms: Sequence[LossTerm] = (cross_entropy,)
     forward: Callable[[nn.Module, Batch], Forward] = plain_forward
-    # Called after the backward pass and before the optimiser step (to read or change the gradients).
+    # Called after the backward pass and before the optimiser step (to read or change the gradients); under
+    # DP-SGD it sees the privatised gradients.
     before_step: Callable[[], None] | None = None
+    # The model never leaves the organization, nor does anything computed from it (the reported metrics aside):
+    # DP-SGD leaves it alone (a personal model trained beside the one that is sent).
+    kept: bool = False
 
 
 @dataclass
@@ -235,24 +253,70 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
     steps = 0
     for batch in batches:
         for i, o in enumerate(objectives):
-            out = o.forward(o.model, batch)
-            loss = o.terms[0](batch, out)
-            for term in o.terms[1:]:
-                loss = loss + term(batch, out)
-            o.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if batch.private is not None and not o.kept:
+                loss = _private_step(o, batch, batch.private)
+            else:
+                out = o.forward(o.model, batch)
+                loss = o.terms[0](batch, out)
+                for term in o.terms[1:]:
+                    loss = loss + term(batch, out)
+                o.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
             if o.before_step is not None:
                 o.before_step()
             o.optimizer.step()
             totals[i] = totals[i] + loss.detach().to(torch.float64)
+        if batch.private is not None:
+            batch.private.end_batch()
         steps += 1
     return FitResult([float(t) / max(steps, 1) for t in totals], steps)
+
+
+def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor:
+    """One objective's DP-SGD step on a Poisson-sampled batch: its example terms' gradient privatised, then
+    its data-free terms' gradient added; returns the objective's value."""
+    params = [p for group in o.optimizer.param_groups for p in group["params"] if p.requires_grad]
+    size = int(batch.y.shape[0])
+    step.begin(o.model)
+    try:
+        if size == 0:  # an empty Poisson sample: the step is noise alone
+            loss = torch.zeros((), device=batch.y.device)
+            step.backward(o.model, params, loss, 0)
+            return loss
+        out = o.forward(o.model, batch)
+        example_terms = [t for t in o.terms if not getattr(t, "data_free", False)]
+        free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
+        loss = example_terms[0](batch, out)
+        for term in example_terms[1:]:
+            loss = loss + term(batch, out)
+        step.backward(o.model, params, loss, size)
+        if free_terms:
+            free = free_terms[0](batch, out)
+            for term in free_terms[1:]:
+                free = free + term(batch, out)
+            for p, g in zip(params, torch.autograd.grad(free, params, allow_unused=True), strict=True):
+                if g is not None:
+                    p.grad = p.grad + g if p.grad is not None else g
+            loss = loss + free.detach()
+        return loss
+    finally:
+        step.end(o.model)
+
+
+def steps_per_round(n: int, cfg: TrainConfig) -> int:
+    """The local steps of one round over ``n`` examples: ``local_steps``, else ``local_epochs`` epochs of ⌈n/B⌉."""
+    if cfg.local_steps > 0:
+        return int(cfg.local_steps)
+    return int(cfg.local_epochs) * math.ceil(n / cfg.batch_size) if n else 0
 
 
 def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) -> Iterator[Batch]:
     """``local_epochs`` shuffled epochs of minibatches, or exactly ``local_steps`` of them when it is > 0."""
     n = len(data)
     if n == 0:
+        return
+    if hasattr(data, "poisson_batches"):  # DP-SGD: as many Poisson samples of rate B/N as the steps above
+        yield from data.poisson_batches(steps_per_round(n, cfg))
         return
     budget = cfg.local_steps if cfg.local_steps > 0 else None
     epochs = cfg.local_epochs if budget is None else 1 << 30
@@ -271,8 +335,11 @@ def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) 
 
 
 def sampled_batches(data: DataSource, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Batch]:
-    """``steps`` independent minibatches, each drawn without replacement."""
+    """``steps`` independent minibatches, each drawn without replacement (under DP-SGD, Poisson samples)."""
     n = len(data)
+    if hasattr(data, "poisson_batches"):
+        yield from data.poisson_batches(steps)
+        return
     yield from data.batches(torch.as_tensor(rng.choice(n, size=min(batch_size, n), replace=False), device=data.device)
                             for _ in range(steps))
 

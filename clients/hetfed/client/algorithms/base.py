@@ -11,7 +11,7 @@ import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,10 @@ from hetfed.client.training import DataSource, evaluate, source_of
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.specs import TrainConfig
+
+if TYPE_CHECKING:
+    from hetfed.client.privacy.ledger import Release
+    from hetfed.client.privacy.session import PrivacySession
 
 C = TypeVar("C", bound=TrainConfig)
 
@@ -44,13 +48,18 @@ class ClientContext(Generic[C]):
     # Streamed data sets (an organization's own files): DataLoader worker processes, pinned memory on CUDA.
     num_workers: int = 0
     pin_memory: bool = True
+    # Under DP (the organization's [privacy]): the session whose mechanisms and ledger the half's releases use;
+    # ``train`` is then read through DP-SGD's Poisson sampling.
+    privacy: PrivacySession | None = None
     eval_sets: dict[str, DataSource] = field(init=False)
     # Set by the round loop each round: evaluate on the held-out sets, or resend the last evaluation's figures.
     evaluating: bool = field(default=True, init=False)
     last_evaluation: EvalMetrics | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.train = self.source(self.data.train)
+        self.train: DataSource = self.source(self.data.train)
+        if self.privacy is not None:
+            self.train = self.privacy.wrap(self.train)
         self.test = self.source(self.data.test)
         self.eval_sets = {name: self.source(ds) for name, ds in self.data.eval_sets().items()}
 
@@ -112,6 +121,10 @@ class ClientHalf(Generic[C]):
     # their state_dict, tensors, numpy arrays, numbers, strings, containers of these); ``private_state``
     # saves them with the model, so a restarted client resumes them.
     private_attributes: tuple[str, ...] = ()
+    # How this half's uploads are made differentially private (docs/privacy.md): "dp-sgd" when every payload is
+    # computed by models trained on private data through the training loop, "dp-sgd+gaussian-sums" when some are
+    # computed from the data directly through the Gaussian class-sum release; None: the half cannot serve DP.
+    privacy_mechanism: ClassVar[str | None] = None
 
     def __init__(self, ctx: ClientContext[C]) -> None:
         self.ctx = ctx
@@ -129,6 +142,16 @@ class ClientHalf(Generic[C]):
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
         """Tensors this client will upload every round (declared at Join, checked by the aggregator)."""
         return []
+
+    def check_privacy(self) -> None:
+        """Raise ``PrivacyError`` when this half, as configured, cannot send under DP (called before training)."""
+
+    def privacy_plan(self, q: float, steps: int) -> tuple[list[Release], list[Release]]:
+        """(setup, per training round) releases, each ``sigma`` a multiple of σ: by default one DP-SGD step of
+        one objective per batch, ``steps`` batches a round at Poisson rate ``q``, and no setup release."""
+        from hetfed.client.privacy.ledger import Release
+
+        return [], [Release(q, 1.0, steps)]
 
     def setup(self, round_seed: int) -> list[Payload]:
         """The one-time setup upload (only for algorithms with a setup phase)."""

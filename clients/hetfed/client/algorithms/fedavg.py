@@ -50,6 +50,9 @@ def model_weights(model: torch.nn.Module, num_examples: int) -> ModelWeights:
 class ModelAveragingClient(ClientHalf[C], Generic[C]):
     """Load the global model, evaluate it, train it on the local objective, upload it."""
 
+    # Under DP the model trains with DP-SGD; the weights it uploads are post-processing.
+    privacy_mechanism = "dp-sgd"
+
     def __init__(self, ctx: ClientContext[C]) -> None:
         super().__init__(ctx)
         self._optimizer: torch.optim.Optimizer | None = None

@@ -17,6 +17,9 @@ from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
     """Evaluate own encoder + global head, train the whole model, upload the head."""
 
+    # Under DP the model trains with DP-SGD; the head it uploads is post-processing.
+    privacy_mechanism = "dp-sgd"
+
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
         """The head's weight and bias."""
         head = self.ctx.model.head

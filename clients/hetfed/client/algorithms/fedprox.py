@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hetfed.client.algorithms.fedavg import ModelAveragingClient
 from hetfed.client.losses import ProximalTerm
-from hetfed.client.training import LossTerm, trainable
+from hetfed.client.training import LossTerm, data_free, trainable
 from hetfed.wire.specs.fedprox import FedProxConfig
 
 
@@ -17,4 +17,4 @@ class FedProxClient(ModelAveragingClient[FedProxConfig]):
             return super().terms()
         params = trainable(self.ctx.model)
         prox = ProximalTerm(self.config.mu, params)
-        return [*super().terms(), lambda batch, out: prox(params)]
+        return [*super().terms(), data_free(lambda batch, out: prox(params))]

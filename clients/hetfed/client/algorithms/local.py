@@ -11,6 +11,9 @@ from hetfed.wire.specs.local import LocalConfig
 class LocalClient(ClientHalf[LocalConfig]):
     """Trains on its own data only; reports metrics of its own model after each round."""
 
+    # Nothing but metrics leaves; under DP the model trains with DP-SGD all the same (a baseline at equal ε).
+    privacy_mechanism = "dp-sgd"
+
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Train locally, evaluate the result."""
         ctx = self.ctx

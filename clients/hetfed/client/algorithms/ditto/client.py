@@ -250,8 +250,9 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
 
         if self._personal_optimizer is None or not self.config.keep_optimizer_state:
             self._personal_optimizer = make_optimizer(params, self.config)
+        # w_L never leaves the organization (only its metrics do), so DP-SGD leaves it alone.
         return Objective(self.personal, self._personal_optimizer, terms, forward,
-                         before_step=penalty if lam > 0 else None)
+                         before_step=penalty if lam > 0 else None, kept=True)
 
     # ------------------------------------------------------------------ hooks
     def global_accuracy(self) -> float:

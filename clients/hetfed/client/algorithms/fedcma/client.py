@@ -11,7 +11,9 @@ the class means over B_i^k (eval mode, no grad) and the head.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from hetfed.client.algorithms.fedcma.losses import (
     HeadConsensusTerm,
 )
 from hetfed.client.data import class_counts
+from hetfed.client.privacy.ledger import Release
 from hetfed.client.training import (
     Batch,
     DeviceData,
@@ -31,6 +34,7 @@ from hetfed.client.training import (
     LossTerm,
     Objective,
     cross_entropy,
+    data_free,
     epoch_batches,
     eval_mode,
     evaluate,
@@ -51,6 +55,9 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
     # What the server sent last (the next round's consensus and alignment targets) and whether v̄⁰ was taken;
     # the fixed batches B_i^k are drawn again from the run seed, identically.
     private_attributes = ("_head_initialised", "global_means", "global_present", "class_totals", "global_head")
+    # Under DP: DP-SGD for the encoder and head; the class counts and class-mean embeddings, computed from the
+    # data directly, through the Gaussian class-sum release (docs/privacy.md).
+    privacy_mechanism = "dp-sgd+gaussian-sums"
 
     def __init__(self, ctx: ClientContext[FedCMAConfig]) -> None:
         super().__init__(ctx)
@@ -92,10 +99,40 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         return self._batch
 
     def setup(self, round_seed: int) -> list[Payload]:
-        """Send n_i^k once and fix the per-class batches."""
+        """Send n_i^k once and fix the per-class batches (under DP: n_i^k + N(0, σ²), rounded and floored at 0,
+        which this organization then uses as its counts too)."""
         self._check_model()
-        self.fixed_batch()
+        privacy = self.ctx.privacy
+        if privacy is None:
+            self.fixed_batch()
+            return [ClassCounts(self.counts.copy())]
+        from hetfed.client.privacy.mechanisms import noisy_counts
+
+        sigma = privacy.direct_sigma
+        self.counts = noisy_counts(self.counts, sigma, privacy.generator_now)
+        privacy.ledger.record(1.0, sigma)
         return [ClassCounts(self.counts.copy())]
+
+    # ------------------------------------------------------------------ privacy
+    def privacy_plan(self, q: float, steps: int) -> tuple[list[Release], list[Release]]:
+        """Setup: the noisy counts (sensitivity 1, noise m·σ for m = ``direct_noise_multiple``). Each round:
+        DP-SGD's steps and one class-sum release (sensitivity √2 in units of (C_z, 1), so m·σ/√2)."""
+        assert self.ctx.privacy is not None
+        m = self.ctx.privacy.cfg.direct_noise_multiple
+        return [Release(1.0, m, 1)], [Release(q, 1.0, steps), Release(1.0, m / math.sqrt(2), 1)]
+
+    def private_state(self) -> dict[str, Any]:
+        """The model and attributes, and under DP the released counts this organization works with."""
+        state = super().private_state()
+        if self.ctx.privacy is not None:
+            state["released_counts"] = self.counts
+        return state
+
+    def load_private_state(self, state: Any) -> None:
+        """Resume, with the released counts under DP."""
+        super().load_private_state(state)
+        if self.ctx.privacy is not None and "released_counts" in state:
+            self.counts = np.asarray(state["released_counts"], dtype=np.int64)
 
     # ------------------------------------------------------------------ rounds
     def _receive(self, received: Received) -> None:
@@ -143,8 +180,10 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         if self.global_head is not None:
             scale = 0.5 * self.cfg.lambda1 * p_org if self.cfg.head_consensus == "paper" else self.cfg.lambda1
             head_term = HeadConsensusTerm(scale, *self.global_head)
-            terms.append(lambda batch, out: head_term(net.head.weight, net.head.bias))
-        if self.alignment_active():
+            terms.append(data_free(lambda batch, out: head_term(net.head.weight, net.head.bias)))
+        if self.alignment_active() and self.ctx.privacy is not None:
+            terms.append(self._private_alignment(p_class))
+        elif self.alignment_active():
             assert self.global_means is not None and self.global_present is not None
             if paper:
                 fixed = self.fixed_batch()
@@ -164,9 +203,56 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
                 terms.append(lambda batch, out: current(net.embed(batch.x), batch.y))
         return terms
 
+    def _private_alignment(self, p_class: np.ndarray) -> LossTerm:
+        """The alignment under DP-SGD, one term per example of the step's Poisson sample (a term over the fixed
+        batches B_i^k, or divided by the batch's own class counts, would mix examples): each example x of class k
+        weighs what it weighs in expectation, its class's weight over the expected q·n_i^k examples of k."""
+        assert self.global_means is not None and self.global_present is not None
+        privacy, net = self.ctx.privacy, self.ctx.model
+        assert privacy is not None
+        expected = np.maximum(privacy.q * self.counts.astype(np.float64), 1e-12)
+        if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², b_i^k the expected count
+            weight, lam = p_class / expected, self.cfg.lambda2
+        else:  # the reference code's λ2·mean over class k's examples and dimensions of (g(x) − ē^k)²
+            weight, lam = 1.0 / (expected * self.cfg.latent_dim), 2 * self.cfg.lambda2
+        align = ClassMeanAlignment(lam, self.global_means,
+                                   torch.as_tensor(weight, dtype=torch.float32, device=self.ctx.device),
+                                   self.global_present)
+        return lambda batch, out: align(net.embed(batch.x), batch.y)
+
+    @torch.no_grad()
+    def private_class_means(self) -> ClassMeanEmbeddings:
+        """Under DP: the Gaussian class-sum release over every training example, then post-processing. The
+        embeddings are clipped to C_z = √d_e, the bound of Fed-CMA's latent space [0, 1]^d_e, so clipping changes
+        no embedding and the means carry no shrinkage; the noise is σ_d·C_z on the sums and σ_d on the counts,
+        σ_d = ``direct_noise_multiple``·σ. Post-processing: counts rounded and capped at the released
+        setup counts, a class present when its count is at least 1, means the noisy sums over the counts,
+        clipped into [0, 1]^d_e."""
+        from hetfed.client.privacy.mechanisms import gaussian_class_sums
+
+        privacy, model, k = self.ctx.privacy, self.ctx.model, self.ctx.data.num_classes
+        assert privacy is not None
+        train, n = self.ctx.train, len(self.ctx.train)
+        zs, ys = [], []
+        with eval_mode(model):
+            for batch in train.batches(slice(s, s + 1024) for s in range(0, n, 1024)):
+                zs.append(model.embed(batch.x))
+                ys.append(batch.y)
+        sigma, bound = privacy.direct_sigma, math.sqrt(self.cfg.latent_dim)
+        sums, counts = gaussian_class_sums(torch.cat(zs), torch.cat(ys), k, bound, sigma, privacy.generator_now)
+        privacy.ledger.record(1.0, sigma / math.sqrt(2))
+        released = np.minimum(np.rint(counts.cpu().numpy()), self.counts).astype(np.int64)
+        present = released >= 1
+        released = np.where(present, released, 0)
+        means = (sums.cpu().numpy() / np.maximum(released, 1)[:, None]).clip(0.0, 1.0)
+        means[~present] = 0.0
+        return ClassMeanEmbeddings(np.arange(k, dtype=np.int64), means.astype(np.float32), released, present)
+
     @torch.no_grad()
     def class_means(self) -> ClassMeanEmbeddings:
         """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows."""
+        if self.ctx.privacy is not None:
+            return self.private_class_means()
         batch = self.fixed_batch()
         model = self.ctx.model
         with eval_mode(model):

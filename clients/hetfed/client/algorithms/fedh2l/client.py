@@ -42,6 +42,10 @@ from hetfed.wire.specs.fedh2l import FedH2LConfig
 class FedH2LClient(ClientHalf[FedH2LConfig]):
     """One FedH2L node: a private model of any architecture, two optimisers, the shared seed set."""
 
+    # Under DP the local steps are DP-SGD's (g_loc is their privatised gradient or displacement); posteriors of the
+    # model on the shared seed set, and its accuracy on the seed set's labels, are post-processing.
+    privacy_mechanism = "dp-sgd"
+
     # Both optimisers, and g_loc with the confidence it waits to be used with in the next round's learn step.
     private_attributes = ("opt_local", "opt_global", "g_loc", "private_batch_accuracy")
 
@@ -65,6 +69,15 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
         self.project = ConflictProjection()
         self.g_loc: torch.Tensor | None = None  # g_loc of the last local step(s), waiting for its learn step
         self.private_batch_accuracy = 0.0
+
+    def check_privacy(self) -> None:
+        """Unlabelled seed data take the teaching confidence from a private batch's accuracy, which no mechanism
+        here releases: refused under DP."""
+        if not self.cfg.labelled_seed:
+            from hetfed.client.privacy.mechanisms import PrivacyError
+
+            raise PrivacyError("fedh2l with labelled_seed = false sends the accuracy on a private batch as its teaching "
+                               "confidence, which hetfed cannot release under DP; set labelled_seed = true")
 
     # ------------------------------------------------------------------ Algorithm 1's steps
     def local(self, rng: np.random.Generator) -> float:

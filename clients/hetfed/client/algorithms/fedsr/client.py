@@ -47,6 +47,15 @@ def _seed(*parts: object) -> int:
 class FedSRClient(ModelAveragingClient[FedSRConfig]):
     """FedAvg's client with a probabilistic model, the L2R and CMI terms and sampled predictions."""
 
+    def check_privacy(self) -> None:
+        """The CMI term learns r(z|y) in parameters outside the model, which Opacus' per-example gradients do not
+        reach: refused under DP (the L2R term and the probabilistic model are served)."""
+        if self.cmi is not None:
+            from hetfed.client.privacy.mechanisms import PrivacyError
+
+            raise PrivacyError("fedsr's CMI term learns r(z|y) in parameters outside the model, whose gradient Opacus "
+                               "cannot split by example; set fedsr.alpha_cmi = 0 to run FedSR under DP")
+
     # r(z|y) of the CMI term: private unless shared_reference (then it is loaded each round anyway).
     private_attributes = ("cmi",)
 

@@ -36,6 +36,7 @@ from hetfed.client.training import (
     LossTerm,
     Objective,
     cross_entropy,
+    data_free,
     epoch_batches,
     fit,
     make_optimizer,
@@ -60,6 +61,10 @@ class SimFedClient(ClientHalf[SimFedConfig]):
     reflects the sent copies, so the result is θ_k + Σ_j w_kj·(θ_j,sent − θ_k,sent): eq. 8 applied to
     what the server holds, as a delta on the organization's full parameters.
     """
+
+    # Under DP the factorised model trains with DP-SGD (the L1 penalty on the masks is data-free); its factors,
+    # masks and embeddings of the criteria inputs are post-processing.
+    privacy_mechanism = "dp-sgd"
 
     # The mask entries the last upload left out (added back after the download) and the last reported figures.
     private_attributes = ("unsent", "figures")
@@ -105,7 +110,7 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         if not self.config.masks or self.config.lambda1 == 0:
             return [cross_entropy]
         model = self.ctx.model
-        return [cross_entropy, lambda batch, out: self.l1(model)]
+        return [cross_entropy, data_free(lambda batch, out: self.l1(model))]
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Load the reflection, train, upload the factors, the criteria embeddings and the metrics."""

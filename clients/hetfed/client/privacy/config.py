@@ -1,0 +1,82 @@
+"""An organization's differential-privacy settings (``[privacy]`` of its client config; docs/privacy.md).
+
+The organization chooses them, not the aggregator: the guarantee is made on the client, so it does not rest on
+trusting the aggregator. Torch-free, so ``hetfed run`` validates them before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from hetfed.wire.config import check
+
+ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Sample-level (ε, δ) differential privacy of everything this organization sends.
+
+    DP is on when any of ``epsilon_budget``, ``target_epsilon`` and ``noise_multiplier`` is set. The noise
+    multiplier σ is given, or solved so that the run's planned rounds spend ``target_epsilon`` (the budget when
+    only a budget is given).
+    """
+
+    # Stop before a round that would take ε past this; the organization leaves the run (exit status 3).
+    epsilon_budget: float | None = None
+    # Solve σ so that the run's planned rounds spend this ε (default: the budget). Excludes noise_multiplier.
+    target_epsilon: float | None = None
+    # σ: Gaussian noise of standard deviation σ·C on each clipped sum (DP-SGD steps and direct releases).
+    noise_multiplier: float | None = None
+    # C: each example's gradient (DP-SGD) or embedding (a class-sum release) is clipped to this L2 norm.
+    clip_norm: float = 1.0
+    # δ of the (ε, δ) statement; None: 1/N² for N training examples of this organization.
+    delta: float | None = None
+    # Noise multiplier of direct releases (class counts and sums, computed from the data without training) as a
+    # multiple of σ. They get no amplification by sampling but average many examples, so more noise costs them
+    # little accuracy and leaves the budget to the DP-SGD steps (hetfed's own default; docs/privacy.md).
+    direct_noise_multiple: float = 10.0
+    # How releases compose: "rdp" (Rényi DP, Mironov 2017) or "pld" (privacy loss distributions), dp-accounting's.
+    accountant: Literal["rdp", "pld"] = "rdp"
+    # BatchNorm mixes examples of a batch, which DP-SGD's per-example clipping cannot bound: "replace" it with
+    # GroupNorm (Opacus' ModuleValidator.fix, logged) or "refuse" the model in one line.
+    batchnorm: Literal["replace", "refuse"] = "replace"
+    # Seed of the noise and of the Poisson batch sampling; -1: fresh OS entropy at every start (the secure choice:
+    # whoever knows the seed can subtract the noise). A fixed seed makes experiments repeatable.
+    noise_seed: int = -1
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon_budget", "target_epsilon", "noise_multiplier", "delta"):
+            value = getattr(self, name)
+            check(value is None or (math.isfinite(value) and value > 0),
+                  f"{name} must be a number > 0 (leave it out to not set it), got {value!r}")
+        check(math.isfinite(self.direct_noise_multiple) and self.direct_noise_multiple > 0,
+              f"direct_noise_multiple must be a number > 0, got {self.direct_noise_multiple!r}")
+        check(math.isfinite(self.clip_norm) and self.clip_norm > 0,
+              f"clip_norm must be a number > 0, got {self.clip_norm!r}")
+        check(self.delta is None or self.delta < 1, f"delta must be < 1, got {self.delta!r}")
+        check(self.noise_multiplier is None or self.target_epsilon is None,
+              "noise_multiplier and target_epsilon exclude each other: give σ, or the ε to solve it for")
+        check(self.epsilon_budget is None or self.target_epsilon is None or self.target_epsilon <= self.epsilon_budget,
+              f"target_epsilon ({self.target_epsilon}) exceeds epsilon_budget ({self.epsilon_budget})")
+        check(self.noise_seed >= -1, f"noise_seed must be >= 0, or -1 for OS entropy, got {self.noise_seed}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this organization sends under differential privacy."""
+        return any(v is not None for v in (self.epsilon_budget, self.target_epsilon, self.noise_multiplier))
+
+    @property
+    def solve_for(self) -> float | None:
+        """The ε to solve σ for (None when σ is given)."""
+        if self.noise_multiplier is not None:
+            return None
+        return self.target_epsilon if self.target_epsilon is not None else self.epsilon_budget
+
+    def delta_for(self, num_examples: int) -> float:
+        """δ for an organization with ``num_examples`` training examples: the configured one, else 1/N²."""
+        if self.delta is not None:
+            return self.delta
+        return 1.0 / max(int(num_examples), 2) ** 2

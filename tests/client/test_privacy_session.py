@@ -1,0 +1,186 @@
+"""An organization's ``[privacy]`` settings (ranges, exclusions, what they switch on, δ = 1/N²) and its privacy
+session: σ planned or kept, the budget checked before each round, the declaration, the round's generator."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetfed.client.privacy.config import PrivacyConfig
+from hetfed.client.privacy.ledger import Release, epsilon_of
+from hetfed.client.privacy.session import PrivacySession
+from hetfed.wire.config import ConfigError, from_mapping
+from hetfed.wire.privacy import PrivacyDeclaration
+
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- PrivacyConfig
+@pytest.mark.parametrize("field", ["epsilon_budget", "target_epsilon", "noise_multiplier", "delta", "clip_norm"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_non_positive_or_non_finite_values_are_refused_naming_the_field(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=rf"{field} must be a number > 0"):
+        PrivacyConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_errors_are_value_errors() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_delta_must_be_below_one() -> None:
+    with pytest.raises(ConfigError, match=r"delta must be < 1, got 1\.0"):
+        PrivacyConfig(noise_multiplier=1.0, delta=1.0)
+    assert PrivacyConfig(noise_multiplier=1.0, delta=0.5).delta == 0.5
+
+
+def test_noise_multiplier_and_target_exclude_each_other() -> None:
+    with pytest.raises(ConfigError, match=r"noise_multiplier and target_epsilon exclude each other"):
+        PrivacyConfig(noise_multiplier=1.0, target_epsilon=2.0)
+    # σ with a budget is allowed: the budget stops the run, σ is not solved.
+    assert PrivacyConfig(noise_multiplier=1.0, epsilon_budget=2.0).solve_for is None
+
+
+def test_target_above_budget_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"target_epsilon \(5\.0\) exceeds epsilon_budget \(4\.0\)"):
+        PrivacyConfig(epsilon_budget=4.0, target_epsilon=5.0)
+    assert PrivacyConfig(epsilon_budget=4.0, target_epsilon=4.0).solve_for == 4.0
+
+
+def test_noise_seed_below_minus_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"noise_seed must be >= 0, or -1"):
+        PrivacyConfig(noise_multiplier=1.0, noise_seed=-2)
+
+
+def test_enabled_and_solve_for() -> None:
+    assert not PrivacyConfig().enabled
+    assert not PrivacyConfig(clip_norm=2.0, delta=1e-5, accountant="pld").enabled  # settings alone switch nothing
+    assert PrivacyConfig(epsilon_budget=3.0).enabled and PrivacyConfig(epsilon_budget=3.0).solve_for == 3.0
+    assert PrivacyConfig(target_epsilon=2.0).enabled and PrivacyConfig(target_epsilon=2.0).solve_for == 2.0
+    assert PrivacyConfig(target_epsilon=2.0, epsilon_budget=3.0).solve_for == 2.0
+    assert PrivacyConfig(noise_multiplier=0.9).enabled and PrivacyConfig(noise_multiplier=0.9).solve_for is None
+    assert PrivacyConfig().solve_for is None
+
+
+def test_delta_is_one_over_n_squared_unless_set() -> None:
+    cfg = PrivacyConfig(epsilon_budget=1.0)
+    assert cfg.delta_for(1000) == 1e-6
+    assert cfg.delta_for(60000) == 1.0 / 3_600_000_000
+    assert cfg.delta_for(3) == 1.0 / 9
+    assert cfg.delta_for(1) == cfg.delta_for(0) == 0.25  # N floored at 2: δ stays < 1
+    assert PrivacyConfig(epsilon_budget=1.0, delta=1e-5).delta_for(1000) == 1e-5
+
+
+def test_the_privacy_table_is_type_checked() -> None:
+    """``[privacy]`` read from a mapping: accountant and batchnorm choices and field names are checked too."""
+    ok = from_mapping(PrivacyConfig, {"epsilon_budget": 8, "accountant": "pld", "batchnorm": "refuse"}, "privacy")
+    assert ok == PrivacyConfig(epsilon_budget=8.0, accountant="pld", batchnorm="refuse")
+    with pytest.raises(ConfigError, match=r"privacy\.accountant: must be one of 'rdp', 'pld', got 'gdp'"):
+        from_mapping(PrivacyConfig, {"accountant": "gdp"}, "privacy")
+    with pytest.raises(ConfigError, match=r"privacy\.batchnorm: must be one of"):
+        from_mapping(PrivacyConfig, {"batchnorm": "keep"}, "privacy")
+    with pytest.raises(ConfigError, match="did you mean 'noise_multiplier'"):
+        from_mapping(PrivacyConfig, {"noise_multipler": 1.0}, "privacy")
+    with pytest.raises(ConfigError, match=r"clip_norm must be a number > 0"):
+        from_mapping(PrivacyConfig, {"clip_norm": -1}, "privacy")
+
+
+# ---------------------------------------------------------------------------------------------- PrivacySession
+N, B, ROUNDS, STEPS = 1000, 50, 10, 20  # q = 0.05, δ = 1e-6
+
+
+def session(cfg: PrivacyConfig, state: Path | None = None) -> PrivacySession:
+    s = PrivacySession(cfg, "run", "org", str(state) if state else None, N, CPU)
+    s.set_batch_size(B)
+    return s
+
+
+def plan(s: PrivacySession, rounds: int = ROUNDS) -> float:
+    return s.plan("dp-sgd", [Release(1.0, 1 / math.sqrt(2))], [Release(s.q, 1.0, STEPS)], rounds)
+
+
+def run_round(s: PrivacySession, round_: int) -> PrivacyDeclaration:
+    s.ledger.record(s.q, s.sigma, STEPS)
+    return s.close_round(round_)
+
+
+def test_budget_lets_the_planned_rounds_through_and_stops_the_next() -> None:
+    """σ solved so that the setup release and 10 rounds of 20 steps spend the budget: the setup and every one of
+    the 10 rounds fit; the 11th would exceed it, and is refused with a message saying so."""
+    s = session(PrivacyConfig(epsilon_budget=2.0))
+    assert s.q == 0.05 and s.delta == 1e-6 and s.sigma == 0.0
+    sigma = plan(s)
+    assert sigma > 0 and s.sigma == sigma
+    total = epsilon_of([Release(1.0, sigma / math.sqrt(2)), Release(0.05, sigma, STEPS * ROUNDS)], 1e-6)
+    assert total <= 2.0
+    assert s.exhausted_before(setup=True) is None
+    s.ledger.record(1.0, sigma / math.sqrt(2))
+    s.close_round(0)
+    declared = []
+    for r in range(1, ROUNDS + 1):
+        assert s.exhausted_before(setup=False) is None, r
+        declared.append(run_round(s, r).epsilon)
+    assert declared == sorted(declared) and declared[-1] == pytest.approx(total, rel=1e-12) and s.spent() <= 2.0
+    why = s.exhausted_before(setup=False)
+    assert why is not None
+    assert why.startswith("org: privacy budget ε=2 at δ=1e-06 would be exceeded by the next round")
+    assert f"ε {s.spent():.4g} spent" in why and "leaves the run" in why
+
+
+def test_no_budget_never_stops() -> None:
+    s = session(PrivacyConfig(noise_multiplier=0.5))
+    assert plan(s) == 0.5
+    s.ledger.record(1.0, 0.01, 100)  # an enormous ε
+    s.close_round(1)
+    assert s.spent() > 100 and s.exhausted_before(setup=False) is None
+
+
+def test_given_sigma_is_used_and_the_budget_still_checked() -> None:
+    s = session(PrivacyConfig(noise_multiplier=0.8, epsilon_budget=1.0))
+    assert plan(s) == 0.8
+    assert s.scaled([Release(0.05, 0.5, 3)]) == [Release(0.05, 0.4, 3)]
+    while s.exhausted_before(setup=False) is None:
+        run_round(s, 1)
+    assert s.spent() <= 1.0 < s.ledger.epsilon(s.scaled([Release(0.05, 1.0, STEPS)]))
+
+
+def test_declaration_and_figures() -> None:
+    s = session(PrivacyConfig(noise_multiplier=1.2, clip_norm=0.5, accountant="rdp"))
+    plan(s)
+    d = run_round(s, 1)
+    assert d == PrivacyDeclaration(mechanism="dp-sgd", noise_multiplier=1.2, clip_norm=0.5,
+                                   epsilon=epsilon_of([Release(0.05, 1.2, STEPS)], 1e-6), delta=1e-6,
+                                   accountant="rdp")
+    assert d.check() is d
+    assert s.figures(d) == {"privacy_epsilon": d.epsilon, "privacy_delta": 1e-6, "privacy_noise_multiplier": 1.2,
+                            "privacy_clip_norm": 0.5}
+
+
+def test_a_restarted_session_keeps_the_sigma_it_planned_with(tmp_path: Path) -> None:
+    cfg = PrivacyConfig(epsilon_budget=3.0, noise_seed=7)
+    first = session(cfg, tmp_path)
+    sigma = plan(first)
+    run_round(first, 1)
+    again = session(cfg, tmp_path)
+    assert again.sigma == sigma
+    assert plan(again, rounds=40) == sigma  # not solved again for another plan: the ledger's σ wins
+    assert again.spent() == first.spent() > 0
+
+
+def test_round_generators_repeat_from_the_seed_and_differ_for_a_redone_round() -> None:
+    s = session(PrivacyConfig(noise_multiplier=1.0, noise_seed=3))
+    plan(s)
+
+    def draw(round_: int, seed: int) -> torch.Tensor:
+        return torch.rand(6, generator=s.generator(round_, seed))
+
+    assert torch.equal(draw(1, 11), draw(1, 11))
+    assert not torch.equal(draw(1, 11), draw(2, 11)) and not torch.equal(draw(1, 11), draw(1, 12))
+    before = draw(1, 11)
+    run_round(s, 1)  # the ledger now holds releases: a redone round 1 draws other noise
+    assert not torch.equal(before, draw(1, 11))
+    step = s.step_for(2, 11)
+    assert (step.sigma, step.clip_norm, step.q, step.expected_batch) == (1.0, 1.0, 0.05, 50.0)
+    assert step.ledger is s.ledger
