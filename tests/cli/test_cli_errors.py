@@ -33,6 +33,10 @@ BAD = [
     (["--data", "seed=3"], "--data seed: set it with --seed"),
     (["--algorithm", "ditto", "--set", "ditto.mu=1"], "mu = 1.0 needs a measure (cosine, mkmmd or mmdd)"),
     (["--algorithm", "ditto_mkmmd", "--set", "refit_every=0"], "refit_every must be -1 (every step, on its batch)"),
+    (["--set", "privacy.epsilon_budgt=3"], "--set privacy: unknown field 'epsilon_budgt' (did you mean 'epsilon_budget'?)"),
+    (["--set", "privacy.epsilon_budget=0"], "--set privacy: epsilon_budget must be a number > 0"),
+    (["--set", "privacy.epsilon_budget=3", "--set", "privacy.target_epsilon=5"],
+     "--set privacy: target_epsilon (5.0) exceeds epsilon_budget (3.0)"),
 ]
 
 

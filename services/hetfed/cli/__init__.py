@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from hetfed.cli.localrun import LocalRunOptions
 
 USAGE_ERROR = 2
+# `hetfed client`: the organization's privacy budget would be exceeded by the next round, so it left the run
+# (not a failure: the run goes on for the other organizations under its quorum rules; docs/privacy.md).
+PRIVACY_BUDGET_SPENT = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,27 +72,64 @@ def _cmd_client(args: argparse.Namespace) -> int:
         ClientRuntime(load_client_config(args.config)).run()
     except ClientError as exc:
         print(f"hetfed client: {exc}", file=sys.stderr)
-        return USAGE_ERROR if exc.permanent else 1
+        return _client_exit_status(exc)
     return 0
 
 
+def _client_exit_status(exc: Exception) -> int:
+    """The exit status of a client that stopped on ``exc``: PRIVACY_BUDGET_SPENT when its organization's privacy
+    budget is spent (the runtime's PrivacyBudgetSpent), 2 when no retry can succeed, else 1."""
+    from hetfed.client.runtime import PrivacyBudgetSpent
+
+    if isinstance(exc, PrivacyBudgetSpent):
+        return PRIVACY_BUDGET_SPENT
+    return USAGE_ERROR if getattr(exc, "permanent", False) else 1
+
+
+# ``--set privacy.FIELD=VALUE``: a field of every organization's [privacy] table, not of an algorithm's config.
+PRIVACY_PREFIX = "privacy."
+
+
 def _parse_sets(items: Sequence[str], algorithms: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``--set [ALGO.]FIELD=VALUE`` (VALUE as JSON, else a string) into per-algorithm config overrides."""
+    """``--set [ALGO.]FIELD=VALUE`` (VALUE as JSON, else a string) into per-algorithm config overrides
+    (``privacy.FIELD`` items are left to ``_parse_privacy``)."""
     out: dict[str, dict[str, Any]] = {a: {} for a in algorithms}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects [ALGO.]FIELD=VALUE, got {item!r}")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        if key.startswith(PRIVACY_PREFIX):
+            continue
+        value = _value(raw)
         algo, dot, name = key.rpartition(".")
         for target in ([algo] if dot else list(algorithms)):
             if target not in out:
                 raise ConfigError(f"--set names algorithm {target!r}, which is not among {', '.join(algorithms)}")
             out[target][name] = value
     return {k: v for k, v in out.items() if v}
+
+
+def _value(raw: str) -> Any:
+    """A command-line VALUE: JSON when it parses, else the string as given."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _parse_privacy(items: Sequence[str]) -> dict[str, Any]:
+    """``--set privacy.FIELD=VALUE`` (VALUE as JSON, else a string) into the organizations' [privacy] fields
+    (validated by the run's plan)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith(PRIVACY_PREFIX):
+            continue
+        name = key.removeprefix(PRIVACY_PREFIX)
+        if not name:
+            raise ConfigError(f"--set expects privacy.FIELD=VALUE, got {item!r}")
+        out[name] = _value(raw)
+    return out
 
 
 def _parse_data(items: Sequence[str]) -> dict[str, Any]:
@@ -99,10 +139,7 @@ def _parse_data(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--data expects FIELD=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
+        out[key] = _value(raw)
     return out
 
 
@@ -138,6 +175,7 @@ def run_options(args: argparse.Namespace) -> LocalRunOptions:
         test_split=args.test_split,
         train={k: v for k, v in knobs.items() if v is not None},
         extra_algorithm_config=_parse_sets(args.set or [], algorithms),
+        privacy=_parse_privacy(args.set or []),
         data=_parse_data(args.data or []),
         wire_dtype=args.wire_dtype,
         output=args.output,
@@ -301,7 +339,9 @@ def _add_run(sub: Any) -> None:
                    help="own test sets of label-skewed partitions: proportional to the train labels, or FedGen's "
                    "equal share per label held (default %(default)s)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
-                   help="override an algorithm config field (VALUE is JSON); repeatable")
+                   help="override an algorithm config field (VALUE is JSON); repeatable. privacy.FIELD=VALUE sets "
+                   "a field of every organization's [privacy] table instead, for example privacy.epsilon_budget=3 "
+                   "(differential privacy; fields: docs/privacy.md)")
     r.add_argument("--data", action="append", metavar="FIELD=VALUE",
                    help="set a data field for every organization (VALUE is JSON), for example synthetic_alpha=0, "
                    "target_domain=5 (the held-out domain of a leave-one-domain-out partition) or permute_labels=true "

@@ -13,6 +13,7 @@ Defaults are layered, the later winning: the command's own (``BASE``), the datas
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -29,12 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetfed.aggregator.store import holder_of
+from hetfed.cli import PRIVACY_BUDGET_SPENT
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report
 from hetfed.client.data.registry import DEFAULT_DATASET
 from hetfed.client.model_registry import is_reference
 from hetfed.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaults, experiment
-from hetfed.wire.config import ConfigError, to_mapping
+from hetfed.wire.config import ConfigError, from_mapping, to_mapping
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import status_of
 from hetfed.wire.specs import SPECS, AlgorithmSpec, get_spec
@@ -101,6 +103,8 @@ class LocalRunOptions:
     report: bool = True
     # Further data fields (DataConfig's, for example a held-out target domain): --data FIELD=VALUE.
     data: Mapping[str, Any] = field(default_factory=dict)
+    # Every organization's [privacy] fields (PrivacyConfig's, differential privacy): --set privacy.FIELD=VALUE.
+    privacy: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class LocalPlan:
     runs: tuple[RunPlan, ...]
     picture: str
     clients: int = DEFAULT_CLIENTS
+    # The organizations' [privacy] fields as validated (PrivacyConfig's types); empty: no differential privacy.
+    privacy: dict[str, Any] = field(default_factory=dict)
 
 
 def run_id_of(algorithm: str) -> str:
@@ -152,6 +158,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
 
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
+    privacy = _check_privacy(opts.privacy)
     known = {f.name for f in dataclasses.fields(DataConfig)}
     for name in opts.data:
         if name in DATA_OPTIONS:
@@ -269,7 +276,32 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         if own_data is not None or any(is_reference(m) for m in models):
             _check_models(opts, models, latent, spec.bounded_latent, own_data, partition, clients)
         runs.append(RunPlan(run_id_of(spec.name), spec, rounds, tuple(models), latent, config, seed_set))
-    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients)
+    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients, privacy)
+
+
+def _check_privacy(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The [privacy] fields given (``--set privacy.FIELD=VALUE``), typed and validated as a client will read them;
+    a typo or a value out of its domain is one line."""
+    from hetfed.client.privacy.config import PrivacyConfig
+
+    if not fields:
+        return {}
+    cfg = from_mapping(PrivacyConfig, dict(fields), "--set privacy")
+    if not cfg.enabled:
+        raise ConfigError("--set privacy: differential privacy needs privacy.epsilon_budget, privacy.target_epsilon "
+                          f"or privacy.noise_multiplier (got only {', '.join(sorted(fields))})")
+    return {name: getattr(cfg, name) for name in fields}
+
+
+def noise_seed(seed: int, index: int) -> int:
+    """The DP noise seed of organization ``index`` in a local run with ``--seed seed``, when the user gave none.
+
+    Local runs are experiments, repeated to compare settings: the noise (and the Poisson sampling) is seeded from
+    the run's seed and the organization, so the same command gives the same result. A deployment leaves
+    privacy.noise_seed at -1 (fresh OS entropy), since whoever knows the seed can subtract the noise.
+    """
+    digest = hashlib.sha256(f"hetfed-privacy-noise:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFF_FFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,11 +440,20 @@ class LocalFederation:
         return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
 
     def failed_client(self) -> str | None:
-        """The name of a client process that exited with an error, if any."""
+        """The name of a client process that exited with an error, if any (leaving a run because its privacy
+        budget is spent is no error)."""
         for name, proc in self.clients.items():
-            if proc.poll() not in (None, 0):
+            if proc.poll() not in (None, 0, PRIVACY_BUDGET_SPENT):
                 return name
         return None
+
+    def left_clients(self) -> list[str]:
+        """The client processes that left their run because their organization's privacy budget is spent."""
+        return [name for name, proc in self.clients.items() if proc.poll() == PRIVACY_BUDGET_SPENT]
+
+    def exited(self, name: str) -> bool:
+        """Whether a client process has exited."""
+        return self.clients[name].poll() is not None
 
     def raise_if_failed(self) -> None:
         """Raise with the log's tail if a client failed or the aggregator exited while a run is in progress."""
@@ -467,6 +508,11 @@ def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: Tl
         }
         if r.seed_set is not None:
             run["seed_set"] = r.seed_set
+        if p.privacy:
+            # Every organization trains under differential privacy: the aggregator refuses an update that does not
+            # declare it. One whose budget is spent sends a leave notice and exits PRIVACY_BUDGET_SPENT; the
+            # aggregator stops waiting for it at once, so rounds close with the organizations left.
+            run["require_privacy"] = True
         runs.append(run)
     declare_fedavg_reference(runs, p)
     server: dict[str, Any] = {
@@ -504,14 +550,37 @@ def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, po
         cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
     if p.opts.timing:
         cfg["report_timing"] = True
+    if p.privacy:
+        cfg["privacy"] = {**p.privacy, "noise_seed": p.privacy.get("noise_seed", noise_seed(p.opts.seed, index))}
     if tls is not None:
         cfg["tls"] = to_mapping(tls)
     return cfg
 
 
 # ------------------------------------------------------------------------------------------------ results
-def summarize_run(status: RunStatus) -> dict[str, Any]:
-    """Per-round results of a finished run and its final figures, as JSON-ready dicts."""
+# What a client under differential privacy adds to each round's reported figures -> the privacy summary's key.
+PRIVACY_FIGURES = {"privacy_epsilon": "epsilon", "privacy_delta": "delta", "privacy_noise_multiplier": "noise_multiplier",
+                   "privacy_clip_norm": "clip_norm"}
+
+
+def privacy_summary(rounds: Sequence[Mapping[str, Any]], left: Sequence[str] = ()) -> dict[str, Any]:
+    """A run's differential privacy: per organization its last reported ε, δ, σ and C, the largest ε of any
+    organization (None without DP), and the organizations that left because their budget was spent."""
+    orgs: dict[str, dict[str, float]] = {}
+    for r in rounds:
+        for org, m in r["per_organization"].items():
+            if "privacy_epsilon" in m:
+                orgs[org] = {key: float(m[source]) for source, key in PRIVACY_FIGURES.items() if source in m}
+    return {
+        "organizations": dict(sorted(orgs.items())),
+        "epsilon_max": max((o["epsilon"] for o in orgs.values()), default=None),
+        "budget_spent": sorted(left),
+    }
+
+
+def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]:
+    """Per-round results of a finished run and its final figures, as JSON-ready dicts (``left``: organizations
+    that left it because their privacy budget was spent)."""
     spec = get_spec(status.algorithm)
     rounds: list[dict[str, Any]] = []
     for rec in status.history:
@@ -536,7 +605,9 @@ def summarize_run(status: RunStatus) -> dict[str, Any]:
                 for org, m in sorted(reports.items())
             },
         })
-    final = rounds[-1] if rounds else {}
+    # The last round anyone reported: a run every organization left (their privacy budgets spent) ends on a round
+    # nobody pushed.
+    final = next((r for r in reversed(rounds) if r["per_organization"]), rounds[-1] if rounds else {})
     orgs = final.get("per_organization", {})
     train_rounds = [r for r in rounds if r["round"] >= 1][: status.total_rounds]
     total_up = sum(sum(r["bytes_up"].values()) for r in rounds)
@@ -560,6 +631,7 @@ def summarize_run(status: RunStatus) -> dict[str, Any]:
             sum(sum(r["bytes_up"].values()) + sum(r["bytes_down"].values()) for r in train_rounds)
             / max(1, len(train_rounds))
         ),
+        "privacy": privacy_summary(rounds, left),
     }
 
 
@@ -577,7 +649,17 @@ def _pct(v: float | None) -> str:
 
 
 TABLE_HEAD = ("algorithm", "own-test acc", "global-test acc", "bytes up", "bytes down", "bytes/round", "time",
-              "figures")
+              "ε", "figures")
+
+
+def epsilon_cell(privacy: Mapping[str, Any] | None) -> str:
+    """The table's ε: the largest any organization spent, and who left because its budget was spent; — without DP."""
+    if not privacy:
+        return "—"
+    eps = privacy.get("epsilon_max")
+    left = privacy.get("budget_spent") or []
+    text = f"{eps:.2f}" if eps is not None else "—"
+    return text + (f" ({', '.join(left)} left: budget spent)" if left else "")
 
 
 def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -588,7 +670,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         rows.append((
             r["algorithm"], _pct(r["final_test_accuracy"]), _pct(r["final_global_test_accuracy"]),
             fmt_bytes(r["bytes_up_total"]), fmt_bytes(r["bytes_down_total"]), fmt_bytes(r["bytes_per_train_round"]),
-            f"{r.get('wall_seconds', 0):.0f}s", figures or "-",
+            f"{r.get('wall_seconds', 0):.0f}s", epsilon_cell(r.get("privacy")), figures or "-",
         ))
     return rows
 
@@ -683,24 +765,40 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
         for (run_id, i), name in names.items():
             client_tls = certs.client_tls(f"org-{i}") if certs else None
             fed.start_client(name, {**client_config(p, run_id, i, fed.port, client_tls), **scrape.get(name, {})})
+        by_run = {run_id: [name for (r, _), name in names.items() if r == run_id] for run_id in {r for r, _ in names}}
+        # Organizations that left a run because their privacy budget was spent (their client exited
+        # PRIVACY_BUDGET_SPENT): reported once each; the run goes on for the others under its quorum rules.
+        left: dict[str, list[str]] = {run_id: [] for run_id in by_run}
+
+        def departures(progress: Progress) -> None:
+            gone = set(fed.left_clients())
+            for (run_id, i), name in names.items():
+                if name in gone and f"org-{i}" not in left[run_id]:
+                    left[run_id].append(f"org-{i}")
+                    progress.note(f"org-{i} left run {run_id}: its privacy budget is spent")
+
         with Progress(quiet=o.quiet) as progress:
             while True:
                 fed.raise_if_failed()
+                departures(progress)
                 status = fed.status()
                 if on_status is not None:
                     on_status(fed, status)
                 progress.update(status)
-                if all(s.finished for s in status):
+                # A run is over when it finished, or when every one of its organizations left it (nobody is
+                # left to push the round it waits for).
+                if all(s.finished or all(fed.exited(n) for n in by_run[s.run_id]) for s in status):
                     break
                 if time.monotonic() - started > o.timeout:
                     raise TimeoutError(f"the federation did not finish within {o.timeout}s")
                 # Status carries every round's history: poll long runs (thousands of rounds) less often.
                 time.sleep(0.25 if max(s.round for s in status) < 200 else 1.0)
         fed.wait_clients(timeout=60)
+        departures(progress)  # those that left after the loop's last look
         wall = time.monotonic() - started
         results = []
         for s in status:
-            summary = summarize_run(s)
+            summary = summarize_run(s, left.get(s.run_id, []))
             summary["wall_seconds"] = wall
             results.append(summary)
         return results
@@ -755,5 +853,7 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
         (workdir / "results.json").write_text(json.dumps(out, indent=2, default=list))
         say(f"per-round results: {workdir / 'results.json'}")
         if o.report:
-            say(f"accuracy against bytes: {write_report([workdir / 'results.json'], workdir)}")
+            private = any((r.get("privacy") or {}).get("epsilon_max") is not None for r in results)
+            say(f"accuracy against bytes{' and ε' if private else ''}: "
+                f"{write_report([workdir / 'results.json'], workdir)}")
     return 0

@@ -71,6 +71,15 @@ class Progress:
         if self._bars is not None:
             self._bars.stop()
 
+    def note(self, text: str) -> None:
+        """Print one line (above the bars on a terminal)."""
+        if self.quiet:
+            return
+        if self._bars is not None:
+            self._bars.console.print(text, markup=False, highlight=False)
+        else:
+            say(text)
+
     def update(self, runs: Sequence[RunStatus]) -> None:
         """Show the runs' progress."""
         if self.quiet:

@@ -1,5 +1,8 @@
 """``hetfed report``: accuracy against cumulative bytes, one curve per algorithm, and a Markdown table.
 
+Runs under differential privacy (results.json's ``privacy``) add a second panel, accuracy against the ε spent so
+far (the largest of any organization), and a line of accuracy at the final ε to the table.
+
 Input is one or more ``results.json`` files written by ``hetfed run --output DIR``, or a Prometheus that
 scraped an aggregator (``--prometheus URL``: the ``hetfed_run_*`` families). matplotlib is imported only
 when a plot is drawn (it comes with the client extra; the aggregator never needs it).
@@ -19,6 +22,8 @@ from hetfed.cli.prom import PNG_KEY, prom_query, prom_range
 
 X_LABEL = "cumulative bytes (up + down, log scale)"
 Y_LABEL = "test accuracy"
+EPSILON_LABEL = "ε spent (largest of any organization)"
+EPSILON_TITLE = "Accuracy against privacy"
 
 
 @dataclass
@@ -34,6 +39,10 @@ class RunCurve:
     bytes_down: float = 0.0
     bytes_per_train_round: float = 0.0
     label: str = ""
+    # Under differential privacy: (ε spent by the end of the round, accuracy), ε the largest of any organization.
+    epsilon_points: list[tuple[float, float]] = field(default_factory=list)
+    # The largest ε any organization spent in the run (None without DP).
+    epsilon: float | None = None
 
 
 def curve_from_summary(summary: dict[str, Any], source: str) -> RunCurve:
@@ -42,10 +51,17 @@ def curve_from_summary(summary: dict[str, Any], source: str) -> RunCurve:
                  bytes_up=summary["bytes_up_total"], bytes_down=summary["bytes_down_total"],
                  bytes_per_train_round=summary["bytes_per_train_round"])
     total = 0
+    spent: dict[str, float] = {}  # organization -> the last ε it reported
     for r in summary["rounds"]:
         total += sum(r["bytes_up"].values()) + sum(r["bytes_down"].values())
+        spent.update({org: float(m["privacy_epsilon"]) for org, m in r.get("per_organization", {}).items()
+                      if "privacy_epsilon" in m})
         if r.get("test_accuracy") is not None:
             c.points.append((float(total), float(r["test_accuracy"])))
+            if spent:
+                c.epsilon_points.append((max(spent.values()), float(r["test_accuracy"])))
+    eps = (summary.get("privacy") or {}).get("epsilon_max")
+    c.epsilon = float(eps) if eps is not None else (max(spent.values()) if spent else None)
     return c
 
 
@@ -138,6 +154,11 @@ def markdown_table(curves: list[RunCurve]) -> str:
         acc = f"{100 * c.final_accuracy:.2f}%" if c.final_accuracy is not None else "-"
         rows.append(f"| {c.label} | {acc} | {fmt_bytes(c.bytes_up)} | {fmt_bytes(c.bytes_down)} | "
                     f"{fmt_bytes(c.bytes_per_train_round)} | {ratio} |")
+    private = [c for c in curves if c.epsilon is not None]
+    if private:
+        at = "; ".join(f"{c.label} {100 * c.final_accuracy:.2f}% at ε = {c.epsilon:.2f}" if c.final_accuracy is not None
+                       else f"{c.label} - at ε = {c.epsilon:.2f}" for c in private)
+        rows += ["", f"Accuracy against ε (the largest any organization spent): {at}."]
     return "\n".join(rows) + "\n"
 
 
@@ -149,7 +170,10 @@ def plot(curves: list[RunCurve], png: Path, title: str = "Accuracy against commu
     import matplotlib.pyplot as plt
 
     _labels(curves)
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    private = [c for c in curves if c.epsilon_points]
+    # A second panel, accuracy against ε, when any run trained under differential privacy.
+    fig, axes = plt.subplots(1, 2 if private else 1, figsize=(14 if private else 8, 5), dpi=100, squeeze=False)
+    ax = axes[0][0]
     try:
         drawn = [c for c in curves if c.points]
         for c in drawn:
@@ -162,8 +186,23 @@ def plot(curves: list[RunCurve], png: Path, title: str = "Accuracy against commu
         ax.grid(True, which="both", alpha=0.3)
         if drawn:
             ax.legend()
-        desc = {"xlabel": X_LABEL, "ylabel": Y_LABEL, "xscale": "log", "title": title,
-                "lines": [{"label": c.label, "points": len(c.points)} for c in drawn]}
+        desc: dict[str, Any] = {"xlabel": X_LABEL, "ylabel": Y_LABEL, "xscale": "log", "title": title,
+                                "lines": [{"label": c.label, "points": len(c.points)} for c in drawn]}
+        if private:
+            eps_ax = axes[0][1]
+            for c in private:
+                xs, ys = zip(*c.epsilon_points, strict=True)
+                eps_ax.plot(xs, ys, marker="o", markersize=3, label=c.label)
+            eps_ax.set_xlabel(EPSILON_LABEL)
+            eps_ax.set_ylabel(Y_LABEL)
+            eps_ax.set_title(EPSILON_TITLE)
+            eps_ax.grid(True, alpha=0.3)
+            eps_ax.legend()
+            fig.tight_layout()
+            desc["epsilon_panel"] = {"xlabel": EPSILON_LABEL, "ylabel": Y_LABEL, "xscale": "linear",
+                                     "title": EPSILON_TITLE,
+                                     "lines": [{"label": c.label, "points": len(c.epsilon_points),
+                                                "epsilon": c.epsilon} for c in private]}
         png.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(png, metadata={"Title": title, PNG_KEY: json.dumps(desc)})
     finally:
@@ -186,7 +225,8 @@ def add_parser(subparsers: Any) -> None:
     r = subparsers.add_parser(
         "report", help="plot accuracy against bytes and tabulate communication cost per algorithm",
         description="From results.json files (hetfed run --output DIR) or a Prometheus, write a PNG of accuracy "
-        "against cumulative bytes (one curve per algorithm, log-scaled bytes) and print a Markdown table.",
+        "against cumulative bytes (one curve per algorithm, log-scaled bytes), beside it accuracy against ε when runs "
+        "trained under differential privacy, and print a Markdown table.",
     )
     r.add_argument("results", nargs="*", type=Path, help="results.json files")
     r.add_argument("--prometheus", metavar="URL", help="read the hetfed_run_* families from this Prometheus")
