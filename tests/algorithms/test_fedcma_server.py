@@ -249,3 +249,33 @@ def test_a_restarted_aggregator_resumes_with_the_same_p_weights_and_stored_updat
     want_b = 0.5 * b0 + 0.5 * (0.4 * v_a.bias + 0.6 * v_b.bias)
     np.testing.assert_allclose(v.weight, want_w.astype(np.float32), rtol=0, atol=1e-7)
     np.testing.assert_allclose(v.bias, want_b.astype(np.float32), rtol=0, atol=1e-7)
+
+
+def test_noisy_released_counts_weigh_the_means_and_what_the_client_must_floor_and_cap() -> None:
+    """Under DP an organization sends its class counts plus Gaussian noise, rounded and floored at 0, and its round
+    counts capped at what it released (docs/privacy.md). The server takes them as they come: p weights from the
+    noisy counts, and a class released as 0 weighs nothing in ē. A negative count, or a round count above the
+    released one, is refused: which is why the client floors and caps, as post-processing of the release."""
+    noisy = {"a": [3, 0, 1], "b": [1, 5, 0], "c": [0, 3, 7]}  # true counts: COUNTS
+    half = FedCMAServer(CFG, RunInfo(0, tuple(noisy)))
+    for org, counts in noisy.items():
+        half.accumulate(Phase.SETUP, org, Received([ClassCounts(np.array(counts, np.int64))]))
+    half.close_round(Phase.SETUP, 0)
+    # n^k = [4, 8, 8] again, but split otherwise: p^0 = [0.75, 0.25, 0], p^1 = [0, 0.625, 0.375], p^2 = [0.125, 0, 0.875].
+    np.testing.assert_array_equal(half.p_class, [[0.75, 0.0, 0.125], [0.25, 0.625, 0.0], [0.0, 0.375, 0.875]])
+    for org, means, counts in (("a", [0.5, None, 0.25], [3, 0, 1]), ("b", [0.25, 0.75, None], [1, 5, 0]),
+                               ("c", [None, 0.5, 1.0], [0, 3, 7])):
+        payloads = Received([cme(means, counts), head([0.0] * 3, [0.0] * 3)])
+        half.validate(Phase.TRAIN, org, payloads)
+        half.accumulate(Phase.TRAIN, org, payloads)
+    half.close_round(Phase.TRAIN, 1)
+    # ē^k = 0.5·Σ_i p_i^k e_i^k: k=0: 0.75·0.5 + 0.25·0.25 = 0.4375; k=1: 0.625·0.75 + 0.375·0.5 = 0.65625;
+    # k=2: 0.125·0.25 + 0.875·1.0 = 0.90625.
+    np.testing.assert_array_equal(half.means, [[0.21875], [0.328125], [0.453125]])
+    for bad in ([-1, 0, 1],):  # a noisy count below zero, as the release may draw it before the floor
+        assert reason(FedCMAServer(CFG, RunInfo(0, ("a",))), "setup", "a",
+                      {CC: ClassCounts(np.array(bad, np.int64))}) == "invalid_value"
+    # A round count above the organization's released count: refused (the client caps it).
+    over = Received([cme([0.5, None, 0.25], [4, 0, 1]), head([0.0] * 3, [0.0] * 3)])
+    with pytest.raises(WireError, match="counts must lie in"):
+        half.validate(Phase.TRAIN, "a", over)
