@@ -78,11 +78,13 @@ def test_status_joins_pods_with_the_aggregators_status(
         return f"{n} B" if n < 1000 else f"{n / 1000:.2f} kB"
 
     rows = [
-        ["ORGANIZATION", "RUN", "POD", "PHASE", "NODE", "GPU", "RESTARTS", "JOINED", "LAST ROUND", "BYTES UP", "BYTES DOWN"],
-        ["(aggregator)", "-", "fl-hetfed-aggregator-0", "Running", "cpu-1", "0", "0", "-", "-", "-", "-"],
-        ["org-a", "demo", "fl-hetfed-org-a-1a2b3c4d-x7k2p", "Running", "gpu-1", "1", "1", "yes", "1", fmt(up), fmt(down)],
+        ["ORGANIZATION", "RUN", "POD", "PHASE", "NODE", "GPU", "RESTARTS", "JOINED", "LAST ROUND", "BYTES UP", "BYTES DOWN",
+         "ε"],
+        ["(aggregator)", "-", "fl-hetfed-aggregator-0", "Running", "cpu-1", "0", "0", "-", "-", "-", "-", "-"],
+        ["org-a", "demo", "fl-hetfed-org-a-1a2b3c4d-x7k2p", "Running", "gpu-1", "1", "1", "yes", "1", fmt(up), fmt(down),
+         "-"],
         ["org-b", "demo", "fl-hetfed-org-b-5e6f7a8b-bbbbb", "Pending (ContainerCreating)", "gpu-2", "1", "1", "no",
-         "-", "0 B", "0 B"],
+         "-", "0 B", "0 B", "-"],
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -142,7 +144,7 @@ def test_status_outside_a_cluster_degrades_with_a_clear_message(
     captured = capsys.readouterr()
     assert "showing the aggregator's Status only" in captured.err
     lines = captured.out.splitlines()
-    assert lines[1].split() == ["(aggregator)", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[1].split() == ["(aggregator)", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert lines[2].split()[:2] == ["org-a", "demo"] and lines[2].split()[7:9] == ["yes", "1"]
 
 
@@ -241,3 +243,17 @@ def test_the_selector_matches_the_charts_pods_under_name_overrides(helm: Any) ->
     services = [o for o in objects if o["kind"] == "Service"
                 and matches(o["metadata"].get("labels", {}), selector("fl", "aggregator"))]
     assert any(p.get("name") == "grpc" for s in services for p in s["spec"]["ports"])
+
+
+def test_status_shows_the_epsilon_each_organization_declared() -> None:
+    """An organization under DP shows the ε of its last accepted declaration; one without shows "-"."""
+    from hetfed.cli.k8s_status import build_rows
+    from hetfed.wire.messages import OrganizationStatus, RunStatus
+    from hetfed.wire.phases import Phase
+
+    run = RunStatus(run_id="demo", algorithm="fedavg", phase=Phase.TRAIN, round=2, total_rounds=3,
+                    organizations=("a", "b"), organization_status=(
+                        OrganizationStatus("a", True, 1, 10, 10, privacy_declared=True, privacy_epsilon=1.23456),
+                        OrganizationStatus("b", True, 1, 10, 10)))
+    rows = build_rows([], [run])
+    assert [(r.organization, r.epsilon) for r in rows] == [("(aggregator)", "-"), ("a", "1.23"), ("b", "-")]

@@ -76,6 +76,8 @@ class Row:
     last_round: str = "-"
     bytes_up: str = "-"
     bytes_down: str = "-"
+    # The ε its last accepted update declared (differential privacy, docs/privacy.md); "-" without.
+    epsilon: str = "-"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -328,6 +330,8 @@ def build_rows(pods: Sequence[PodInfo], status: list[RunStatus] | None) -> list[
             row.joined = "yes" if org.joined else "no"
             row.last_round = str(org.last_round_pushed) if org.last_round_pushed >= 0 else "-"
             row.bytes_up, row.bytes_down = format_bytes(org.bytes_up), format_bytes(org.bytes_down)
+            if org.privacy_declared:
+                row.epsilon = f"{org.privacy_epsilon:.3g}"
             rows.append(row)
             seen.add(org.organization)
     for name, group in sorted(by_org.items()):
@@ -337,14 +341,14 @@ def build_rows(pods: Sequence[PodInfo], status: list[RunStatus] | None) -> list[
 
 
 HEADER = ("ORGANIZATION", "RUN", "POD", "PHASE", "NODE", "GPU", "RESTARTS", "JOINED", "LAST ROUND",
-          "BYTES UP", "BYTES DOWN")
+          "BYTES UP", "BYTES DOWN", "ε")
 
 
 def format_table(rows: Sequence[Row], status: list[RunStatus] | None) -> str:
     """The table, then one line per run (state and round)."""
     cells = [HEADER] + [
         (r.organization, r.run, r.pod, r.phase, r.node, r.gpus, r.restarts, r.joined, r.last_round,
-         r.bytes_up, r.bytes_down)
+         r.bytes_up, r.bytes_down, r.epsilon)
         for r in rows
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(HEADER))]
