@@ -367,11 +367,13 @@ def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_say
         epoch_batches(data, FedAvgConfig(local_steps=2, batch_size=16), np.random.default_rng(0)))
     figures = {"epsilon": session.close_round(1).epsilon, "delta": session.delta, "noise_multiplier": 1.0,
                "clip_norm": 1.0}
-    kwargs = dict(example_input=x, architecture="mlp", run="r1", organization="org-0", algorithm="fedavg",
-                  rounds=1, accuracy={}, num_test_examples=64, bytes_sent=1, bytes_received=1, dataset="toy",
-                  privacy=figures)
+    def export(folder: Path) -> Path:
+        return export_model(folder, model, example_input=x, architecture="mlp", run="r1", organization="org-0",
+                            algorithm="fedavg", rounds=1, accuracy={}, num_test_examples=64, bytes_sent=1,
+                            bytes_received=1, dataset="toy", privacy=figures)
+
     with pytest.raises(ExportError):
-        export_model(tmp_path / "hooked", model, **kwargs)  # type: ignore[arg-type]
+        export(tmp_path / "hooked")
     session.release()
-    card = json.loads(export_model(tmp_path / "model", model, **kwargs).read_text())  # type: ignore[arg-type]
+    card = json.loads(export(tmp_path / "model").read_text())
     assert card["privacy"] == figures and figures["epsilon"] > 0
