@@ -184,3 +184,15 @@ def test_round_generators_repeat_from_the_seed_and_differ_for_a_redone_round() -
     step = s.step_for(2, 11)
     assert (step.sigma, step.clip_norm, step.q, step.expected_batch) == (1.0, 1.0, 0.05, 50.0)
     assert step.ledger is s.ledger
+
+
+def test_a_client_without_dp_imports_neither_opacus_nor_dp_accounting() -> None:
+    """The DP libraries cost over a second of start-up: only a client under [privacy] imports them."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom hetfed.client.runtime import ClientRuntime\nfrom hetfed.client.algorithms import "
+              "client_half_type\nfrom hetfed.wire.specs import SPECS\nfor spec in SPECS.values():\n"
+              "    client_half_type(spec)\nprint(sorted(m for m in ('opacus', 'dp_accounting') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

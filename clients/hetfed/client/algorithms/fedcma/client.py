@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,7 +26,6 @@ from hetfed.client.algorithms.fedcma.losses import (
     HeadConsensusTerm,
 )
 from hetfed.client.data import class_counts
-from hetfed.client.privacy.ledger import Release
 from hetfed.client.training import (
     Batch,
     DeviceData,
@@ -44,6 +43,9 @@ from hetfed.client.training import (
 )
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, Received
 from hetfed.wire.specs.fedcma import FedCMAConfig
+
+if TYPE_CHECKING:  # dp-accounting is imported only by a client under DP (it takes over a second)
+    from hetfed.client.privacy.ledger import Release
 
 # Stream of (run seed, organization) that draws the fixed batches B_i^k: the same after a restart.
 _BATCH_STREAM = 0xB1C
@@ -119,6 +121,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         DP-SGD's steps and one class-sum release (sensitivity √2 in units of (C_z, 1), so m·σ/√2)."""
         assert self.ctx.privacy is not None
         m = self.ctx.privacy.cfg.direct_noise_multiple
+        from hetfed.client.privacy.ledger import Release
+
         return [Release(1.0, m, 1)], [Release(q, 1.0, steps), Release(1.0, m / math.sqrt(2), 1)]
 
     def private_state(self) -> dict[str, Any]:
