@@ -12,8 +12,6 @@ from typing import Literal
 
 from hetfed.wire.config import check
 
-ACCOUNTANTS = ("rdp", "pld")
-
 
 @dataclass(frozen=True)
 class PrivacyConfig:

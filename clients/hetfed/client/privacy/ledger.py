@@ -115,6 +115,9 @@ class Ledger:
         # ε after each round this ledger saw (round -> ε), for the operator and the tests.
         self.rounds: dict[int, float] = {}
         self._pending: list[Release] = []
+        # ε of the committed releases, kept with the releases it was computed for: a round asks for it several
+        # times (its declaration, the file, the budget check), and the PLD accountant takes most of a second.
+        self._spent: tuple[tuple[Release, ...], float] = ((), 0.0)
 
     @classmethod
     def open(cls, state_dir: str | None, run: str, organization: str, *, delta: float, accountant: str,
@@ -171,7 +174,12 @@ class Ledger:
 
     def epsilon(self, extra: Sequence[Release] = ()) -> float:
         """ε at δ of every committed release (and ``extra`` ones, to ask what a next round would cost)."""
-        return epsilon_of([*self.releases, *extra], self.delta, self.accountant)
+        if extra:
+            return epsilon_of([*self.releases, *extra], self.delta, self.accountant)
+        committed = tuple(self.releases)
+        if self._spent[0] != committed:
+            self._spent = (committed, epsilon_of(committed, self.delta, self.accountant))
+        return self._spent[1]
 
     def save(self) -> None:
         """Write the ledger atomically (temporary file, fsync, rename, directory fsync); nothing without a path."""

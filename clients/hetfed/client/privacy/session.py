@@ -40,6 +40,9 @@ class PrivacySession:
         self.ledger = Ledger.open(state_dir, run, organization, delta=self.delta, accountant=cfg.accountant,
                                   noise_multiplier=cfg.noise_multiplier or 0.0, clip_norm=cfg.clip_norm)
         self.mechanism = ""
+        # The releases ``plan`` expects of the setup round and of each training round (multiples of σ).
+        self._setup: list[Release] = []
+        self._per_round: list[Release] = []
         self._data: PrivateData | None = None
         # The models DP-SGD attached Opacus' hooks to (removed by ``release`` before a model is exported).
         self.hooked: dict[int, tuple[nn.Module, object]] = {}
