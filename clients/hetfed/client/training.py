@@ -256,10 +256,7 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
             if batch.private is not None and not o.kept:
                 loss = _private_step(o, batch, batch.private)
             else:
-                out = o.forward(o.model, batch)
-                loss = o.terms[0](batch, out)
-                for term in o.terms[1:]:
-                    loss = loss + term(batch, out)
+                loss = summed(o.terms, batch, o.forward(o.model, batch))
                 o.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             if o.before_step is not None:
@@ -270,6 +267,14 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
             batch.private.end_batch()
         steps += 1
     return FitResult([float(t) / max(steps, 1) for t in totals], steps)
+
+
+def summed(terms: Sequence[LossTerm], batch: Batch, out: Forward) -> torch.Tensor:
+    """The objective's value: its terms added in order, the first one first."""
+    loss = terms[0](batch, out)
+    for term in terms[1:]:
+        loss = loss + term(batch, out)
+    return loss
 
 
 def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor:
@@ -284,16 +289,11 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
             step.backward(o.model, params, loss, 0)
             return loss
         out = o.forward(o.model, batch)
-        example_terms = [t for t in o.terms if not getattr(t, "data_free", False)]
         free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
-        loss = example_terms[0](batch, out)
-        for term in example_terms[1:]:
-            loss = loss + term(batch, out)
+        loss = summed([t for t in o.terms if not getattr(t, "data_free", False)], batch, out)
         step.backward(o.model, params, loss, size)
         if free_terms:
-            free = free_terms[0](batch, out)
-            for term in free_terms[1:]:
-                free = free + term(batch, out)
+            free = summed(free_terms, batch, out)
             for p, g in zip(params, torch.autograd.grad(free, params, allow_unused=True), strict=True):
                 if g is not None:
                     p.grad = p.grad + g if p.grad is not None else g
