@@ -191,8 +191,11 @@ def test_a_client_without_dp_imports_neither_opacus_nor_dp_accounting() -> None:
     import subprocess
     import sys
 
-    script = ("import sys\nfrom hetfed.client.runtime import ClientRuntime\nfrom hetfed.client.algorithms import "
+    script = ("import sys\nimport torch\nfrom hetfed.client.config import ClientConfig\n"
+              "from hetfed.client.runtime import ClientRuntime\nfrom hetfed.client.algorithms import "
               "client_half_type\nfrom hetfed.wire.specs import SPECS\nfor spec in SPECS.values():\n"
-              "    client_half_type(spec)\nprint(sorted(m for m in ('opacus', 'dp_accounting') if m in sys.modules))")
+              "    client_half_type(spec)\nruntime = ClientRuntime(ClientConfig(organization='o', run='r'))\n"
+              "assert runtime._privacy_session(None, torch.device('cpu')) is None\n"
+              "print(sorted(m for m in ('opacus', 'dp_accounting') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

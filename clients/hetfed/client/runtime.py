@@ -203,12 +203,12 @@ class ClientRuntime:
     def _privacy_session(self, data: ClientData, device: torch.device) -> PrivacySession | None:
         """The organization's DP session (None without ``[privacy]``): its ledger continued from ``state_dir``; a
         ledger that cannot be continued or a budget already spent stops the client before it joins."""
+        cfg = self.config
+        if not cfg.privacy.enabled:  # before the imports: dp-accounting (and scipy) cost a client without DP 65 MB
+            return None
         from hetfed.client.privacy.ledger import LedgerError
         from hetfed.client.privacy.session import PrivacySession
 
-        cfg = self.config
-        if not cfg.privacy.enabled:
-            return None
         try:
             session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device)
         except LedgerError as exc:
