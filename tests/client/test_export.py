@@ -169,6 +169,23 @@ def test_the_live_model_is_left_unchanged(tmp_path: Path) -> None:
         assert torch.equal(torch.jit.load(str(tmp_path / MODEL_FILE))(x), torch.log_softmax(model.eval()(x), dim=1))
 
 
+def test_a_probabilistic_model_is_recognised_although_its_head_is_a_submodule() -> None:
+    # Python 3.12's isinstance on a runtime-checkable Protocol looks members up statically: an nn.Module's
+    # submodules are not attributes there, so a Protocol check exported FedSR's models with a random draw of z
+    # per call (seen on the lent GPU machine's Python 3.12, 2026-11-27). The check must read them dynamically.
+    import inspect
+
+    from hetfed.client.algorithms.fedsr.losses import build_probabilistic_model
+    from hetfed.client.export import SampledLogProbabilities, is_gaussian_latent, predictor
+    from hetfed.client.models import encoder_builder
+
+    model = build_probabilistic_model(encoder_builder("mlp"), SHAPE, 8, 3, seed=0)
+    assert inspect.getattr_static(model, "head", None) is None  # what a static lookup sees
+    assert is_gaussian_latent(model)
+    assert isinstance(predictor(model)[0], SampledLogProbabilities)
+    assert not is_gaussian_latent(build_model("mlp", SHAPE, 3, seed=0))
+
+
 def test_a_probabilistic_model_exports_the_mean_softmax_over_draws_fixed_at_export(tmp_path: Path) -> None:
     from hetfed.client.algorithms.fedsr.losses import build_probabilistic_model, predict_proba
     from hetfed.client.models import encoder_builder

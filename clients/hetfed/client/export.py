@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -74,7 +74,6 @@ class LogProbabilities(nn.Module):
         return torch.log_softmax(self.model(x), dim=1)
 
 
-@runtime_checkable
 class GaussianLatent(Protocol):
     """A model whose latent is a Gaussian p(z|x) = N(μ(x), σ(x)²) with a linear head on z (a probabilistic
     SplitModel): it predicts by averaging the softmax of the head over draws of z."""
@@ -85,6 +84,14 @@ class GaussianLatent(Protocol):
     def distribution(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(μ, σ) of p(z|x), each (N, latent_dim)."""
         ...
+
+
+def is_gaussian_latent(model: nn.Module) -> bool:
+    """Whether ``model`` has GaussianLatent's members. Not ``isinstance`` on a runtime-checkable Protocol: from
+    Python 3.12 that looks members up statically and misses an ``nn.Module``'s submodules (``head``), which
+    live in its ``_modules``."""
+    return (callable(getattr(model, "distribution", None)) and isinstance(getattr(model, "head", None), nn.Module)
+            and isinstance(getattr(model, "latent_dim", None), int))
 
 
 class SampledLogProbabilities(nn.Module):
@@ -108,9 +115,9 @@ class SampledLogProbabilities(nn.Module):
 def predictor(model: nn.Module, *, samples: int = SAMPLES) -> tuple[nn.Module, str]:
     """The module whose forward is the prediction hetfed's evaluation makes with ``model`` (around ``model``
     itself, on its device), and a one-line description of that prediction for the card."""
-    if isinstance(model, GaussianLatent):
+    if is_gaussian_latent(model):
         gen = torch.Generator().manual_seed(NOISE_SEED)
-        noise = torch.randn((samples, int(model.latent_dim)), generator=gen)
+        noise = torch.randn((samples, int(cast(GaussianLatent, model).latent_dim)), generator=gen)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         return (SampledLogProbabilities(model, noise.to(device)),
                 f"log of the mean softmax of the head over {samples} draws of z ~ N(mu(x), sigma(x)^2), the draws "
