@@ -12,7 +12,7 @@ A client that is sent the instructions of a round whose update it had pushed and
 an acknowledged update lost (the aggregator asks again for what it no longer holds).
 
 - kills: the aggregator (a real ``hetfed aggregator`` process) is killed at every named point of its write
-  path (``HETFED_CRASH_AT``, see ``hetfed.aggregator.crashpoints``) and by SIGKILL at random moments, and
+  path (``HETFED_CRASH_AT``, see ``hetfed.aggregator.journal.crashpoints``) and by SIGKILL at random moments, and
   restarted on the same port and state directory each time; every restart must succeed.
 - disk: the disk fills during pushes, log fsyncs, history appends and checkpoints (the store's injectable
   file layer, ``FaultyDisk``, in an aggregator in this process), and, when this process may mount one, on a
@@ -59,9 +59,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.crashpoints import CRASH_POINTS, EXIT_CODE
-from hetfed.aggregator.faults import DiskFault, FaultyDisk
-from hetfed.aggregator.server import RunningAggregator, start_aggregator
+from hetfed.aggregator.journal.crashpoints import CRASH_POINTS, EXIT_CODE
+from hetfed.aggregator.serving.server import RunningAggregator, start_aggregator
 from hetfed.cli.certs import FederationCerts, make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec
@@ -73,6 +72,10 @@ from hetfed.wire.phases import Action
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.specs import get_spec
 from hetfed.wire.transport import TlsConfig, make_channel
+
+# The failing disk lives with the tests (tests/faults.py), outside the product: the repository root on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.faults import DiskFault, FaultyDisk
 
 T = TypeVar("T")
 RUN = "r"

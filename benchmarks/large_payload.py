@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.server import start_aggregator
+from hetfed.aggregator.serving.server import start_aggregator
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, codec

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetfed.aggregator.store import RunStore, StateError
+from hetfed.aggregator.journal.store import RunStore, StateError
 
 
 def load_similarity(state_dir: Path, run: str = "simfed") -> tuple[np.ndarray, list[str], dict[str, np.ndarray], dict]:

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.faults import FaultyDisk
-from hetfed.aggregator.server import RunningAggregator, start_aggregator
-from hetfed.aggregator.store import Disk
+from hetfed.aggregator.journal.store import Disk
+from hetfed.aggregator.serving.server import RunningAggregator, start_aggregator
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, codec
 from hetfed.wire.payloads import Payload, PayloadKind
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY
+from tests.faults import FaultyDisk
 
 REPO = Path(__file__).resolve().parents[1]
 

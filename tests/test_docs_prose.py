@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LIMIT = 25.0
 # The pages brought under the limit; docs/results/ is generated, and the other algorithm pages are not yet.
-PAGES = ["README.md", "docs/benchmarks.md", "docs/configuration.md", "docs/data.md", "docs/deploy.md",
+PAGES = ["README.md", "docs/architecture.md", "docs/benchmarks.md", "docs/configuration.md", "docs/data.md", "docs/deploy.md",
          "docs/metrics.md", "docs/reliability.md", "docs/security.md", "docs/wire.md", "docs/algorithms/fedcma.md",
          "docs/algorithms/fedh2l.md", "docs/algorithms/fedsr.md", "docs/privacy.md"]
 

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.aggregator.run_state import DataShape
+from hetfed.aggregator.run.state import DataShape
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind

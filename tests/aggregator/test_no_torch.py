@@ -14,7 +14,7 @@ def test_aggregator_process_never_imports_torch(tmp_path: object) -> None:
         import grpc
         from hetfed.cli import build_parser
         from hetfed.aggregator.config import aggregator_config_from_mapping
-        from hetfed.aggregator.server import start_aggregator
+        from hetfed.aggregator.serving.server import start_aggregator
         from hetfed.v1 import aggregator_pb2 as apb, aggregator_pb2_grpc as agrpc
         from hetfed.wire import chunks, codec
         from hetfed.wire.payloads import ModelWeights, EvalMetrics, PayloadKind

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.aggregator import k8s_events
+from hetfed.aggregator.observe import k8s_events
 from hetfed.cli.k8s_status import build_rows, format_table
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire.messages import run_status_from_proto

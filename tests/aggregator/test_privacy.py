@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.org_ledger import OrganizationLedger
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec, messages
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
@@ -187,7 +187,7 @@ def test_a_regression_is_caught_across_an_undeclared_update(
 
 
 def test_a_regression_too_small_for_two_decimals_is_printed_with_more() -> None:
-    from hetfed.aggregator.admission import _epsilons
+    from hetfed.aggregator.run.admission import _epsilons
 
     assert _epsilons(0.5, 1.2) == ("0.50", "1.20")
     assert _epsilons(1.2001, 1.2004) == ("1.200100", "1.200400")

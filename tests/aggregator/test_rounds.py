@@ -134,9 +134,9 @@ def test_per_organization_instructions_are_bounded_and_rebuilt_identically(
         aggregator: Callable[..., Any]) -> None:
     """A per-organization algorithm's instruction messages are kept for at most PER_ORGANIZATION_INSTRUCTIONS
     organizations at once; an evicted one is rebuilt, byte for byte, when its organization pulls again."""
-    from hetfed.aggregator import engine
+    from hetfed.aggregator.run import instructions
 
-    orgs = [f"o{i}" for i in range(engine.PER_ORGANIZATION_INSTRUCTIONS + 4)]
+    orgs = [f"o{i}" for i in range(instructions.PER_ORGANIZATION_INSTRUCTIONS + 4)]
     agg = aggregator(run_config(organizations=orgs))
     run = agg.service.runs["r"]
     built: list[str] = []
@@ -152,7 +152,7 @@ def test_per_organization_instructions_are_bounded_and_rebuilt_identically(
     half: Any = PerOrganization()
     get = run.instructions.get
     first = {o: get(half, run.phase, run.round, o) for o in orgs}
-    assert len(run.instructions) == engine.PER_ORGANIZATION_INSTRUCTIONS and built == orgs
+    assert len(run.instructions) == instructions.PER_ORGANIZATION_INSTRUCTIONS and built == orgs
     again = get(half, run.phase, run.round, orgs[0])  # evicted: rebuilt, the same bytes
     assert again is not first[orgs[0]] and again.data == first[orgs[0]].data
     assert get(half, run.phase, run.round, orgs[-1]) is first[orgs[-1]]  # still kept: not rebuilt

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from hetfed.aggregator.engine import RoundRecord
-from hetfed.aggregator.run_metrics import rounds_missed, weighted_accuracy
-from hetfed.aggregator.server import RunningAggregator
+from hetfed.aggregator.journal.history import RoundRecord
+from hetfed.aggregator.observe.run_metrics import rounds_missed, weighted_accuracy
+from hetfed.aggregator.serving.server import RunningAggregator
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
 from hetfed.wire.phases import Phase

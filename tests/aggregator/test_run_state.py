@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from hetfed.aggregator import run_state as rs
-from hetfed.aggregator.run_state import (
+from hetfed.aggregator.run import state as rs
+from hetfed.aggregator.run.state import (
     Close,
     Duplicate,
     Fold,

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetfed.aggregator.faults import DiskFault, FaultyDisk
-from hetfed.aggregator.store import RunStore, StateError, StorageError, WalTicket, holder_of, scan_wal
+from hetfed.aggregator.journal.store import RunStore, StateError, StorageError, WalTicket, holder_of, scan_wal
 from tests.conftest import GatedDisk
+from tests.faults import DiskFault, FaultyDisk
 
 HEADER = 24  # the log's file header
 REC = 70  # a record's header

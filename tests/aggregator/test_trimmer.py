@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hetfed.aggregator.memory import Trimmer
+from hetfed.aggregator.serving.memory import Trimmer
 from tests.conftest import wait_until
 
 

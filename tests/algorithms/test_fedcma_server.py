@@ -10,7 +10,7 @@ import pytest
 
 from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer, initial_head, p_weights
-from hetfed.aggregator.store import RunStore
+from hetfed.aggregator.journal.store import RunStore
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.config import ConfigError, from_mapping

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetfed.aggregator.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.org_ledger import OrganizationLedger
 from hetfed.cli import main as hetfed_main
 from hetfed.cli.certs import make_federation_certs
 from hetfed.wire.traffic import KindCount, TrafficBreakdown
@@ -179,7 +179,7 @@ def _listener_pids(parent: int | None = None) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"hetfed.aggregator.health_listener" in cmd:
+        if b"hetfed.aggregator.serving.health_listener" in cmd:
             out.append(pid)
     return out
 
@@ -210,7 +210,7 @@ def test_the_shared_health_page_falls_back_to_the_temp_directory(monkeypatch: py
     """Where /dev/shm cannot be written, the page goes to the temp directory (the chart mounts one at /tmp)."""
     import tempfile
 
-    from hetfed.aggregator import health_listener
+    from hetfed.aggregator.serving import health_listener
 
     real = tempfile.mkstemp
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from werkzeug import Request, Response
 
-from hetfed.aggregator import k8s_events
-from hetfed.aggregator.k8s_events import EventRecorder, PodRef
+from hetfed.aggregator.observe import k8s_events
+from hetfed.aggregator.observe.k8s_events import EventRecorder, PodRef
 from tests.conftest import RawClient, run_config, wait_until
 from tests.deploy.k8s_fake import api_server, service_account
 

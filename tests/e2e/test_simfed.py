@@ -131,7 +131,7 @@ def test_uploads_are_factors_criteria_embeddings_and_metrics_only(federation: di
 
 
 def test_the_checkpoint_holds_the_similarity_matrix_for_the_picture(federation: dict[str, Any]) -> None:
-    from hetfed.aggregator.store import RunStore
+    from hetfed.aggregator.journal.store import RunStore
 
     _, arrays = RunStore(federation["state"].parent, "simfed").read_checkpoint()
     sigma, order = arrays["sigma"], json.loads(bytes(arrays["sigma_order"]).decode())

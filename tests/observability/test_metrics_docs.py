@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.run_metrics import RunMetricsCollector
-from hetfed.aggregator.service import AggregatorService
+from hetfed.aggregator.observe.metrics import AggregatorMetrics
+from hetfed.aggregator.observe.run_metrics import RunMetricsCollector
+from hetfed.aggregator.serving.service import AggregatorService
 from hetfed.client.config import ClientConfig
 from hetfed.client.runtime import ClientRuntime
 from scripts.observability import alerts, dashboards

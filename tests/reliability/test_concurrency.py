@@ -183,7 +183,7 @@ def test_8_a_huge_wait_is_bounded_by_the_server(aggregator: Start, raw_client: C
 def test_woken_long_polls_are_released_a_batch_per_loop_iteration() -> None:
     """``Changes.notify`` wakes WAKE_BATCH waiters per event-loop iteration, so callbacks queued meanwhile (a
     health check, a push's next chunk) run between batches instead of after all of them; every waiter wakes."""
-    from hetfed.aggregator.engine import WAKE_BATCH, Changes, _wake_batches
+    from hetfed.aggregator.run.changes import WAKE_BATCH, Changes, _wake_batches
 
     async def batches() -> list[int]:
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.aggregator.crashpoints import CRASH_POINTS, EXIT_CODE
+from hetfed.aggregator.journal.crashpoints import CRASH_POINTS, EXIT_CODE
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
@@ -31,7 +31,7 @@ def upd(scale: float) -> list[Any]:
 
 
 def test_the_crash_point_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hetfed.aggregator import crashpoints
+    from hetfed.aggregator.journal import crashpoints
 
     monkeypatch.setenv("HETFED_CRASH_AT", "no.such.point")
     with pytest.raises(ValueError, match=r"HETFED_CRASH_AT names 'no\.such\.point', not one of wal\.header_written"):

@@ -19,13 +19,13 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.aggregator.faults import DiskFault, FaultyDisk
-from hetfed.aggregator.store import StateError
+from hetfed.aggregator.journal.store import StateError
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
 from hetfed.wire.rpc import AggregatorClient, RemoteError
 from tests.conftest import GatedDisk, RawClient, run_config, wait_until
+from tests.faults import DiskFault, FaultyDisk
 
 W = np.array([1.0, 2.0, 4.0], np.float32)
 DECL = [(PayloadKind.MODEL_WEIGHTS, "w", W)]
@@ -95,7 +95,7 @@ def test_2_a_restart_closes_a_round_whose_every_update_is_logged(aggregator: Sta
     run = agg.service.runs["r"]
     # The close's history line is durable, its checkpoint (the commit point) is not: the next round's pushes
     # are refused with a retryable status until it is.
-    wait_until(lambda: run._commit_error, timeout=10, what="the close's checkpoint to fail")
+    wait_until(lambda: run.journal.commit_error, timeout=10, what="the close's checkpoint to fail")
     assert run.has_pending_commit()
     with pytest.raises(grpc.RpcError) as err:
         a.push(2, upd(1.0))
@@ -283,7 +283,7 @@ def test_the_next_round_is_served_while_the_closed_rounds_checkpoint_is_written(
     pushed: list[Any] = []
     waiting = threading.Thread(target=lambda: pushed.append(a.push(2, upd(5.0))))
     waiting.start()
-    wait_until(lambda: len(run._committed._waiters) == 1, timeout=10,  # type: ignore[attr-defined]
+    wait_until(lambda: len(run.journal.committed._waiters) == 1, timeout=10,  # type: ignore[attr-defined]
                what="round 2's push to wait for round 1's checkpoint")
     assert not pushed
     disk.gate.set()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.server import RunningAggregator, start_aggregator
+from hetfed.aggregator.serving.server import RunningAggregator, start_aggregator
 from hetfed.cli.certs import FederationCerts, make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from hetfed.aggregator.config import aggregator_config_from_mapping
-from hetfed.aggregator.server import RunningAggregator
+from hetfed.aggregator.serving.server import RunningAggregator
 from hetfed.cli.certs import FederationCerts
 from hetfed.cli.localrun import OPERATOR_ORGANIZATION, LocalRunOptions, aggregator_config, client_config
 from hetfed.client.config import ClientConfig
@@ -143,7 +143,7 @@ def test_hetfed_run_over_mtls(tmp_path: Path) -> None:
 def test_status_is_scoped_to_the_callers_runs(certs: FederationCerts, tmp_path: Path) -> None:
     """Under mTLS an organization sees only its runs and its own reports; an operator sees everything."""
     from hetfed.aggregator.config import aggregator_config_from_mapping
-    from hetfed.aggregator.server import start_aggregator
+    from hetfed.aggregator.serving.server import start_aggregator
     from hetfed.v1 import aggregator_pb2 as apb
     from hetfed.v1 import aggregator_pb2_grpc as agrpc
     from hetfed.wire.config import to_mapping

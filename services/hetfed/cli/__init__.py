@@ -47,8 +47,8 @@ def _setup_logging(verbose: bool) -> None:
 
 def _cmd_aggregator(args: argparse.Namespace) -> int:
     from hetfed.aggregator.config import load_aggregator_config
-    from hetfed.aggregator.server import serve
-    from hetfed.aggregator.store import StateError
+    from hetfed.aggregator.journal.store import StateError
+    from hetfed.aggregator.serving.server import serve
 
     if args.check_config:
         return checkconfig.report(checkconfig.check_aggregator_config, args.config)

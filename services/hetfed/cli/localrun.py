@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetfed.aggregator.store import holder_of
+from hetfed.aggregator.journal.store import holder_of
 from hetfed.cli import PRIVACY_BUDGET_SPENT
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
 from hetfed.cli.report import write_report

@@ -4,7 +4,7 @@ Under mTLS the aggregator's gRPC port requires a client certificate, and the kub
 probe presents none. This second listener carries nothing but the health service: no run, no status, no
 payload.
 
-It is a small process of its own (``python -m hetfed.aggregator.health_listener``, started and stopped by the
+It is a small process of its own (``python -m hetfed.aggregator.serving.health_listener``, started and stopped by the
 aggregator), so a probe is answered in milliseconds even while the aggregator's event loop works through a
 burst (a thousand long-polls woken at a round's close, a thousand pushes streaming in) and its threads
 contend for one interpreter lock: a check on the serving port can then wait for a second. Answering from
@@ -121,7 +121,7 @@ class HealthListener:
         """Start the listener process; returns once it serves. Raises ``OSError`` (with the listener's words)
         when it cannot bind or does not come up in ``timeout`` seconds."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "hetfed.aggregator.health_listener", "--listen", self._address,
+            [sys.executable, "-m", "hetfed.aggregator.serving.health_listener", "--listen", self._address,
              "--shared", str(self.shared.path), "--stall-seconds", repr(self._stall), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # its stderr is the aggregator's
         assert self._proc.stdout is not None

@@ -4,7 +4,7 @@
 round and who pushed in it, and who was refused for good. Each transition (``join``, ``accept``, ``close``,
 ``refuse``) takes a state and returns a ``Step``: the next state and the effects the engine must carry out
 (persist a checkpoint, fold an update into the server half, aggregate a round). Nothing here does I/O, reads a
-clock or takes a lock; the engine (``hetfed.aggregator.engine``) does, and observers (metrics, Events) watch
+clock or takes a lock; the shell (``hetfed.aggregator.run.shell``) does, and observers (metrics, Events) watch
 the effects.
 """
 
@@ -275,6 +275,12 @@ def is_duplicate(state: RunState, rules: Rules, org: str, round_: int, digest: b
     if held is not None and held != digest:
         raise WireError("replayed", f"organization {org!r} already pushed a different update for round {state.round}")
     return held is not None
+
+
+def seen(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) -> Step:
+    """An update that may have been accepted already: a ``Duplicate`` effect when it was, no effect when it was
+    not (``late`` or ``replayed`` as ``is_duplicate`` says); the state does not change."""
+    return Step(state, (Duplicate(org),) if is_duplicate(state, rules, org, round_, digest) else ())
 
 
 def accept(state: RunState, rules: Rules, org: str, round_: int, digest: bytes) -> Step:

@@ -1,11 +1,11 @@
 """A run's durable state: the journal of three files in one directory, with one lock.
 
-- ``checkpoint.npz`` (``hetfed.aggregator.checkpoint``): the run's state and its server half's arrays, replaced
+- ``checkpoint.npz`` (``hetfed.aggregator.journal.checkpoint``): the run's state and its server half's arrays, replaced
   atomically; the commit point of a close, a join and a refusal.
-- ``history.jsonl`` (``hetfed.aggregator.history``): one line per closed round. A closing round's line is
+- ``history.jsonl`` (``hetfed.aggregator.journal.history``): one line per closed round. A closing round's line is
   fsync'd before the checkpoint that counts it; the engine writes the line (``append_history``) before it wakes
   the round's clients, and the checkpoint that counts it (``commit_close``) after.
-- ``updates.wal`` (``hetfed.aggregator.wal``): the open round's accepted updates, durable before acknowledged.
+- ``updates.wal`` (``hetfed.aggregator.journal.wal``): the open round's accepted updates, durable before acknowledged.
 
 What is acknowledged is on disk, what failed left no trace. A missing or unreadable checkpoint next to existing
 history or log records, or a history line the checkpoint counts that cannot be read or repaired, is refused with
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from hetfed.aggregator.checkpoint import CheckpointFile
-from hetfed.aggregator.disk import DISK, Disk, RunConflictError, StateError, StorageError
-from hetfed.aggregator.history import HistoryFile
-from hetfed.aggregator.wal import WalTicket, WriteAheadLog, scan_wal
+from hetfed.aggregator.journal.checkpoint import CheckpointFile
+from hetfed.aggregator.journal.disk import DISK, Disk, RunConflictError, StateError, StorageError
+from hetfed.aggregator.journal.history import HistoryFile
+from hetfed.aggregator.journal.wal import WalTicket, WriteAheadLog, scan_wal
 
 __all__ = ["DISK", "Disk", "Recovered", "RunConflictError", "RunStore", "StateError", "StorageError", "WalTicket",
            "holder_of", "scan_wal"]

@@ -31,8 +31,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetfed.aggregator.crashpoints import crash_point
-from hetfed.aggregator.disk import Disk, StateError, StorageError, atomic_write, mapped
+from hetfed.aggregator.journal.crashpoints import crash_point
+from hetfed.aggregator.journal.disk import Disk, StateError, StorageError, atomic_write, mapped
 
 log = logging.getLogger("hetfed.aggregator")
 

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hetfed.aggregator.journal.history import RoundRecord
+from hetfed.aggregator.run.shell import Run
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.phases import Phase
 from hetfed.wire.traffic import Direction, KindCount
-
-if TYPE_CHECKING:
-    from hetfed.aggregator.engine import RoundRecord, Run
 
 RUN_LABELS = ["run", "algorithm"]
 PRIVACY_LABELS = ["run", "organization"]

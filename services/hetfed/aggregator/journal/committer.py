@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from hetfed.aggregator.checkpoint import CheckpointMeta
-from hetfed.aggregator.store import RunStore, StorageError
+from hetfed.aggregator.journal.checkpoint import CheckpointMeta
+from hetfed.aggregator.journal.store import RunStore, StorageError
 from hetfed.wire.errors import WireError
 
 log = logging.getLogger("hetfed.aggregator")

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetfed.aggregator.crashpoints import crash_point
-from hetfed.aggregator.disk import Disk, StateError, StorageError
+from hetfed.aggregator.journal.crashpoints import crash_point
+from hetfed.aggregator.journal.disk import Disk, StateError, StorageError
 from hetfed.wire import messages
 from hetfed.wire.messages import RoundSummary
 from hetfed.wire.payloads import EvalMetrics

@@ -1,6 +1,7 @@
 """What the outside sees of a run's transitions: Prometheus metrics, Kubernetes Events and the log.
 
-The engine calls a ``RunObserver`` after each transition's effects; the observer never changes the run.
+A run (``hetfed.aggregator.run.shell``) calls its ``RunObserver`` as it carries out each transition's effects; the
+observer never changes the run.
 """
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from hetfed.aggregator import k8s_events
-from hetfed.aggregator.history import RoundRecord
-from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.run_state import RefusalChanged, Refused
+from hetfed.aggregator.journal.history import RoundRecord
+from hetfed.aggregator.observe import k8s_events
+from hetfed.aggregator.observe.metrics import AggregatorMetrics
+from hetfed.aggregator.run.state import RefusalChanged, Refused
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.specs import Figure
+from hetfed.wire.traffic import Direction, TrafficBreakdown
 
 log = logging.getLogger("hetfed.aggregator")
 
@@ -100,3 +102,7 @@ class RunObserver:
     def duplicate(self) -> None:
         """An update arrived again, identical."""
         self.metrics.duplicates.labels(self.run_id).inc()
+
+    def traffic(self, organization: str, direction: Direction, b: TrafficBreakdown) -> None:
+        """Bytes exchanged with an organization, by direction and payload kind."""
+        self.metrics.traffic.record(self.run_id, self.algorithm, organization, direction, b)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hetfed.aggregator.disk import Disk, StateError, atomic_write
+from hetfed.aggregator.journal.disk import Disk, StateError, atomic_write
 
 # Keys of the metadata that are not the run's state.
 _OWN_KEYS = ("algorithm", "organizations", "history_len", "last_record")

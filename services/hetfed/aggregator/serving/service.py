@@ -23,12 +23,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig, RunConfig
-from hetfed.aggregator.engine import Limits, Run
-from hetfed.aggregator.memory import Trimmer
-from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.store import Disk, RunConflictError
+from hetfed.aggregator.journal.store import Disk, RunConflictError
+from hetfed.aggregator.observe import k8s_events
+from hetfed.aggregator.observe.metrics import AggregatorMetrics
+from hetfed.aggregator.observe.observers import RunObserver
+from hetfed.aggregator.run.admission import Limits
+from hetfed.aggregator.run.shell import Run
+from hetfed.aggregator.serving.memory import Trimmer
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
@@ -174,7 +176,8 @@ class AggregatorService:
         try:
             for r in config.runs:
                 try:
-                    self.runs[r.id] = Run(r, s.state_dir, metrics, limits, disk)
+                    observer = RunObserver(r.id, r.algorithm, metrics, r.spec.figures)
+                    self.runs[r.id] = Run(r, s.state_dir, observer, limits, disk)
                 except RunConflictError as exc:
                     self._refuse_run(r, str(exc))
         except BaseException:

@@ -2,10 +2,10 @@
 graceful stop that ends in bounded time.
 
 The gRPC server runs on one event loop in a thread of its own; blocking work runs in the service's bounded
-worker pool (see ``hetfed.aggregator.service``). Threads: the caller's, the event loop's, gRPC's fixed
+worker pool (see ``hetfed.aggregator.serving.service``). Threads: the caller's, the event loop's, gRPC's fixed
 completion-queue pollers, ``server.worker_threads`` workers and the metrics HTTP server's; none per client.
 With ``server.health_listen`` set, the plaintext health listener is a small child process fed by a heartbeat
-of the serving loop (see ``hetfed.aggregator.health_listener``).
+of the serving loop (see ``hetfed.aggregator.serving.health_listener``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import grpc.aio
 from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
-from hetfed.aggregator import k8s_events
 from hetfed.aggregator.config import AggregatorConfig
-from hetfed.aggregator.health_listener import HealthListener
-from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.run_metrics import RunMetricsCollector
-from hetfed.aggregator.service import AggregatorService
-from hetfed.aggregator.store import Disk
+from hetfed.aggregator.journal.store import Disk
+from hetfed.aggregator.observe import k8s_events
+from hetfed.aggregator.observe.metrics import AggregatorMetrics
+from hetfed.aggregator.observe.run_metrics import RunMetricsCollector
+from hetfed.aggregator.serving.health_listener import HealthListener
+from hetfed.aggregator.serving.service import AggregatorService
 from hetfed.wire.rpc import SERVICE_NAME, add_aggregator_handler
 from hetfed.wire.transport import Health, make_server
 

@@ -1,15 +1,16 @@
-"""The round engine: one loop for every algorithm, durable, with quorum, deadlines and contract checks.
+"""The run's shell: one round loop for every algorithm, durable, with quorum, deadlines and contract checks.
 
 A run moves through phases (``hetfed.wire.phases.Phase``): setup (round 0, only when the algorithm uploads
 something once), train (rounds 1..R), evaluate (round R+1: clients evaluate the final state and report
 metrics) and finished. A round closes when every organization still expected has pushed, or once its deadline
 has passed with at least the quorum.
 
-The rules live in ``hetfed.aggregator.run_state``: a frozen ``RunState`` and pure transitions that return the
-next state and its effects. ``Run`` is the concurrency shell around them: it holds the lock, carries out the
-effects (the journal of ``hetfed.aggregator.store``, the numpy server half, the instruction cache), wakes
-long-polls, and tells its ``RunObserver`` (metrics, Events). Every accepted update is on disk before it is
-acknowledged; a round's close is committed by a checkpoint; a restart replays the open round's logged updates.
+The rules live in ``hetfed.aggregator.run.state``: a frozen ``RunState`` and pure transitions that return the
+next state and its effects. ``Run`` is the concurrency shell around them: it holds the lock and dispatches every
+effect in one loop (``_apply_locked``) to its collaborators, through their public methods: the ``Journal``
+(``hetfed.aggregator.journal``), the ``Keeper`` of the numpy server half, the instruction cache, the
+organizations' ledger and an ``Observer`` (metrics, Events, the log). Every accepted update is on disk before it
+is acknowledged; a round's close is committed by a checkpoint; a restart replays the open round's logged updates.
 """
 
 from __future__ import annotations
@@ -19,25 +20,26 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import NoReturn
+from collections.abc import Mapping
+from typing import NoReturn, Protocol
 
-from hetfed.aggregator import admission, pushes, resume
-from hetfed.aggregator import run_state as rs
-from hetfed.aggregator.admission import Limits
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.algorithms.base import ServerHalf
-from hetfed.aggregator.changes import WAKE_BATCH, Changes, _wake_batches
-from hetfed.aggregator.checkpoint import CheckpointMeta
-from hetfed.aggregator.committer import CloseCommitter
 from hetfed.aggregator.config import RunConfig
-from hetfed.aggregator.history import RoundRecord
-from hetfed.aggregator.instructions import PER_ORGANIZATION_INSTRUCTIONS, InstructionCache, round_seed
-from hetfed.aggregator.metrics import AggregatorMetrics
-from hetfed.aggregator.observers import RunObserver
-from hetfed.aggregator.org_ledger import OrganizationLedger
-from hetfed.aggregator.status import run_status
-from hetfed.aggregator.store import Disk, RunStore, StorageError
-from hetfed.wire import contract
+from hetfed.aggregator.journal.checkpoint import CheckpointMeta
+from hetfed.aggregator.journal.crashpoints import crash_point
+from hetfed.aggregator.journal.history import RoundRecord
+from hetfed.aggregator.journal.journal import Journal
+from hetfed.aggregator.journal.store import Disk, StateError, StorageError, WalTicket
+from hetfed.aggregator.run import admission, resume
+from hetfed.aggregator.run import state as rs
+from hetfed.aggregator.run.admission import Limits
+from hetfed.aggregator.run.changes import Changes
+from hetfed.aggregator.run.instructions import InstructionCache, round_seed
+from hetfed.aggregator.run.keeper import Keeper
+from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.status import run_status
+from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import (
@@ -46,57 +48,80 @@ from hetfed.wire.messages import (
     ParsedUpdate,
     PullRequest,
     PushReply,
+    RoundSummary,
     RunStatus,
 )
 from hetfed.wire.payloads import EvalMetrics, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.rpc import Pulled, clip
-from hetfed.wire.traffic import Direction, TrafficBreakdown
-
-__all__ = ["PER_ORGANIZATION_INSTRUCTIONS", "WAKE_BATCH", "Changes", "Limits", "RoundRecord", "Run", "_wake_batches"]
+from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
 # Non-members refused lately that Status lists (their names are the caller's choice: bounded).
 MAX_LISTED_STRANGERS = 16
 
 
+class Observer(Protocol):
+    """What a run tells the outside; it never changes the run (``hetfed.aggregator.observe`` implements it)."""
+
+    def folded(self, organization: str, m: EvalMetrics | None) -> None:
+        """An update was folded in; ``m``: the metrics it reported."""
+
+    def closed(self, rec: RoundRecord) -> None:
+        """A round closed."""
+
+    def round_opened(self, round_: int) -> None:
+        """The run's current round."""
+
+    def refusal(self, change: rs.RefusalChanged, released: bool) -> None:
+        """A member's refusal was recorded or lifted; ``released``: rounds no longer wait for it."""
+
+    def restored(self, refused: Mapping[str, rs.Refused]) -> None:
+        """Refusals read back at start-up."""
+
+    def storage_error(self) -> None:
+        """A write to the run's state directory failed."""
+
+    def duplicate(self) -> None:
+        """An update arrived again, identical."""
+
+    def traffic(self, organization: str, direction: Direction, b: TrafficBreakdown) -> None:
+        """Bytes exchanged with an organization."""
+
+
 class Run:
     """One federated run hosted by the aggregator; thread-safe (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, state_dir: str, metrics: AggregatorMetrics, limits: Limits,
+    def __init__(self, cfg: RunConfig, state_dir: str, observer: Observer, limits: Limits,
                  disk: Disk | None = None) -> None:
-        self.cfg, self.spec, self.metrics, self.limits = cfg, cfg.spec, metrics, limits
+        self.cfg, self.spec, self.observer, self.limits = cfg, cfg.spec, observer, limits
         self.train_config = cfg.train_config()
-        self.half = self._new_half()
-        self.store = RunStore(state_dir, cfg.id, disk)
-        self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
-        self.rules = rs.Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
-                              self.spec.first_phase, str(self.store.dir))
-        self.state = rs.RunState.start(self.rules)
-        self.observer = RunObserver(cfg.id, cfg.algorithm, metrics, self.spec.figures)
-        dtype = self.train_config.wire_dtype
-        self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
+        self.keeper = Keeper(lambda: make_server_half(self.spec, self.train_config, self.cfg.run_info()))
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken, outside the lock.
-        self.committer = CloseCommitter(cfg.id, self._lock, self.store, self.observer.storage_error)
+        self.journal = Journal(cfg.id, state_dir, disk, self._lock, observer.storage_error)
+        self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
+        self.rules = rs.Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
+                              self.spec.first_phase, str(self.journal.dir))
+        self.state = rs.RunState.start(self.rules)
+        dtype = self.train_config.wire_dtype
+        self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
         self._traffic_lock = threading.Lock()  # never held across I/O: the event loop counts traffic
         self.changes = Changes()
-        self._committing: set[str] = set()  # organizations whose logged update is being synced, not yet folded
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._strangers: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        self._summaries: list = []  # type: ignore[type-arg]  # Status summaries of history[:len], built once
+        self._summaries: list[RoundSummary] = []  # Status summaries of history[:len], built once
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
-        self._stale = False  # the server half's memory is ahead of the durable state (a failed close)
         self._close_error = ""
         self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
         try:
             with self._lock:
-                resume.restore(self)
+                self._restore_locked()
         except BaseException:
-            self.store.close()  # its lock too: the aggregator may go on serving the other runs
+            self.journal.close()  # its lock too: the aggregator may go on serving the other runs
             raise
         self.commit_pending()
         self.observer.round_opened(self.round)
@@ -110,11 +135,11 @@ class Run:
     examples = property(lambda self: self.state.examples)
     pushed = property(lambda self: self.state.pushed)
     refused = property(lambda self: self.state.refused)
-    _committed = property(lambda self: self.committer.committed)
-    _commit_error = property(lambda self: self.committer.error)
 
-    def _new_half(self) -> ServerHalf:  # type: ignore[type-arg]
-        return make_server_half(self.spec, self.train_config, self.cfg.run_info())
+    @property
+    def half(self) -> ServerHalf:  # type: ignore[type-arg]
+        """The run's server half."""
+        return self.keeper.half
 
     # ----------------------------------------------------------------- durability
     def _meta(self, state: rs.RunState | None = None) -> CheckpointMeta:
@@ -124,25 +149,71 @@ class Run:
         """Write ``state``'s checkpoint, then adopt it; ``storage_unavailable`` (nothing changed) on failure."""
         self._fresh_locked()
         try:
-            self.store.save_checkpoint(self._meta(state).to_json(), self.half.state())
+            self.journal.save_checkpoint(self._meta(state), self.keeper.state())
         except StorageError as exc:
             self._storage_failed(exc)
         self.state = state
 
     def _fresh_locked(self) -> None:
-        """Rebuild the server half from the durable state when a failed close left it ahead of the disk."""
-        if self._stale:
-            resume.rebuild(self)
+        """Rebuild the server half from the journal when a failed close left it ahead of the disk."""
+        if not self.keeper.stale:
+            return
+        try:
+            _, arrays = self.journal.read_checkpoint()
+            updates = [(u.organization, self._weighted(u.organization, u.received)) for u in self._logged()
+                       if u.organization in self.pushed]
+            self.keeper.rebuild(arrays, self.phase, updates)
+        except (StateError, OSError) as exc:
+            raise WireError("storage_unavailable", f"run {self.cfg.id!r} cannot reload its state after a failed "
+                                                   f"write ({exc})") from None
+        log.info("run %s: server state rebuilt from the checkpoint and %d logged updates", self.cfg.id,
+                 len(self.pushed))
+
+    def _logged(self) -> list[resume.Logged]:
+        return resume.logged_updates(self.journal.logged(self.round), self.cfg, self.phase, self.round, self.schema,
+                                     self.limits.max_tensor_elements)
 
     def _storage_failed(self, exc: StorageError) -> NoReturn:
         self.observer.storage_error()
         raise WireError("storage_unavailable", f"{exc}; nothing changed: try again") from None
 
+    def _restore_locked(self) -> None:
+        """Read the run's durable state back (a new run writes its first checkpoint) and replay the open round's
+        logged updates; StateError or RunConflictError when it cannot be resumed."""
+        try:
+            loaded = self.journal.recover()
+        except StateError as exc:
+            raise StateError(f"run {self.cfg.id!r}: {exc}") from None
+        if loaded is None:
+            try:
+                self.journal.save_checkpoint(self._meta(), self.keeper.state())
+            except StorageError as exc:
+                raise StateError(f"run {self.cfg.id!r}: cannot write its first checkpoint: {exc}") from None
+            return
+        store = self.journal.store
+        back = resume.restored(loaded, self.cfg, self.rules, store.checkpoint_path, store.history_path)
+        self.history, self.state, self.ledger = back.history, back.state, back.ledger
+        resume.load_arrays(self.keeper.load, back.arrays, self.cfg, store.checkpoint_path)
+        self.observer.restored(self.refused)
+        self.current = RoundRecord(self.round, self.phase, time.monotonic())
+        self._deadline_armed = bool(self.joined)
+        if self.phase is Phase.FINISHED:
+            self.journal.drop_rounds_before(self.round + 1)
+            log.info("run %s resumed finished after %d rounds", self.cfg.id, len(self.history))
+            return
+        replayed = self._logged()
+        for u in replayed:  # their declarations bring the ledger's last ε up to date
+            self._apply_locked(rs.accept(self.state, self.rules, u.organization, self.round, u.digest), u.received,
+                               u.privacy)
+        log.info("run %s resumed at %s round %d with %d stored updates", self.cfg.id, self.phase.value,
+                 self.round, len(replayed))
+        self._try_close_locked()
+
     def close(self) -> None:
         """Write the last close's checkpoint if it is still pending, then close the run's files."""
         self.commit_pending()
         with self._lock:
-            self.store.close()
+            self.journal.close()
 
     # ----------------------------------------------------------------- join and instructions
     def check_member(self, organization: str) -> None:
@@ -160,7 +231,7 @@ class Run:
         data = rs.DataShape(request.num_classes if self.spec.shared_label_space else 0,
                             request.input_shape if self.spec.shared_input_shape else ())
         with self._lock:
-            self._await_commit_locked()  # a join's checkpoint must not overtake the last close's
+            self.journal.await_commit_locked(self.round - 1)  # a join's checkpoint must not overtake the last close's
             step = rs.join(self.state, self.rules, organization, declared, request.num_train_examples, data)
             self._apply_locked(step)
             if not self._deadline_armed:  # the first round's clock starts when the first organization arrives
@@ -186,7 +257,8 @@ class Run:
                 return self.instructions.finish(self.round)
             if organization not in self.pushed and request.completed_round <= self.round:
                 self._fresh_locked()
-                return Pulled(self.instructions.get(self.half, self.phase, self.round, organization), self.round)
+                return Pulled(self.instructions.get(self.keeper.half, self.phase, self.round, organization),
+                              self.round)
             return None
 
     def wait_reply(self) -> Pulled:
@@ -195,7 +267,7 @@ class Run:
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown) -> None:
         """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
-        self.metrics.traffic.record(self.cfg.id, self.cfg.algorithm, organization, direction, b)
+        self.observer.traffic(organization, direction, b)
         self.ledger.count(organization, direction, b)
         with self._traffic_lock:
             current = self.current
@@ -217,13 +289,16 @@ class Run:
         ``digest`` is the SHA-256 of ``update.data``. When the update completes the round, the round's
         checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
         ``commit_pending`` (so the acknowledgement need not wait for it).
+
+        The update is logged under the lock, made durable outside it (concurrent pushes share one fsync: polls,
+        Status and other pushes' checks go on meanwhile), then folded in under the lock again.
         """
         rs.check_member(self.state, self.rules, organization)
         with self._lock:  # a duplicate is answered before its bytes are decoded again
             if self._duplicate_locked(organization, round_, digest):
                 return PushReply(accepted=True, duplicate=True, round=round_)
             self._fresh_locked()
-            phase, half = self.phase, self.half
+            phase, half = self.phase, self.keeper.half
         if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
             update.check_envelope(self.cfg.id, round_, organization)
             admission.refuse_leave(self.cfg, organization, update.privacy)
@@ -234,20 +309,64 @@ class Run:
         # Its last accepted declaration changes only when its update of an earlier round is folded: none is pending.
         admission.check_privacy(self.cfg, organization, update.privacy, self.ledger.get(organization).privacy)
         half.validate(phase, organization, received)
-        ticket = pushes.log_update(self, organization, round_, update, digest, received, phase, half)
+        with self._lock:
+            ticket = self._log_locked(organization, round_, update, digest, received, phase, half)
         if isinstance(ticket, PushReply):
             return ticket
-        reply = pushes.sync_and_fold(self, organization, round_, digest, received, ticket, up, update.privacy)
+        reply = self._sync_and_fold(organization, round_, digest, received, ticket, up, update.privacy)
         if not defer_commit:
             self.commit_pending()
         return reply
 
+    def _log_locked(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes, received: Received,
+                    phase: Phase, half: ServerHalf) -> WalTicket | PushReply:  # type: ignore[type-arg]
+        """Append the checked update to the journal's log (not yet durable)."""
+        self.journal.await_commit_locked(self.round - 1)  # the last close's checkpoint first: the log holds this round
+        if self._duplicate_locked(organization, round_, digest):
+            return PushReply(accepted=True, duplicate=True, round=round_)
+        self.journal.check_free_locked(organization, round_)
+        if self.keeper.half is not half or self.keeper.stale:  # a failed close changed the half while it was decoded
+            self._fresh_locked()
+            self.keeper.half.validate(phase, organization, received)
+        try:
+            ticket = self.journal.log_locked(organization, round_, update.data, digest)
+        except StorageError as exc:
+            self._storage_failed(exc)
+        update.release()  # written: the log has the bytes, the decoded arrays are what is folded
+        return ticket
+
+    def _sync_and_fold(self, organization: str, round_: int, digest: bytes, received: Received, ticket: WalTicket,
+                       up: TrafficBreakdown, privacy: PrivacyDeclaration | None) -> PushReply:
+        """Make the record durable outside the lock, then fold it in (with the privacy it declared, for the
+        organization's ledger). Not folded, not acknowledged until it is on disk."""
+        try:
+            durable = self.journal.sync(organization, round_, ticket)
+        except StorageError as exc:
+            self._storage_failed(exc)
+        with self._lock:
+            self.journal.settle_locked(organization)
+            rs.check_round(self.state, self.rules, round_)  # the round closed while it was synced: it was cut
+            if not durable:
+                self._storage_failed(StorageError(self.journal.cut_message(organization, round_)))
+            if self._duplicate_locked(organization, round_, digest):  # folded by a rebuild from the log meanwhile
+                return PushReply(accepted=True, duplicate=True, round=round_)
+            self._fresh_locked()
+            self._apply_locked(rs.accept(self.state, self.rules, organization, round_, digest), received, privacy)
+            reply = PushReply(accepted=True, duplicate=False, round=round_)
+            # Counted before the round can close, so both belong to this round's record.
+            self.record_traffic(organization, round_, Direction.UP, up)
+            self.record_traffic(organization, round_, Direction.DOWN,
+                                with_envelope(TrafficBreakdown(), messages.push_reply_size(reply)))
+            # The update is durable: it is acknowledged even when the close it completes must be retried.
+            self._try_close_locked()
+            crash_point("push.acknowledged")
+            return reply
+
     def _duplicate_locked(self, organization: str, round_: int, digest: bytes) -> bool:
         """Whether this is an accepted update again (counted); ``late`` or ``replayed`` when it cannot be."""
-        if rs.is_duplicate(self.state, self.rules, organization, round_, digest):
-            self.observer.duplicate()
-            return True
-        return False
+        step = rs.seen(self.state, self.rules, organization, round_, digest)
+        self._apply_locked(step)
+        return bool(step.effects)
 
     def _weighted(self, organization: str, update: Received) -> Received:
         return admission.weighted(self.cfg, self.examples.get(organization, 0), update)
@@ -255,20 +374,24 @@ class Run:
     # ----------------------------------------------------------------- effects
     def _apply_locked(self, step: rs.Step, received: Received | None = None,
                       privacy: PrivacyDeclaration | None = None) -> None:
-        """Carry out a transition's effects in order, then adopt its state (a Persist first writes it).
-        ``received`` and ``privacy``: the checked update a Fold folds in, and what it declared."""
+        """Carry out a transition's effects in order, then adopt its state (a Persist first writes it, a Close
+        moves to it). ``received`` and ``privacy``: the checked update a Fold folds in, and what it declared."""
         for effect in step.effects:
             if isinstance(effect, rs.Persist):
                 self._persist_locked(step.state)
             elif isinstance(effect, rs.Fold):
                 assert received is not None
                 org = effect.organization
-                self.half.accumulate(self.phase, org, self._weighted(org, received))
+                self.keeper.accumulate(self.phase, org, self._weighted(org, received))
                 self.ledger.pushed(org, self.round, privacy)
                 m = received.maybe(EvalMetrics)
                 if m is not None:
                     self.current.reports[org] = m
                 self.observer.folded(org, m)
+            elif isinstance(effect, rs.Close):
+                self._close_locked(effect, step.state)
+            elif isinstance(effect, rs.Duplicate):
+                self.observer.duplicate()
             elif isinstance(effect, rs.RefusalChanged):
                 self.observer.refusal(effect, step.state.given_up(effect.organization, self.rules))
             elif isinstance(effect, rs.Stranger):
@@ -289,7 +412,7 @@ class Run:
             step = rs.refuse(self.state, self.rules, organization, err.reason, clip(err.message), at_push)
             try:
                 if any(isinstance(e, rs.Persist) for e in step.effects):
-                    self._await_commit_locked()  # its checkpoint must not overtake the last close's
+                    self.journal.await_commit_locked(self.round - 1)  # must not overtake the last close's checkpoint
                 self._apply_locked(step)
             except WireError as failed:  # kept in memory; the next close's checkpoint persists it
                 log.error("run %s: the refusal of %r could not be persisted (%s)", self.cfg.id, organization, failed)
@@ -310,7 +433,7 @@ class Run:
         try:
             overdue = self._deadline_armed and time.monotonic() - self.current.started >= self.cfg.round_deadline_seconds
             if rs.due(self.state, self.rules, overdue):
-                self._close_locked()
+                self._apply_locked(rs.close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:
                 log.error("run %s: round %d could not close (%s); retried by the deadline ticker", self.cfg.id,
@@ -319,29 +442,26 @@ class Run:
         else:
             self._close_error = ""
 
-    def _close_locked(self) -> None:
-        """Close the open round: aggregate, commit (history line, then checkpoint), then move on in memory."""
+    def _close_locked(self, close: rs.Close, nxt: rs.RunState) -> None:
+        """Carry out a Close: aggregate, commit (history line, then checkpoint), then move on in memory."""
         self._fresh_locked()
         rec = self.current
         rec.duration = time.monotonic() - rec.started
         rec.clients = len(self.pushed)
-        step = rs.close(self.state, self.rules)
-        self._stale = True  # close_round changes the half before the close is durable
-        self.half.close_round(self.phase, self.round)
+        arrays = self.keeper.close_round(close.phase, close.round)  # the half is ahead of the disk until durable()
         with self._traffic_lock:  # the event loop may be counting traffic into this record
             record = rec.to_json()
         try:
-            self.store.append_history(record)
+            self.journal.append_history(record)
         except StorageError as exc:
             self._storage_failed(exc)
         # The history line is durable; the checkpoint that counts it (the commit point) is written by
         # commit_pending once the lock is released, while clients already fetch the next round. Should the
         # process die first, the restart cuts the uncounted line and closes this round again from the log,
         # whose records stay until the checkpoint is on disk: the same aggregate, since it is deterministic.
-        nxt = step.state
         drop = nxt.round + 1 if nxt.phase is Phase.FINISHED else nxt.round
-        self.committer.set(self._meta(nxt), self.half.state(), drop)
-        self._stale = False
+        self.journal.set_close_locked(self._meta(nxt), arrays, drop)
+        self.keeper.durable()
         self.history.append(rec)
         self.observer.closed(rec)
         with self._traffic_lock:
@@ -352,17 +472,17 @@ class Run:
 
     def commit_pending(self) -> None:
         """Write the checkpoint of the last close, if one is pending (call without holding the run's lock)."""
-        self.committer.commit(lambda: self.round - 1)
+        self.journal.commit_pending(lambda: self.round - 1)
 
     def has_pending_commit(self) -> bool:
         """Whether a closed round's checkpoint waits to be written."""
-        return self.committer.pending()
-
-    def _await_commit_locked(self) -> None:
-        self.committer.await_locked(self.round - 1)
+        return self.journal.pending()
 
     # ----------------------------------------------------------------- status
     def status(self) -> RunStatus:
         """The run's state and per-round history."""
         with self._lock:
-            return run_status(self)
+            # Closed rounds never change: each one's summary is built once (runs of thousands of rounds are polled
+            # several times a second), the open round's every time.
+            self._summaries.extend(rec.summary() for rec in self.history[len(self._summaries):])
+            return run_status(self.cfg, self.state, self._summaries, self.current, self.ledger, self._strangers)

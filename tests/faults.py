@@ -2,7 +2,7 @@
 
 ``start_aggregator(config, disk=FaultyDisk())`` makes every run's store use it; ``add`` a ``DiskFault`` to
 make matching operations fail (writing part of the data first, as a full disk does) and ``clear`` to let
-space return. Crash points (killing the process) are in ``hetfed.aggregator.crashpoints``.
+space return. Crash points (killing the process) are in ``hetfed.aggregator.journal.crashpoints``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from hetfed.aggregator.store import Disk
+from hetfed.aggregator.journal.store import Disk
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hetfed.aggregator.crashpoints import crash_point
+from hetfed.aggregator.journal.crashpoints import crash_point
 
 log = logging.getLogger("hetfed.aggregator")
 

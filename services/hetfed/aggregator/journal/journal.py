@@ -1,0 +1,131 @@
+"""A run's ``Journal``: its store, the group commit of pushed updates, and the pending checkpoint of a close.
+
+A pushed update is appended to the log under the run's lock (``log_locked``), made durable outside it, where
+concurrent pushes share one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run
+folds it in: nothing is folded, nor acknowledged, before it is on disk. At most one update per organization is
+being made durable at a time. A round's close writes its history line at once (``append_history``) and leaves its
+checkpoint pending (``set_close_locked``) until ``commit_pending`` writes it outside the lock.
+
+``lock`` is the run's lock: methods whose name ends in ``_locked`` are called with it held, the others without.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetfed.aggregator.journal.checkpoint import CheckpointMeta
+from hetfed.aggregator.journal.committer import CloseCommitter
+from hetfed.aggregator.journal.store import Disk, Recovered, RunStore, StorageError, WalTicket
+from hetfed.wire.errors import WireError
+
+
+class Journal:
+    """One run's durable record (see the module docstring)."""
+
+    def __init__(self, run_id: str, state_dir: str, disk: Disk | None, lock: threading.RLock,
+                 on_error: Callable[[], None]) -> None:
+        self.store = RunStore(state_dir, run_id, disk)
+        self._lock = lock
+        self._committer = CloseCommitter(run_id, lock, self.store, on_error)
+        self._syncing: set[str] = set()  # organizations whose logged update is being made durable
+
+    @property
+    def dir(self) -> Path:
+        """The run's state directory."""
+        return self.store.dir
+
+    @property
+    def committed(self) -> threading.Condition:
+        """Notified (on the run's lock) whenever a pending close checkpoint is written or fails."""
+        return self._committer.committed
+
+    @property
+    def commit_error(self) -> str:
+        """Why the last write of a close checkpoint failed ("" when it did not)."""
+        return self._committer.error
+
+    # ----------------------------------------------------------------- start-up and reads
+    def recover(self) -> Recovered | None:
+        """The durable state (None for a new run); ``StateError`` when it cannot be read."""
+        return self.store.recover()
+
+    def read_checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The checkpoint's metadata and arrays."""
+        return self.store.read_checkpoint()
+
+    def logged(self, round_: int) -> list[tuple[str, bytes]]:
+        """The open round's logged updates, ``(organization, data)``, in log order."""
+        return list(self.store.updates(round_))
+
+    def drop_rounds_before(self, round_: int) -> None:
+        """Forget the logged updates of rounds before ``round_``."""
+        self.store.drop_rounds_before(round_)
+
+    # ----------------------------------------------------------------- writes
+    def save_checkpoint(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace the checkpoint (a join's, a refusal's, a new run's); ``StorageError`` on failure."""
+        self.store.save_checkpoint(meta.to_json(), arrays)
+
+    def append_history(self, record: dict[str, Any]) -> None:
+        """Make a closing round's history line durable; ``StorageError`` on failure."""
+        self.store.append_history(record)
+
+    def check_free_locked(self, organization: str, round_: int) -> None:
+        """``too_many_streams`` while an earlier update of the organization is being made durable."""
+        if organization in self._syncing:
+            raise WireError("too_many_streams", f"an update of {organization!r} for round {round_} is being "
+                                                "made durable; try again in a moment")
+
+    def log_locked(self, organization: str, round_: int, data: bytes | memoryview, digest: bytes) -> WalTicket:
+        """Append a checked update to the log (not yet durable); ``too_many_streams`` while an earlier update of
+        the organization is being made durable, ``StorageError`` when the append fails."""
+        self.check_free_locked(organization, round_)
+        ticket = self.store.append_update(round_, organization, data, digest)
+        self._syncing.add(organization)
+        return ticket
+
+    def sync(self, organization: str, round_: int, ticket: WalTicket) -> bool:
+        """Make the record durable (concurrent pushes share one fsync). False when a failed fsync of another
+        record cut it back; ``StorageError`` (every record past the last durable point cut) when the fsync fails."""
+        try:
+            return self.store.sync(ticket)
+        except StorageError as exc:
+            with self._lock:
+                self._syncing.discard(organization)
+                self.store.repair()  # every record past the last durable point is cut: none was acknowledged
+            raise StorageError(self.store.failed_update(organization, round_, exc)) from None
+
+    def settle_locked(self, organization: str) -> None:
+        """The organization's update is no longer being made durable (it is, or it was cut)."""
+        self._syncing.discard(organization)
+
+    def cut_message(self, organization: str, round_: int) -> str:
+        """Why an update that a failed fsync of another record cut back is not accepted."""
+        return self.store.failed_update(organization, round_, "it was cut back with the records of a failed fsync")
+
+    # ----------------------------------------------------------------- a close's checkpoint
+    def set_close_locked(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray], keep_from: int) -> None:
+        """The checkpoint that commits a close, to be written by ``commit_pending``; logged updates of rounds
+        before ``keep_from`` are dropped once it is on disk."""
+        self._committer.set(meta, arrays, keep_from)
+
+    def commit_pending(self, closed_round: Callable[[], int]) -> None:
+        """Write the pending close checkpoint, if any (without the run's lock)."""
+        self._committer.commit(closed_round)
+
+    def pending(self) -> bool:
+        """Whether a close checkpoint waits to be written."""
+        return self._committer.pending()
+
+    def await_commit_locked(self, closed_round: int) -> None:
+        """Wait until the pending close checkpoint is on disk; ``storage_unavailable`` when it cannot be."""
+        self._committer.await_locked(closed_round)
+
+    def close(self) -> None:
+        """Close the run's files and its directory lock."""
+        self.store.close()
