@@ -36,6 +36,7 @@ GENERIC = [
     "clients/hetfed/client/algorithms/base.py",
     *AGGREGATOR_ROOMS,
     "services/hetfed/aggregator/algorithms/base.py",
+    "services/hetfed/aggregator/algorithms/aggregators.py",
     "proto/hetfed/wire/rpc.py",
     "proto/hetfed/wire/messages.py",
 ]

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms.base import CoordinateMedian, RunInfo, TrimmedMean, clip_to_ball
+from hetfed.aggregator.algorithms.aggregators import CoordinateMedian, TrimmedMean, clip_to_ball
+from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.fedavg import FedAvgServer
 from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
 from hetfed.wire.config import ConfigError, from_mapping

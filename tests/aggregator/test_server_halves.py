@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hetfed.aggregator.algorithms import make_server_half, server_half_type
-from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf, WeightedMean
+from hetfed.aggregator.algorithms.aggregators import WeightedMean
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import HeadWeights, ModelWeights, Received
 from hetfed.wire.phases import Phase

@@ -19,7 +19,6 @@ from hetfed.client.algorithms.simfed.layers import (
     build_factorized_model,
     criteria_embeddings,
     criteria_inputs,
-    decode_mask,
     densify_model,
     encode_factors,
     encode_mask,
@@ -29,6 +28,7 @@ from hetfed.client.algorithms.simfed.layers import (
     mask_density,
 )
 from hetfed.client.models import build_model, load_state_arrays, state_arrays
+from hetfed.wire.specs.simfed import decode_mask
 
 
 def _fill(layer: FactorizedLinear | FactorizedConv2d, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from hetfed.cli.localrun import (
-    LocalFederation,
-    LocalRunOptions,
-    aggregator_config,
-    client_config,
-    summarize_run,
-)
+from hetfed.cli.localrun import LocalRunOptions, summarize_run
 from hetfed.v1 import aggregator_pb2 as apb
-from tests.conftest import wait_until
 from tests.e2e.recording import run_recorded
+from tests.e2e.runs import recorded_run
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS = 2, 2
@@ -44,8 +38,6 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     """FedAvg (two client processes) and Ditto+MMD-D (org-1 a process, org-0 in this process, recorded)."""
     import hetfed.client.algorithms as algorithms
 
-    workdir = tmp_path_factory.mktemp("ditto")
-    fed = LocalFederation(workdir)
     secrets: list[bytes] = []  # every state w_L and the kernel held after a round's training
     shared: list[bytes] = []  # and w_G's, which must go up
     original = algorithms.client_half_type
@@ -68,21 +60,16 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
 
         return Recorded
 
-    try:
-        fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
-        for i in range(CLIENTS):
-            fed.start_client(f"fedavg-org-{i}", client_config(OPTS, "fedavg", i, fed.port))
-        fed.start_client("ditto-org-1", client_config(OPTS, DITTO, 1, fed.port))
+    def run_in_process(cfg: dict[str, Any]) -> tuple[list[tuple[str, Any]], Any]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(algorithms, "client_half_type", recorded_type)
-            sent, _ = run_recorded(client_config(OPTS, DITTO, 0, fed.port))
-        status = wait_until(lambda: (s := fed.status()) and all(r.finished for r in s) and s, timeout=120,
-                            what="both runs to finish")
-        fed.wait_clients(timeout=30)
-        yield {"summaries": {s.run_id: summarize_run(s) for s in status}, "sent": sent,
+            return run_recorded(cfg)
+
+    processes = [*((f"fedavg-org-{i}", "fedavg", i) for i in range(CLIENTS)), ("ditto-org-1", DITTO, 1)]
+    with recorded_run(tmp_path_factory.mktemp("ditto"), OPTS, processes, (DITTO, 0), timeout=120,
+                      run=run_in_process) as run:
+        yield {"summaries": {s.run_id: summarize_run(s) for s in run.status}, "sent": run.sent,
                "secrets": secrets, "shared": shared}
-    finally:
-        fed.stop()
 
 
 def _uploaded(sent: list[tuple[str, Any]]) -> bytes:

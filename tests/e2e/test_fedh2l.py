@@ -13,18 +13,13 @@ import numpy as np
 import pytest
 from google.protobuf import unknown_fields
 
-from hetfed.cli.localrun import (
-    LocalFederation,
-    LocalRunOptions,
-    aggregator_config,
-    client_config,
-    summarize_run,
-)
+from hetfed.cli.localrun import LocalRunOptions, aggregator_config, client_config, summarize_run
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, SeedPosteriors
-from tests.conftest import RawClient, wait_until
-from tests.e2e.recording import client_runtime, run_recorded
+from tests.conftest import RawClient
+from tests.e2e.recording import client_runtime
+from tests.e2e.runs import recorded_run
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, BATCH, K = 6, 3, 32, 10
@@ -36,22 +31,13 @@ OPTS = LocalRunOptions(algorithms=("fedh2l",), clients=CLIENTS, rounds=ROUNDS, p
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A short heterogeneous run: org-1 and org-2 as processes, org-0 in this process with a recorder."""
-    workdir = tmp_path_factory.mktemp("fedh2l")
-    fed = LocalFederation(workdir)
-    try:
-        fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
-        for i in range(1, CLIENTS):
-            fed.start_client(f"org-{i}", client_config(OPTS, "fedh2l", i, fed.port))
-        sent, reports = run_recorded(client_config(OPTS, "fedh2l", 0, fed.port))
-        status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
-                            timeout=60, what="the run to finish")
-        fed.wait_clients(timeout=30)
-        with urllib.request.urlopen(f"http://127.0.0.1:{fed.metrics_port}/metrics", timeout=10) as resp:
+    processes = [(f"org-{i}", "fedh2l", i) for i in range(1, CLIENTS)]
+    with recorded_run(tmp_path_factory.mktemp("fedh2l"), OPTS, processes, ("fedh2l", 0)) as run:
+        with urllib.request.urlopen(f"http://127.0.0.1:{run.fed.metrics_port}/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
-        yield {"status": status, "summary": summarize_run(status), "sent": sent, "reports": reports,
+        (status,) = run.status
+        yield {"status": status, "summary": summarize_run(status), "sent": run.sent, "reports": run.reports,
                "metrics": metrics}
-    finally:
-        fed.stop()
 
 
 def test_short_heterogeneous_run_finishes_with_wdp_cdp_acc(federation: dict[str, Any]) -> None:

@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 from google.protobuf import unknown_fields
 
-from hetfed.cli.localrun import (
-    LocalFederation,
-    LocalRunOptions,
-    aggregator_config,
-    client_config,
-    summarize_run,
-)
+from hetfed.cli.localrun import LocalRunOptions, summarize_run
 from hetfed.client.data import DataConfig, load_client_data
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
-from tests.conftest import wait_until
-from tests.e2e.recording import run_recorded
+from tests.e2e.runs import recorded_run
 
 pytestmark = pytest.mark.e2e
 ROUNDS, CLIENTS, TARGET, Z, K = 2, 2, 2, 64, 10
@@ -50,17 +43,9 @@ def _model_shapes() -> dict[str, list[int]]:
 def _federation(tmp_path_factory: pytest.TempPathFactory, shared: bool) -> Iterator[dict[str, Any]]:
     opts = _options(shared)
     workdir = tmp_path_factory.mktemp("fedsr-shared" if shared else "fedsr-local")
-    fed = LocalFederation(workdir)
-    try:
-        fed.start_aggregator(aggregator_config(opts, str(workdir / "state")))
-        fed.start_client("org-1", client_config(opts, "fedsr", 1, fed.port))
-        sent, _ = run_recorded(client_config(opts, "fedsr", 0, fed.port))
-        status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
-                            timeout=60, what="the run to finish")
-        fed.wait_clients(timeout=30)
-        yield {"summary": summarize_run(status), "sent": sent, "state": workdir / "state"}
-    finally:
-        fed.stop()
+    with recorded_run(workdir, opts, [("org-1", "fedsr", 1)], ("fedsr", 0)) as run:
+        (status,) = run.status
+        yield {"summary": summarize_run(status), "sent": run.sent, "state": workdir / "state"}
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetfed.cli.localrun import (
-    LocalFederation,
-    LocalRunOptions,
-    aggregator_config,
-    client_config,
-    summarize_run,
-)
+from hetfed.cli.localrun import LocalRunOptions, summarize_run
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
-from tests.conftest import load_benchmark, wait_until
-from tests.e2e.recording import run_recorded
+from tests.conftest import load_benchmark
+from tests.e2e.runs import recorded_run
 from tests.e2e.test_fedh2l import _fields
 
 pytestmark = pytest.mark.e2e
@@ -39,19 +33,11 @@ OPTS = LocalRunOptions(algorithms=("simfed",), clients=CLIENTS, rounds=ROUNDS, d
 def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """org-1 and org-2 as processes, org-0 in this process with a recorder on its gRPC channel."""
     workdir = tmp_path_factory.mktemp("simfed")
-    fed = LocalFederation(workdir)
-    try:
-        fed.start_aggregator(aggregator_config(OPTS, str(workdir / "state")))
-        for i in range(1, CLIENTS):
-            fed.start_client(f"org-{i}", client_config(OPTS, "simfed", i, fed.port))
-        sent, reports = run_recorded(client_config(OPTS, "simfed", 0, fed.port))
-        status = wait_until(lambda: next((s for s in fed.status() if s.finished), None),
-                            timeout=60, what="the run to finish")
-        fed.wait_clients(timeout=30)
-        yield {"summary": summarize_run(status), "sent": sent, "reports": reports,
+    processes = [(f"org-{i}", "simfed", i) for i in range(1, CLIENTS)]
+    with recorded_run(workdir, OPTS, processes, ("simfed", 0)) as run:
+        (status,) = run.status
+        yield {"summary": summarize_run(status), "sent": run.sent, "reports": run.reports,
                "state": workdir / "state" / "simfed"}
-    finally:
-        fed.stop()
 
 
 def _update(items: list[Any]) -> tuple[apb.Update, bytes]:

@@ -337,6 +337,19 @@ def test_encoding_a_non_payload_is_a_type_error() -> None:
         codec.payload_to_proto(np.zeros(3))  # type: ignore[arg-type]
 
 
+def test_each_payload_kind_has_one_pair_under_its_oneof_field() -> None:
+    fields = sorted(f.name for f in pb.Payload.DESCRIPTOR.oneofs_by_name["kind"].fields)
+    assert fields == sorted(k.value for k in PayloadKind) == sorted(codec._FROM_PROTO)
+    assert sorted((cls.kind.value, field) for cls, (field, _) in codec._TO_PROTO.items()) == [(f, f) for f in fields]
+
+
+def test_an_empty_payload_still_sets_its_kind() -> None:
+    for payload in (ModelWeights({}), FactorizedWeights(()), EvalMetrics()):
+        msg = codec.payload_to_proto(payload)
+        assert msg.WhichOneof("kind") == payload.kind.value and msg.ByteSize() == 2  # field tag, length 0
+        assert codec.payload_from_proto(msg) == payload
+
+
 # ---------------------------------------------------------------- payload round trips (Hypothesis)
 
 NATIVE_DTYPES = ["<f4", "<f2", "<i8", "<i4", "u1", "?"]

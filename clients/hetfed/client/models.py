@@ -113,14 +113,17 @@ def linear(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.M
     return nn.Sequential(*layers)
 
 
-def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
-    """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
-    c, _, _ = _image_shape("lenet", input_shape)
+def _lenet(name: str, widths: tuple[int, int, int], input_shape: tuple[int, ...], latent_dim: int,
+           bounded: bool) -> nn.Module:
+    """LeNet of ``widths`` (the two 5x5 convolutions' channels and the hidden units), each convolution with ReLU
+    and 2x2 max-pooling, then Linear to d_e."""
+    c, _, _ = _image_shape(name, input_shape)
+    conv1, conv2, hidden = widths
     features = nn.Sequential(
-        nn.Conv2d(c, 6, kernel_size=5, padding=2),
+        nn.Conv2d(c, conv1, kernel_size=5, padding=2),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, kernel_size=5, padding=2),
+        nn.Conv2d(conv1, conv2, kernel_size=5, padding=2),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
@@ -128,35 +131,22 @@ def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Mo
     flat = _flat_size(features, input_shape)
     return nn.Sequential(
         *features,
-        nn.Linear(flat, 120),
+        nn.Linear(flat, hidden),
         nn.ReLU(),
-        nn.Linear(120, latent_dim),
+        nn.Linear(hidden, latent_dim),
         _latent_activation(bounded),
     )
+
+
+def lenet(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
+    """LeNet-5 style encoder: two 5x5 convolutions (6, 16 channels) with max-pooling, then 120 hidden units."""
+    return _lenet("lenet", (6, 16, 120), input_shape, latent_dim, bounded)
 
 
 def lenet_wide(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """LeNet with twice the channels (12, 32) and 200 hidden units."""
-    # LeNet with twice the convolution channels (12, 32) and a wider hidden layer (200), for
-    # heterogeneous federations that mix architectures of one family at different sizes.
-    c, _, _ = _image_shape("lenet_wide", input_shape)
-    features = nn.Sequential(
-        nn.Conv2d(c, 12, kernel_size=5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(12, 32, kernel_size=5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-    )
-    flat = _flat_size(features, input_shape)
-    return nn.Sequential(
-        *features,
-        nn.Linear(flat, 200),
-        nn.ReLU(),
-        nn.Linear(200, latent_dim),
-        _latent_activation(bounded),
-    )
+    # For heterogeneous federations that mix architectures of one family at different sizes.
+    return _lenet("lenet_wide", (12, 32, 200), input_shape, latent_dim, bounded)
 
 
 def fedgen_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:

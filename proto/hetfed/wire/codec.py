@@ -5,12 +5,16 @@ tensor twice (array -> ``bytes`` -> the message; Protobuf's bytes setter accepts
 fills every payload message in place, never through a constructor or ``add(tensor=...)`` that
 would copy the finished sub-message once more. Decoding reads each ``data`` field once (every read
 of a bytes field is a fresh copy) and returns a read-only ``np.frombuffer`` view of that copy.
+
+Each payload kind has one flat pair, ``x_to_proto`` (fills the kind's field of a Payload in place) and
+``x_from_proto``; two tables pick them, by payload type when encoding and by the oneof field when decoding.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import EncodeError
@@ -210,78 +214,182 @@ def fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None = Non
     return out
 
 
-def _fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None) -> pb.Payload:
-    if isinstance(payload, ModelWeights):
-        mw = out.model_weights
-        mw.SetInParent()
-        mw.num_examples = payload.num_examples
-        for name, arr in payload.tensors.items():
-            nt = mw.tensors.add()
-            nt.name = name
-            nt.tensor.SetInParent()
-            _fill_t(nt.tensor, arr, wire_dtype)
-        return out
-    if isinstance(payload, HeadWeights):
-        hw = out.head_weights
-        hw.SetInParent()
-        _fill_t(hw.weight, payload.weight, wire_dtype)
-        _fill_t(hw.bias, payload.bias, wire_dtype)
-        hw.num_examples = payload.num_examples
-        return out
-    if isinstance(payload, ClassCounts):
-        out.class_counts.SetInParent()
-        _fill(out.class_counts.counts, payload.counts)
-        return out
-    if isinstance(payload, ClassMeanEmbeddings):
-        ce = out.class_mean_embeddings
-        ce.SetInParent()
-        _fill(ce.labels, payload.labels)
-        _fill_t(ce.means, payload.means, wire_dtype)
-        _fill(ce.counts, payload.counts)
-        _fill(ce.presence, payload.presence)
-        return out
-    if isinstance(payload, SeedPosteriors):
-        sp = out.seed_posteriors
-        sp.SetInParent()
-        sp.seed_set_id = payload.seed_set_id
-        _fill(sp.indices, payload.indices)
-        _fill_t(sp.probabilities, payload.probabilities, wire_dtype)
-        sp.teaching_confidence = payload.teaching_confidence
-        sp.source_organization = payload.source_organization
-        return out
-    if isinstance(payload, FactorizedWeights):
-        fw = out.factorized_weights
-        fw.SetInParent()
-        fw.num_examples = payload.num_examples
-        for layer in payload.layers:
-            fl = fw.layers.add()
-            fl.name = layer.name
-            _fill_t(fl.u, layer.u, wire_dtype)
-            _fill_t(fl.v, layer.v, wire_dtype)
-            _fill(fl.mask_indices, layer.mask_indices)
-            _fill_t(fl.mask_values, layer.mask_values, wire_dtype)
-            fl.mask_shape.extend(layer.mask_shape)
-        return out
-    if isinstance(payload, CriteriaEmbeddings):
-        cr = out.criteria_embeddings
-        cr.SetInParent()
-        cr.criteria_set_id = payload.criteria_set_id
-        _fill_t(cr.embeddings, payload.embeddings, wire_dtype)
-        return out
-    if isinstance(payload, EvalMetrics):
-        out.eval_metrics.SetInParent()
-        out.eval_metrics.CopyFrom(
-            pb.EvalMetrics(
-                train_loss=payload.train_loss,
-                num_train_examples=payload.num_train_examples,
-                test_accuracy=payload.test_accuracy,
-                test_loss=payload.test_loss,
-                num_test_examples=payload.num_test_examples,
-                extra=payload.extra,
-            )
+# ------------------------------------------------------------------------------------------ payload pairs
+# One ``x_to_proto`` / ``x_from_proto`` pair per payload kind. ``x_to_proto`` fills the kind's (empty) field of a
+# Payload in place; ``x_from_proto`` reads that field (``lifted``: see ``tensor_from_proto``).
+
+
+def model_weights_to_proto(payload: ModelWeights, out: pb.ModelWeights, wire_dtype: str | None) -> None:
+    """Fill a ModelWeights message: its named tensors in order and the example count."""
+    out.num_examples = payload.num_examples
+    for name, arr in payload.tensors.items():
+        nt = out.tensors.add()
+        nt.name = name
+        nt.tensor.SetInParent()
+        _fill_t(nt.tensor, arr, wire_dtype)
+
+
+def model_weights_from_proto(m: pb.ModelWeights, lifted: list[memoryview] | None) -> ModelWeights:
+    """Decode a ModelWeights message; a tensor named twice is malformed."""
+    names = [t.name for t in m.tensors]
+    if len(set(names)) != len(names):
+        raise WireError("malformed", "model weights name a tensor twice")
+    return ModelWeights({t.name: tensor_from_proto(t.tensor, lifted) for t in m.tensors}, int(m.num_examples))
+
+
+def head_weights_to_proto(payload: HeadWeights, out: pb.HeadWeights, wire_dtype: str | None) -> None:
+    """Fill a HeadWeights message."""
+    _fill_t(out.weight, payload.weight, wire_dtype)
+    _fill_t(out.bias, payload.bias, wire_dtype)
+    out.num_examples = payload.num_examples
+
+
+def head_weights_from_proto(h: pb.HeadWeights, lifted: list[memoryview] | None) -> HeadWeights:
+    """Decode a HeadWeights message."""
+    return HeadWeights(tensor_from_proto(h.weight, lifted), tensor_from_proto(h.bias, lifted), int(h.num_examples))
+
+
+def class_counts_to_proto(payload: ClassCounts, out: pb.ClassCounts, wire_dtype: str | None) -> None:
+    """Fill a ClassCounts message (integers: ``wire_dtype`` does not apply)."""
+    _fill(out.counts, payload.counts)
+
+
+def class_counts_from_proto(c: pb.ClassCounts, lifted: list[memoryview] | None) -> ClassCounts:
+    """Decode a ClassCounts message."""
+    return ClassCounts(tensor_from_proto(c.counts, lifted))
+
+
+def class_mean_embeddings_to_proto(payload: ClassMeanEmbeddings, out: pb.ClassMeanEmbeddings,
+                                   wire_dtype: str | None) -> None:
+    """Fill a ClassMeanEmbeddings message (``wire_dtype`` narrows the means only)."""
+    _fill(out.labels, payload.labels)
+    _fill_t(out.means, payload.means, wire_dtype)
+    _fill(out.counts, payload.counts)
+    _fill(out.presence, payload.presence)
+
+
+def class_mean_embeddings_from_proto(c: pb.ClassMeanEmbeddings,
+                                     lifted: list[memoryview] | None) -> ClassMeanEmbeddings:
+    """Decode a ClassMeanEmbeddings message."""
+    return ClassMeanEmbeddings(tensor_from_proto(c.labels, lifted), tensor_from_proto(c.means, lifted),
+                               tensor_from_proto(c.counts, lifted), tensor_from_proto(c.presence, lifted))
+
+
+def seed_posteriors_to_proto(payload: SeedPosteriors, out: pb.SeedPosteriors, wire_dtype: str | None) -> None:
+    """Fill a SeedPosteriors message (``wire_dtype`` narrows the probabilities only)."""
+    out.seed_set_id = payload.seed_set_id
+    _fill(out.indices, payload.indices)
+    _fill_t(out.probabilities, payload.probabilities, wire_dtype)
+    out.teaching_confidence = payload.teaching_confidence
+    out.source_organization = payload.source_organization
+
+
+def seed_posteriors_from_proto(s: pb.SeedPosteriors, lifted: list[memoryview] | None) -> SeedPosteriors:
+    """Decode a SeedPosteriors message."""
+    return SeedPosteriors(s.seed_set_id, tensor_from_proto(s.indices, lifted),
+                          tensor_from_proto(s.probabilities, lifted), float(s.teaching_confidence),
+                          s.source_organization)
+
+
+def factorized_weights_to_proto(payload: FactorizedWeights, out: pb.FactorizedWeights,
+                                wire_dtype: str | None) -> None:
+    """Fill a FactorizedWeights message, layer by layer (``wire_dtype`` narrows u, v and the mask values)."""
+    out.num_examples = payload.num_examples
+    for layer in payload.layers:
+        fl = out.layers.add()
+        fl.name = layer.name
+        _fill_t(fl.u, layer.u, wire_dtype)
+        _fill_t(fl.v, layer.v, wire_dtype)
+        _fill(fl.mask_indices, layer.mask_indices)
+        _fill_t(fl.mask_values, layer.mask_values, wire_dtype)
+        fl.mask_shape.extend(layer.mask_shape)
+
+
+def factorized_weights_from_proto(f: pb.FactorizedWeights, lifted: list[memoryview] | None) -> FactorizedWeights:
+    """Decode a FactorizedWeights message."""
+    layers = tuple(
+        FactorizedLayer(layer.name, tensor_from_proto(layer.u, lifted), tensor_from_proto(layer.v, lifted),
+                        tensor_from_proto(layer.mask_indices, lifted), tensor_from_proto(layer.mask_values, lifted),
+                        tuple(int(d) for d in layer.mask_shape))
+        for layer in f.layers
+    )
+    return FactorizedWeights(layers, int(f.num_examples))
+
+
+def criteria_embeddings_to_proto(payload: CriteriaEmbeddings, out: pb.CriteriaEmbeddings,
+                                 wire_dtype: str | None) -> None:
+    """Fill a CriteriaEmbeddings message."""
+    out.criteria_set_id = payload.criteria_set_id
+    _fill_t(out.embeddings, payload.embeddings, wire_dtype)
+
+
+def criteria_embeddings_from_proto(e: pb.CriteriaEmbeddings, lifted: list[memoryview] | None) -> CriteriaEmbeddings:
+    """Decode a CriteriaEmbeddings message."""
+    return CriteriaEmbeddings(e.criteria_set_id, tensor_from_proto(e.embeddings, lifted))
+
+
+def eval_metrics_to_proto(payload: EvalMetrics, out: pb.EvalMetrics, wire_dtype: str | None) -> None:
+    """Fill an EvalMetrics message (no tensors: ``wire_dtype`` does not apply)."""
+    out.CopyFrom(
+        pb.EvalMetrics(
+            train_loss=payload.train_loss,
+            num_train_examples=payload.num_train_examples,
+            test_accuracy=payload.test_accuracy,
+            test_loss=payload.test_loss,
+            num_test_examples=payload.num_test_examples,
+            extra=payload.extra,
         )
-        return out
+    )
+
+
+def eval_metrics_from_proto(m: pb.EvalMetrics, lifted: list[memoryview] | None) -> EvalMetrics:
+    """Decode an EvalMetrics message."""
+    return EvalMetrics(float(m.train_loss), int(m.num_train_examples), float(m.test_accuracy), float(m.test_loss),
+                       int(m.num_test_examples), dict(m.extra))
+
+
+_ToProto = Callable[[Any, Any, str | None], None]
+_FromProto = Callable[[Any, list[memoryview] | None], Payload]
+
+# Payload type -> (its field of the Payload oneof, its to_proto).
+_TO_PROTO: dict[type, tuple[str, _ToProto]] = {
+    ModelWeights: ("model_weights", model_weights_to_proto),
+    HeadWeights: ("head_weights", head_weights_to_proto),
+    ClassCounts: ("class_counts", class_counts_to_proto),
+    ClassMeanEmbeddings: ("class_mean_embeddings", class_mean_embeddings_to_proto),
+    SeedPosteriors: ("seed_posteriors", seed_posteriors_to_proto),
+    FactorizedWeights: ("factorized_weights", factorized_weights_to_proto),
+    CriteriaEmbeddings: ("criteria_embeddings", criteria_embeddings_to_proto),
+    EvalMetrics: ("eval_metrics", eval_metrics_to_proto),
+}
+# Field of the Payload oneof -> its from_proto.
+_FROM_PROTO: dict[str, _FromProto] = {
+    "model_weights": model_weights_from_proto,
+    "head_weights": head_weights_from_proto,
+    "class_counts": class_counts_from_proto,
+    "class_mean_embeddings": class_mean_embeddings_from_proto,
+    "seed_posteriors": seed_posteriors_from_proto,
+    "factorized_weights": factorized_weights_from_proto,
+    "criteria_embeddings": criteria_embeddings_from_proto,
+    "eval_metrics": eval_metrics_from_proto,
+}
+
+
+def _to_proto_of(payload: Payload) -> tuple[str, _ToProto]:
+    """The oneof field and to_proto of a payload's type (or of the payload type it derives from)."""
+    for cls in type(payload).__mro__:
+        entry = _TO_PROTO.get(cls)
+        if entry is not None:
+            return entry
     raise TypeError(f"not a payload: {type(payload).__name__}")
+
+
+def _fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None) -> pb.Payload:
+    field, to_proto = _to_proto_of(payload)
+    target = getattr(out, field)
+    target.SetInParent()  # the oneof is set even when the payload fills nothing (no tensor, zero counts)
+    to_proto(payload, target, wire_dtype)
+    return out
 
 
 def payload_kind_of(message: pb.Payload) -> PayloadKind:
@@ -294,62 +402,8 @@ def payload_kind_of(message: pb.Payload) -> PayloadKind:
 
 def payload_from_proto(message: pb.Payload, lifted: list[memoryview] | None = None) -> Payload:
     """Decode a Payload message into its typed, numpy-backed dataclass (``lifted``: see ``tensor_from_proto``)."""
-    tensor = functools.partial(tensor_from_proto, lifted=lifted)
-    kind = payload_kind_of(message)
-    if kind is PayloadKind.MODEL_WEIGHTS:
-        m = message.model_weights
-        names = [t.name for t in m.tensors]
-        if len(set(names)) != len(names):
-            raise WireError("malformed", "model weights name a tensor twice")
-        return ModelWeights({t.name: tensor(t.tensor) for t in m.tensors}, int(m.num_examples))
-    if kind is PayloadKind.HEAD_WEIGHTS:
-        h = message.head_weights
-        return HeadWeights(tensor(h.weight), tensor(h.bias), int(h.num_examples))
-    if kind is PayloadKind.CLASS_COUNTS:
-        return ClassCounts(tensor(message.class_counts.counts))
-    if kind is PayloadKind.CLASS_MEAN_EMBEDDINGS:
-        c = message.class_mean_embeddings
-        return ClassMeanEmbeddings(
-            tensor(c.labels),
-            tensor(c.means),
-            tensor(c.counts),
-            tensor(c.presence),
-        )
-    if kind is PayloadKind.SEED_POSTERIORS:
-        s = message.seed_posteriors
-        return SeedPosteriors(
-            s.seed_set_id,
-            tensor(s.indices),
-            tensor(s.probabilities),
-            float(s.teaching_confidence),
-            s.source_organization,
-        )
-    if kind is PayloadKind.FACTORIZED_WEIGHTS:
-        f = message.factorized_weights
-        layers = tuple(
-            FactorizedLayer(
-                layer.name,
-                tensor(layer.u),
-                tensor(layer.v),
-                tensor(layer.mask_indices),
-                tensor(layer.mask_values),
-                tuple(int(d) for d in layer.mask_shape),
-            )
-            for layer in f.layers
-        )
-        return FactorizedWeights(layers, int(f.num_examples))
-    if kind is PayloadKind.CRITERIA_EMBEDDINGS:
-        e = message.criteria_embeddings
-        return CriteriaEmbeddings(e.criteria_set_id, tensor(e.embeddings))
-    m2 = message.eval_metrics
-    return EvalMetrics(
-        float(m2.train_loss),
-        int(m2.num_train_examples),
-        float(m2.test_accuracy),
-        float(m2.test_loss),
-        int(m2.num_test_examples),
-        dict(m2.extra),
-    )
+    field = payload_kind_of(message).value
+    return _FROM_PROTO[field](getattr(message, field), lifted)
 
 
 def tensor_elements(message: pb.Payload) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec
@@ -121,6 +122,24 @@ def _check_schema(kind: PayloadKind, message: pb.Payload, schema: dict[str, Tens
             raise WireError(
                 "shape_mismatch", f"{kind.value}.{name}: shape {list(shape)}, the run declared {list(decl.shape)}"
             )
+
+
+def check_envelope(update: apb.Update, run_id: str, round_: int, organization: str) -> None:
+    """An update's envelope against the stream's addressing and against the payload kinds the update carries."""
+    env = update.envelope
+    if env.run_id != run_id or env.round != round_ or env.organization_id != organization:
+        raise WireError(
+            "envelope_mismatch",
+            f"envelope says run {env.run_id[:64]!r} round {env.round} organization {env.organization_id[:64]!r}; "
+            f"the stream is for run {run_id!r} round {round_} organization {organization!r}",
+        )
+    try:
+        declared = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
+    except ValueError as exc:
+        raise WireError("malformed", f"the envelope lists an unknown payload kind: {exc}") from None
+    actual = [codec.payload_kind_of(p).value for p in update.payloads]
+    if declared != actual:
+        raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
 
 
 def check_finite(kind: PayloadKind, payload: Payload) -> None:

@@ -2,7 +2,8 @@
 
 The round engine and the client runtime work with these dataclasses only; this module (with ``rpc``) is the
 boundary where Protobuf is built and parsed. Updates and instructions travel as serialized bytes split into
-chunks; ``parse_update`` / ``check_update`` and ``encode_instructions`` / ``decode_instructions`` convert them.
+chunks; ``ParsedUpdate`` and ``encode_instructions`` / ``decode_instructions`` convert them. What a received
+message must satisfy (envelope, payload kinds, schema, finite values) is checked in ``contract``.
 """
 
 from __future__ import annotations
@@ -311,20 +312,7 @@ class ParsedUpdate:
         msg = self._msg
         if msg is None:
             raise ValueError("the update was checked already")
-        env = msg.envelope
-        if env.run_id != run_id or env.round != round_ or env.organization_id != organization:
-            raise WireError(
-                "envelope_mismatch",
-                f"envelope says run {env.run_id[:64]!r} round {env.round} organization {env.organization_id[:64]!r}; "
-                f"the stream is for run {run_id!r} round {round_} organization {organization!r}",
-            )
-        try:
-            declared = [PayloadKind.from_proto_enum(k).value for k in env.payload_kinds]
-        except ValueError as exc:
-            raise WireError("malformed", f"the envelope lists an unknown payload kind: {exc}") from None
-        actual = [codec.payload_kind_of(p).value for p in msg.payloads]
-        if declared != actual:
-            raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
+        contract.check_envelope(msg, run_id, round_, organization)
         if self.privacy is not None:
             self.privacy.check()
 

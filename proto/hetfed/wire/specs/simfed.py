@@ -5,12 +5,20 @@ term); after local training it uploads its factors (u, v and the mask entries ab
 embeddings of criteria inputs derived from the run seed. The aggregator matches organizations by the
 cosine similarity of those embeddings and sends each one its own reflection of the similar organizations'
 factors (eq. 8). Heads, dense weights and the criteria inputs never leave an organization.
+
+A mask travels sparse, as flat indices and values (``FactorizedLayer``); ``decode_mask`` turns it back into
+the dense mask, on both sides.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
+from numpy.typing import DTypeLike
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
@@ -96,3 +104,31 @@ SPEC = AlgorithmSpec(
     server="hetfed.aggregator.algorithms.simfed:SimFedServer",
     client="hetfed.client.algorithms.simfed:SimFedClient",
 )
+
+
+def decode_mask(indices: np.ndarray, values: np.ndarray, shape: Sequence[int],
+                dtype: DTypeLike = np.float32) -> np.ndarray:
+    """The dense mask of ``shape`` a sparse mask stands for: ``values`` at the flat row-major ``indices`` (strictly
+    increasing, as they travel), zeros elsewhere, as ``dtype`` (exact: float32 values widen or stay bit for bit)."""
+    dims = tuple(int(s) for s in shape)
+    if any(s < 0 for s in dims):
+        raise ValueError(f"mask shape must be non-negative, got {dims}")
+    idx = np.asarray(indices)
+    val = np.asarray(values)
+    if idx.ndim != 1 or val.ndim != 1 or idx.shape != val.shape:
+        raise ValueError(
+            f"mask indices and values must be 1-D of one length, got {idx.shape} and {val.shape}"
+        )
+    if idx.size and not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"mask indices must be integers, got {idx.dtype}")
+    size = math.prod(dims)
+    if idx.size:
+        if idx[0] < 0 or idx[-1] >= size or np.any(np.diff(idx) <= 0):
+            raise ValueError(
+                f"mask indices must be strictly increasing (so distinct) within [0, {size}) for shape {dims}"
+            )
+        if not np.all(np.isfinite(val)):
+            raise ValueError("mask values hold non-finite numbers")
+    out = np.zeros(size, dtype=dtype)
+    out[idx.astype(np.int64)] = val.astype(dtype)
+    return out.reshape(dims)

@@ -6,15 +6,14 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from hetfed.aggregator.algorithms.base import (
+from hetfed.aggregator.algorithms.aggregators import (
     CoordinateMedian,
-    RunInfo,
-    ServerHalf,
     TrimmedMean,
     WeightedMean,
     clip_to_ball,
     global_norm,
 )
+from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ModelWeights, Payload, Received
 from hetfed.wire.phases import Phase

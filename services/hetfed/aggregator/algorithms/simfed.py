@@ -55,7 +55,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import CriteriaEmbeddings, FactorizedLayer, FactorizedWeights, Payload, Received
 from hetfed.wire.phases import Phase
-from hetfed.wire.specs.simfed import SimFedConfig
+from hetfed.wire.specs.simfed import SimFedConfig, decode_mask
 
 Layout = tuple[tuple[str, int, int, tuple[int, ...]], ...]
 """An organization's factorised layers: (name, len u, len v, mask shape) each."""
@@ -182,26 +182,6 @@ def reflect(own: np.ndarray, members: Sequence[np.ndarray], weights: np.ndarray)
     return base + delta
 
 
-def _scatter(indices: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
-    idx = np.asarray(indices)
-    val = np.asarray(values)
-    if idx.ndim != 1 or val.ndim != 1 or idx.shape != val.shape:
-        raise ValueError(
-            f"sparse mask indices and values must be 1-D of one length, got {idx.shape}, {val.shape}"
-        )
-    if idx.size and not np.issubdtype(idx.dtype, np.integer):
-        raise ValueError(f"sparse mask indices must be integers, got {idx.dtype}")
-    # Increasing indices (what the wire carries) are distinct without a sort or hash (np.unique is slow).
-    if idx.size and (idx.min() < 0 or idx.max() >= size
-                     or (np.any(np.diff(idx) <= 0) and np.unique(idx).size != idx.size)):
-        raise ValueError(f"sparse mask indices must be distinct and lie in [0, {size})")
-    if not np.all(np.isfinite(val)):
-        raise ValueError("sparse mask values hold non-finite numbers")
-    out = np.zeros(size, dtype=np.float64)
-    out[idx.astype(np.int64)] = val.astype(np.float64)
-    return out
-
-
 def sparse_from_dense(dense: np.ndarray, threshold: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Increasing flat int64 indices and float64 values of the entries with |x| > threshold."""
     if not (math.isfinite(threshold) and threshold >= 0.0):
@@ -225,8 +205,8 @@ def reflect_sparse(
     """
     if size < 0:
         raise ValueError(f"mask size must be >= 0, got {size}")
-    base = _scatter(own[0], own[1], size)
-    dense = [_scatter(i, v, size) for i, v in members]
+    base = decode_mask(own[0], own[1], (size,), np.float64)
+    dense = [decode_mask(i, v, (size,), np.float64) for i, v in members]
     return sparse_from_dense(reflect(base, dense, weights), threshold)
 
 

@@ -50,6 +50,7 @@ from torch.nn import functional as F
 
 from hetfed.client.models import SplitModel, build_model
 from hetfed.wire.payloads import FactorizedLayer, FactorizedWeights
+from hetfed.wire.specs.simfed import decode_mask
 
 __all__ = [
     "FactorizedConv2d",
@@ -58,7 +59,6 @@ __all__ = [
     "build_factorized_model",
     "criteria_embeddings",
     "criteria_inputs",
-    "decode_mask",
     "encode_factors",
     "encode_mask",
     "factorize_model",
@@ -405,30 +405,6 @@ def encode_mask(mask: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndar
         raise ValueError("mask holds non-finite values")
     indices = np.flatnonzero(np.abs(flat) > threshold).astype(np.int64)
     return indices, flat[indices].astype(np.float32)
-
-
-def decode_mask(indices: np.ndarray, values: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-    """The dense float32 mask of ``shape``: ``values`` at the flat ``indices``, zeros elsewhere (exact)."""
-    dims = tuple(int(s) for s in shape)
-    if any(s < 0 for s in dims):
-        raise ValueError(f"mask shape must be non-negative, got {dims}")
-    idx = np.asarray(indices)
-    val = np.asarray(values)
-    if idx.ndim != 1 or val.ndim != 1 or idx.shape != val.shape:
-        raise ValueError(
-            f"mask indices and values must be 1-D of one length, got {idx.shape} and {val.shape}"
-        )
-    if idx.size and not np.issubdtype(idx.dtype, np.integer):
-        raise ValueError(f"mask indices must be integers, got {idx.dtype}")
-    size = math.prod(dims)
-    if idx.size:
-        if idx[0] < 0 or idx[-1] >= size or np.any(np.diff(idx) <= 0):
-            raise ValueError(f"mask indices must be strictly increasing within [0, {size}) for shape {dims}")
-        if not np.all(np.isfinite(val)):
-            raise ValueError("mask values hold non-finite numbers")
-    out = np.zeros(size, dtype=np.float32)
-    out[idx.astype(np.int64)] = val.astype(np.float32)
-    return out.reshape(dims)
 
 
 def mask_density(weights: FactorizedWeights) -> float:
