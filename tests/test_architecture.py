@@ -16,8 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The generic layers: the CLI's run and bench commands, the client runtime, the aggregator's rooms and the wire
+# The generic layers: every module of the CLI but its experiment settings (hetfed.cli.experiments, which
+# declare what each algorithm and dataset uses), the client runtime, the aggregator's rooms and the wire
 # package's messages and gRPC adapter.
+CLI_MODULES = sorted(str(p.relative_to(REPO)) for p in (REPO / "services/hetfed/cli").glob("*.py"))
 # Every module of the aggregator's rooms (run, journal, serving, observe): only the server halves in
 # hetfed.aggregator.algorithms name algorithms. Two name the FedAvg baseline every run is compared with: the
 # config's declared reference (fedavg_model_bytes) and the collector that exports it.
@@ -26,11 +28,7 @@ AGGREGATOR_ROOMS = sorted(str(p.relative_to(REPO)) for room in ("run", "journal"
                           for p in (REPO / "services/hetfed/aggregator" / room).glob("*.py")
                           if str(p.relative_to(REPO)) not in BASELINE_REFERENCE)
 GENERIC = [
-    "services/hetfed/cli/__init__.py",
-    "services/hetfed/cli/localrun.py",
-    "services/hetfed/cli/progress.py",
-    "services/hetfed/cli/bench.py",
-    "services/hetfed/cli/reproduce.py",
+    *CLI_MODULES,
     "clients/hetfed/client/runtime.py",
     "clients/hetfed/client/training.py",
     "clients/hetfed/client/algorithms/base.py",
@@ -57,6 +55,15 @@ def test_import_contracts_hold() -> None:
     kept = re.findall(r"KEPT", proc.stdout)
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     assert len(kept) == len(contracts) >= 5
+
+
+def test_orchestrating_commands_load_no_torch() -> None:
+    """`hetfed run` plans through the client package's catalog (registries as data): importing it, the run
+    command's module and the bench runner loads neither torch nor the client runtime."""
+    code = ("import sys, hetfed.client.catalog, hetfed.cli.localrun, hetfed.cli.reproduce, hetfed.cli.report; "
+            "print(sorted(m for m in ('torch', 'hetfed.client.runtime', 'hetfed.client.training') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def _names() -> dict[str, str]:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from hetfed.aggregator.config import RunConfig, SeedSetConfig, ServerConfig
+from hetfed.cli.experiments import docs_page
 from hetfed.client.config import ClientConfig, ModelConfig, RetryConfig
 from hetfed.client.data import DataConfig
 from hetfed.client.privacy.config import PrivacyConfig
-from hetfed.experiments import docs_page
 from hetfed.wire.specs import SPECS, TrainConfig
 from hetfed.wire.transport import TlsConfig
 

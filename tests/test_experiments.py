@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hetfed.cli.experiments import (
+    DATASET_DEFAULTS,
+    DEFAULT_COMPARISON,
+    EXPERIMENTS,
+    bytes_reference,
+    docs_page,
+    experiment,
+)
 from hetfed.client.data import DATASETS, PARTITIONS
 from hetfed.client.model_registry import MODELS
-from hetfed.experiments import DATASET_DEFAULTS, DEFAULT_COMPARISON, EXPERIMENTS, docs_page, experiment
 from hetfed.wire.specs import SPECS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -36,3 +43,10 @@ def test_presets_share_their_algorithms_entry_and_page() -> None:
             assert experiment(spec) is experiment(SPECS[spec.preset_of]), name
     # Labels: the spec's figure key when the experiment side gives none.
     assert experiment(SPECS["fedh2l"]).label("wdp") == "WDP" and experiment(SPECS["fedavg"]).label("x") == "x"
+
+
+def test_one_algorithm_is_the_reports_bytes_reference() -> None:
+    """``hetfed report`` compares bytes per round with the one algorithm whose entry declares it, by name."""
+    refs = [name for name, entry in EXPERIMENTS.items() if entry.bytes_reference]
+    assert len(refs) == 1 and refs[0] in SPECS
+    assert bytes_reference() == (refs[0], EXPERIMENTS[refs[0]].bytes_reference)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from hetfed.cli.experiments import docs_page
 from hetfed.client.algorithms import ClientContext, make_client_half
 from hetfed.client.algorithms.ditto import DittoClient
 from hetfed.client.algorithms.ditto.cosine import CosineDrift
@@ -23,7 +24,6 @@ from hetfed.client.model_registry import MODELS
 from hetfed.client.models import build_model, state_arrays
 from hetfed.client.runtime import run_round
 from hetfed.client.training import Batch, Forward, epoch_batches
-from hetfed.experiments import docs_page
 from hetfed.wire.config import ConfigError, from_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Received
 from hetfed.wire.phases import Action

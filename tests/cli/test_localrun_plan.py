@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from hetfed.cli.localrun import LocalRunOptions, aggregator_config, client_config, plan
+from hetfed.cli.localrun import LocalRunOptions, aggregator_config, client_config, noise_seed, plan
 from hetfed.wire.config import ConfigError
 
 
@@ -34,7 +37,8 @@ def test_data_fields_reach_every_organization_and_the_spec_defaults_apply() -> N
     ({"target_domain": 9}, r"data\.target_domain must be <= data\.num_clients \(5\)"),
     ({"seed": 3}, r"--data seed: set it with --seed"),
     ({"nonsense": 1}, r"--data: unknown data field 'nonsense'"),
-    ({"target_domain": "two"}, r"data\.target_domain must be an integer"),
+    # The type check of the client's own loader (from_mapping), as the client would give it reading its file.
+    ({"target_domain": "two"}, r"data\.target_domain: expected an integer, got 'two'"),
 ])
 def test_bad_data_fields_are_one_line_errors(data: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -79,3 +83,97 @@ def test_a_model_the_data_does_not_fit_is_refused_before_any_process(dataset: st
     with pytest.raises(ConfigError) as info:
         plan(LocalRunOptions(algorithms=("fedavg",), dataset=dataset, models=(model,)))
     assert str(info.value) == message
+
+
+def test_each_setting_is_parsed_once_and_read_back_through_the_same_dataclass(tmp_path: Path) -> None:
+    """--set values are parsed by the plan; the aggregator's file carries that typed config, read back equal."""
+    from hetfed.aggregator.config import DEFAULT_ROUNDS, load_aggregator_config
+
+    p = plan(LocalRunOptions(algorithms=("fedprox", "fedavg"), train={"lr": 0.2},
+                             extra_algorithm_config={"fedprox": {"mu": 0.5}}))
+    assert [r.rounds for r in p.runs] == [DEFAULT_ROUNDS, DEFAULT_ROUNDS]
+    path = tmp_path / "aggregator.json"
+    path.write_text(json.dumps(aggregator_config(p, str(tmp_path / "state"))))
+    runs = load_aggregator_config(path).runs
+    assert [r.train_config() for r in runs] == [r.train for r in p.runs]
+    assert (p.runs[0].train.mu, p.runs[0].train.lr) == (0.5, 0.2)  # type: ignore[attr-defined]
+
+
+# Plans whose files carry every kind of table: the defaults; --set and --data values and [privacy]; an organization's
+# own data factory with own builders of two architectures; heterogeneous built-in architectures over a seed set.
+ROUND_TRIPS = {
+    "defaults": LocalRunOptions(),
+    "privacy": LocalRunOptions(algorithms=("fedprox",), clients=3, seed=4, train={"lr": 0.2}, timing=True,
+                               test_split="fedgen", data={"permute_labels": True},
+                               extra_algorithm_config={"fedprox": {"mu": 0.5, "wire_dtype": "float16"}},
+                               privacy={"epsilon_budget": 3, "clip_norm": 0.5, "accountant": "pld"}),
+    "own data factory": LocalRunOptions(algorithms=("fedcma", "local"), clients=2, dataset="torch",
+                                        data={"factory": "tests.ownpkg.data:mnist_shares", "options": {"k": "v"}},
+                                        models=("tests.ownpkg.models:tiny_cnn", "tests.ownpkg.models:tiny_mlp")),
+    "heterogeneous models": LocalRunOptions(algorithms=("fedh2l",), clients=3, rounds=2, output="out",
+                                            public_fraction=0.2, train_on_public=True),
+}
+
+
+@pytest.mark.parametrize("name", ROUND_TRIPS)
+def test_every_file_reads_back_as_the_plans_typed_config(tmp_path: Path, name: str) -> None:
+    """The plan builds each process's typed config once; its file, written less the dataclasses' defaults, reads back
+    equal through the loader the process uses (the aggregator's RunConfig, each organization's ClientConfig)."""
+    import dataclasses
+
+    from hetfed.aggregator.config import load_aggregator_config
+    from hetfed.cli.localrun import aggregator_settings, client_settings
+    from hetfed.client.config import load_client_config
+
+    p = plan(ROUND_TRIPS[name])
+    path = tmp_path / "aggregator.json"
+    path.write_text(json.dumps(aggregator_config(p, str(tmp_path / "state"))))
+    loaded = load_aggregator_config(path)
+    assert loaded == aggregator_settings(p, str(tmp_path / "state"))
+    assert loaded.runs == tuple(r.run for r in p.runs)
+    assert [r.train_config() for r in loaded.runs] == [r.train for r in p.runs]
+    for r in p.runs:
+        assert len(r.clients) == p.clients
+        for i, planned in enumerate(r.clients):
+            path = tmp_path / f"client-{r.run_id}-org-{i}.json"
+            path.write_text(json.dumps(client_config(p, r.run_id, i, 5678)))
+            cfg = load_client_config(path)
+            assert cfg == client_settings(p, r.run_id, i, 5678) == dataclasses.replace(planned, aggregator="127.0.0.1:5678")
+            assert cfg.data == p.data[i] and cfg.run == r.run_id and cfg.organization == f"org-{i}"
+    if name == "privacy":
+        (run,) = p.runs
+        assert run.run.require_privacy and run.train.lr == 0.2 and run.train.wire_dtype == "float16"
+        assert [c.privacy.noise_seed for c in run.clients] == [noise_seed(4, i) for i in range(3)]
+        assert all((c.privacy.epsilon_budget, c.privacy.accountant, c.report_timing) == (3.0, "pld", True)
+                   for c in run.clients)
+
+
+def test_the_files_leave_out_what_the_dataclasses_default() -> None:
+    p = plan(LocalRunOptions(algorithms=("fedavg",), clients=2))
+    assert client_config(p, "fedavg", 0, 1) == {
+        "organization": "org-0", "run": "fedavg", "aggregator": "127.0.0.1:1", "threads": 1,
+        "data": {"dataset": "mnist5k", "partition": "dirichlet", "num_clients": 2, "client_index": 0, "seed": 0},
+        "model": {"name": "lenet", "latent_dim": 0}, "retry": {"give_up_after_seconds": 120.0}}
+    agg = aggregator_config(p, "state")
+    assert agg["server"] == {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1",
+                             "state_dir": "state"}
+    (run,) = agg["runs"]
+    assert set(run) == {"id", "algorithm", "organizations", "rounds", "algorithm_config"}
+
+
+def test_an_algorithms_own_training_defaults_are_stated_once_in_its_config() -> None:
+    """The command's and the dataset's training knobs skip those an algorithm's config declares its own default for
+    (FedSR's schedule, SimFed's paper values), so no experiment entry restates them; the command line still wins."""
+    from hetfed.wire.specs.fedsr import FedSRConfig
+    from hetfed.wire.specs.simfed import SimFedConfig
+
+    sr = plan(LocalRunOptions(algorithms=("fedsr",), dataset="synthetic")).runs[0].train
+    assert (sr.batch_size, sr.lr, sr.momentum, sr.weight_decay, sr.local_steps) == (
+        FedSRConfig.batch_size, FedSRConfig.lr, FedSRConfig.momentum, FedSRConfig.weight_decay, FedSRConfig.local_steps)
+    sim = plan(LocalRunOptions(algorithms=("simfed",), dataset="synthetic")).runs[0].train
+    assert (sim.batch_size, sim.lr, sim.weight_decay, sim.momentum) == (
+        SimFedConfig.batch_size, SimFedConfig.lr, SimFedConfig.weight_decay, 0.0)
+    avg = plan(LocalRunOptions(algorithms=("fedavg",), dataset="synthetic")).runs[0].train
+    assert (avg.batch_size, avg.weight_decay) == (10, 0.001)  # the dataset's, where the config keeps the shared ones
+    given = plan(LocalRunOptions(algorithms=("fedsr",), train={"batch_size": 7})).runs[0].train
+    assert given.batch_size == 7

@@ -226,3 +226,19 @@ def test_a_file_whose_top_level_is_not_a_table(tmp_path: Path) -> None:
     p.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"list\.json"):
         load_aggregator_config(p)
+
+
+def test_a_sparse_mapping_leaves_out_defaults_and_reads_back_equal() -> None:
+    from hetfed.aggregator.config import AggregatorConfig, RunConfig, ServerConfig
+    from hetfed.wire.config import from_mapping, to_sparse_mapping
+
+    cfg = AggregatorConfig(runs=(RunConfig(id="a", algorithm="fedavg", organizations=("x", "y"), min_clients=1),),
+                           server=ServerConfig(state_dir="s"))
+    sparse = to_sparse_mapping(cfg)
+    assert sparse == {"runs": [{"id": "a", "algorithm": "fedavg", "organizations": ["x", "y"], "min_clients": 1}],
+                      "server": {"state_dir": "s"}}
+    assert from_mapping(AggregatorConfig, sparse) == cfg
+    kept = to_sparse_mapping(cfg, ("runs.rounds", "server.listen"))
+    assert kept["runs"][0]["rounds"] == 10 and kept["server"] == {"listen": "0.0.0.0:50051", "state_dir": "s"}
+    assert to_sparse_mapping(AggregatorConfig(runs=cfg.runs))["runs"] == sparse["runs"]
+    assert "server" not in to_sparse_mapping(AggregatorConfig(runs=cfg.runs))

@@ -13,7 +13,7 @@ import json
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -124,6 +124,38 @@ def to_mapping(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_mapping(v) for k, v in obj.items()}
     return obj
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def to_sparse_mapping(obj: Any, keep: Collection[str] = (), _path: str = "") -> dict[str, Any]:
+    """A config dataclass as ``to_mapping`` writes it, less every field equal to its default (nested tables and
+    lists of tables too): ``from_mapping`` reads it back equal. ``keep`` names fields written whatever their
+    value, by dotted path ("data.partition"; a list's tables share their list's name, "runs.rounds")."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        path = f"{_path}{f.name}"
+        value = getattr(obj, f.name)
+        default = _default_of(f)
+        kept = path in keep or any(k.startswith(f"{path}.") for k in keep)
+        if default is not dataclasses.MISSING and not kept and type(value) is type(default) and value == default:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[f.name] = to_sparse_mapping(value, keep, f"{path}.")
+        elif isinstance(value, (list, tuple)) and any(dataclasses.is_dataclass(v) for v in value):
+            out[f.name] = [to_sparse_mapping(v, keep, f"{path}.") if dataclasses.is_dataclass(v) else to_mapping(v)
+                           for v in value]
+        else:
+            out[f.name] = to_mapping(value)
+    return out
 
 
 def load_file(cls: type[T], path: str | Path) -> T:

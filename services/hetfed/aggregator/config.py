@@ -14,6 +14,8 @@ from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.transport import TlsConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# Training rounds of a run that names none (``hetfed run`` too, unless a dataset or an algorithm sets its own).
+DEFAULT_ROUNDS = 10
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class RunConfig:
     id: str
     algorithm: str
     organizations: tuple[str, ...]
-    rounds: int = 10
+    rounds: int = DEFAULT_ROUNDS
     # Quorum to close a round at the deadline; 0 means every organization.
     min_clients: int = 0
     round_deadline_seconds: float = 600.0

@@ -1,8 +1,10 @@
 """The ``hetfed`` command: aggregator, client, the local federation ``run``, certificates and benchmarks.
 
 Subcommands import what they need lazily, so ``hetfed aggregator`` never loads torch. The choices of
-``hetfed run`` and their help come from the registries (algorithm specs, datasets, partitions, models), and
-every user error prints one line and exits with status 2, before any process starts.
+``hetfed run`` and their help come from the registries (algorithm specs, and the datasets, partitions and
+models of ``hetfed.client.catalog``), and every user error prints one line and exits with status 2, before any
+process starts. ``hetfed client`` runs the client runtime; no other command imports client code but the
+catalog.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ USAGE_ERROR = 2
 # `hetfed client`: the organization's privacy budget would be exceeded by the next round, so it left the run
 # (not a failure: the run goes on for the other organizations under its quorum rules; docs/privacy.md).
 PRIVACY_BUDGET_SPENT = 3
+# `hetfed run` gives up on a federation that has not finished after this many seconds (--timeout).
+RUN_TIMEOUT_SECONDS = 1800.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,6 +66,7 @@ def _cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
+    # The client's entry point: the one command that runs client code (pyproject.toml's import contract names it).
     from hetfed.client.config import load_client_config
     from hetfed.client.runtime import ClientError, ClientRuntime
 
@@ -145,7 +150,7 @@ def _parse_data(items: Sequence[str]) -> dict[str, Any]:
 
 def _dataset_of(args: argparse.Namespace) -> str:
     """The --dataset given, else the data factory's data set when --data names a factory, else the default."""
-    from hetfed.client.data.registry import DEFAULT_DATASET, FACTORY_DATASET
+    from hetfed.client.catalog import DEFAULT_DATASET, FACTORY_DATASET
 
     if args.dataset is not None:
         return str(args.dataset)
@@ -231,7 +236,7 @@ def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
 
 def _model_choice(options: Sequence[str]) -> Callable[[str], str]:
     """A built-in architecture's name, or an organization's own builder ``package.module:function``."""
-    from hetfed.client.model_registry import is_reference
+    from hetfed.client.catalog import is_reference
 
     named = _choice("model", options)
 
@@ -277,7 +282,7 @@ class _RunHelp(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         from hetfed.cli.rundefaults import defaults_table
-        from hetfed.client.data import DEFAULT_DATASET
+        from hetfed.client.catalog import DEFAULT_DATASET
 
         parser.epilog = defaults_table(namespace.dataset or DEFAULT_DATASET)
         parser.print_help()
@@ -288,12 +293,18 @@ _FROM_TABLE = "(default: the algorithm's, in the table below)"
 
 
 def _add_run(sub: Any) -> None:
-    from hetfed.client.data import DATASETS, DEFAULT_DATASET, PARTITIONS, TEST_SPLITS
-    from hetfed.client.data.registry import FACTORY_DATASET
-    from hetfed.client.model_registry import MODELS
-    from hetfed.experiments import DEFAULT_COMPARISON
+    from hetfed.cli.experiments import DEFAULT_COMPARISON
+    from hetfed.client.catalog import (
+        DATASETS,
+        DEFAULT_DATASET,
+        FACTORY_DATASET,
+        MODELS,
+        PARTITIONS,
+        TEST_SPLITS,
+        DataConfig,
+    )
     from hetfed.wire.specs import SPECS
-    from hetfed.wire.specs.base import WireDtype
+    from hetfed.wire.specs.base import TrainConfig, WireDtype
 
     builtin = [n for n, e in DATASETS.items() if e.builtin]
     r = sub.add_parser(
@@ -321,11 +332,11 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--partition", type=_choice("partition", list(PARTITIONS)), default=None, metavar="NAME",
                    help="(default: what the algorithms need, else the dataset's) "
                    + _listing({k: v.summary for k, v in PARTITIONS.items()}))
-    r.add_argument("--alpha", type=_positive(float, "--alpha"), default=0.5,
+    r.add_argument("--alpha", type=_positive(float, "--alpha"), default=DataConfig.alpha,
                    help="concentration of label-skewed partitions (default %(default)s)")
-    r.add_argument("--public-fraction", type=_positive(float, "--public-fraction"), default=0.1,
+    r.add_argument("--public-fraction", type=_positive(float, "--public-fraction"), default=DataConfig.public_fraction,
                    help="partitions with a shared seed set: its fraction of each domain (default %(default)s)")
-    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default %(default)s)")
+    r.add_argument("--seed", type=int, default=DataConfig.seed, help="seed of every random choice (default %(default)s)")
     r.add_argument("--model", type=_model_choice(list(MODELS)), default=None, metavar="NAME",
                    help="one architecture for every organization (default: the algorithm's or dataset's) "
                    + _listing({k: v.summary for k, v in MODELS.items()})
@@ -335,7 +346,7 @@ def _add_run(sub: Any) -> None:
                    "or own builders package.module:function")
     r.add_argument("--latent-dim", type=_positive(int, "--latent-dim"), default=None,
                    help="latent width d_e (default: the algorithm's or the architecture's)")
-    r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default="proportional",
+    r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default=DataConfig.test_split,
                    help="own test sets of label-skewed partitions: proportional to the train labels, or FedGen's "
                    "equal share per label held (default %(default)s)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
@@ -352,10 +363,11 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--momentum", type=float, default=None, help=f"SGD momentum {_FROM_TABLE}")
     r.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=None,
                    help=f"minibatch size {_FROM_TABLE}")
-    r.add_argument("--wire-dtype", type=_choice("wire dtype", list(WireDtype.__args__)), default="float32",  # type: ignore[attr-defined]
+    r.add_argument("--wire-dtype", type=_choice("wire dtype", list(WireDtype.__args__)),  # type: ignore[attr-defined]
+                   default=TrainConfig.wire_dtype,
                    help="transport precision of floating tensors (default %(default)s)")
     r.add_argument("--output", help="directory for per-round results (results.json), logs and configs")
-    r.add_argument("--timeout", type=_positive(float, "--timeout"), default=1800.0,
+    r.add_argument("--timeout", type=_positive(float, "--timeout"), default=RUN_TIMEOUT_SECONDS,
                    help="give up after this many seconds (default %(default)s)")
     r.add_argument("--tls", action="store_true",
                    help="generate a CA and certificates in the run directory and federate over mTLS")

@@ -1,6 +1,6 @@
 """``hetfed bench NAME``: reproductions of the papers' claims, found automatically.
 
-Every ``<name>.bench.toml`` grid of the experiment package (``hetfed.experiments``) is a benchmark of that
+Every ``<name>.bench.toml`` grid of the experiment package (``hetfed.cli.experiments``) is a benchmark of that
 name, run by the generic runner in :mod:`hetfed.cli.reproduce`; a new algorithm's grid is listed without
 touching this module. System benchmarks are scripts in ``benchmarks/`` (docs/benchmarks.md).
 """

@@ -1,15 +1,13 @@
 """``hetfed aggregator --check-config`` and ``hetfed client --check-config``: validate a file and exit.
 
 The same loaders the processes use check every field (names, types, ranges, the algorithm's config);
-the client check also resolves the model name against the installed architectures. Nothing starts,
-nothing is read but the file. A bad file exits 2 with the field's path (``hetfed.cli.main``).
+the client check also resolves the model name against the installed architectures (the client package's
+check, ``hetfed.client.catalog``). Nothing starts, nothing is read but the file. A bad file exits 2 with the field's path (``hetfed.cli.main``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-from hetfed.wire.config import ConfigError
 
 
 def report(check: Callable[[str], str], path: str) -> int:
@@ -32,14 +30,9 @@ def check_aggregator_config(path: str) -> str:
 
 def check_client_config(path: str) -> str:
     """Validate a client config file and its model name; a one-line summary, or ConfigError."""
-    from hetfed.client.config import load_client_config
-    from hetfed.client.model_registry import MODELS
+    from hetfed.client.catalog import check_client_file
 
-    cfg = load_client_config(path)
-    models = list(MODELS)
-    if not cfg.model.builder and cfg.model.reference not in models:
-        raise ConfigError(f"{path}: model.name {cfg.model.name!r} is not an available architecture "
-                          f"({', '.join(sorted(models))})")
+    cfg = check_client_file(path)
     tls = "mTLS" if cfg.tls else "plaintext"
     return (f"{path}: client config OK: organization {cfg.organization} in run {cfg.run} via {cfg.aggregator} "
             f"({tls}); data {cfg.data.dataset}/{cfg.data.partition} part {cfg.data.client_index} of "

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetfed.client.card import CARD_FILE, CARD_FORMAT, file_sha256
+from hetfed.client.catalog import CARD_FILE, CARD_FORMAT, file_sha256
 
 
 def find_cards(root: Path) -> list[tuple[Path, dict[str, Any]]]:

@@ -12,6 +12,10 @@ It is single-threaded: requests come as JSON lines on its stdin, and SIGCHLD wak
 self-pipe; every reply (a child's pid, a child's exit status) is a JSON line on its stdout. The orchestrator's
 side is :class:`ForkServer`, whose :class:`ForkedProcess` handles offer what ``subprocess.Popen`` offers for
 watching and stopping a process.
+
+Besides ``hetfed client``, it is the one module of the CLI that imports client code beyond the catalog
+(``hetfed.client.catalog``): its server side preloads the client runtime for the children. An import contract
+in pyproject.toml names this exception.
 """
 
 from __future__ import annotations

@@ -2,18 +2,27 @@
 
 Nothing is simulated: the aggregator and every organization are separate processes started with the same
 ``hetfed aggregator`` / ``hetfed client`` commands a Kubernetes deployment runs, talking gRPC. This module
-knows no algorithm and no dataset: what each needs comes from the registries (``hetfed.wire.specs``, the
-data registry, the model registry) and the experiment side (``hetfed.experiments``: defaults and labels by
-name), and every choice is validated before any process starts.
+knows no algorithm and no dataset: what each needs comes from the registries (``hetfed.wire.specs``, and
+the datasets, partitions and models of the client package's ``hetfed.client.catalog``) and the experiment
+side (``hetfed.cli.experiments``: defaults and labels by name), and every choice is validated before any
+process starts. Client code runs here only through the catalog: the client package's own checks of a plan.
 
-Defaults are layered, the later winning: the command's own (``BASE``), the dataset's, the algorithm's
-(for every dataset, then for this dataset), and finally what the user gave on the command line.
+Defaults are layered, the later winning: the command's own (``BASE``; rounds: a run's, the aggregator's
+``DEFAULT_ROUNDS``), the dataset's, the algorithm's (for every dataset, then for this dataset), and finally
+what the user gave on the command line. A training knob whose default the algorithm's config declares itself
+(a paper's schedule) keeps it under the command's and the dataset's layers: each default is stated once.
+
+Each setting is parsed once, here, into the typed configs themselves: one ``RunConfig`` per run (the
+aggregator's) and one ``ClientConfig`` per organization of each run. The files are written from them
+(``to_sparse_mapping``: only what differs from a dataclass default), and each process reads its file back
+through the same dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -29,18 +38,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfed.aggregator.config import DEFAULT_ROUNDS, AggregatorConfig, RunConfig, SeedSetConfig, ServerConfig
 from hetfed.aggregator.journal.store import holder_of
-from hetfed.cli import PRIVACY_BUDGET_SPENT
+from hetfed.cli import PRIVACY_BUDGET_SPENT, RUN_TIMEOUT_SECONDS
+from hetfed.cli.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaults, experiment
 from hetfed.cli.forkserver import ForkedProcess, ForkServer
-from hetfed.cli.report import write_report
-from hetfed.client.data.registry import DEFAULT_DATASET
-from hetfed.client.model_registry import is_reference
-from hetfed.experiments import DEFAULT_COMPARISON, LocalDefaults, dataset_defaults, experiment
-from hetfed.wire.config import ConfigError, from_mapping, to_mapping
+from hetfed.cli.report import fmt_bytes, write_report
+from hetfed.client import catalog
+from hetfed.client.catalog import (
+    DATASETS,
+    DEFAULT_DATASET,
+    MODELS,
+    PARTITIONS,
+    ClientConfig,
+    DataConfig,
+    ModelConfig,
+    PrivacyConfig,
+    RetryConfig,
+    input_mismatch,
+    is_reference,
+    models_for,
+)
+from hetfed.wire.config import ConfigError, from_mapping, to_mapping, to_sparse_mapping
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.rpc import status_of
 from hetfed.wire.specs import SPECS, AlgorithmSpec, get_spec
-from hetfed.wire.specs.base import SharedSpaceConfig
+from hetfed.wire.specs.base import SharedSpaceConfig, TrainConfig
 from hetfed.wire.traffic import Direction
 from hetfed.wire.transport import TlsConfig
 
@@ -50,12 +73,21 @@ if TYPE_CHECKING:
 # The orchestrator's own certificate under --tls: a name no run lists, good only for the read-only Status.
 OPERATOR_ORGANIZATION = "hetfed-operator"
 # The command's own defaults, under every dataset's and algorithm's.
-BASE = LocalDefaults(rounds=10, models=("lenet",),
+BASE = LocalDefaults(models=("lenet",),
                      config={"local_epochs": 2, "lr": 0.01, "momentum": 0.9, "batch_size": 32})
 # Training knobs the command line sets for every run (--local-epochs, --lr, --momentum, --batch-size).
 TRAIN_KNOBS = ("local_epochs", "lr", "momentum", "batch_size")
-# Organizations when neither the user nor the partition says.
-DEFAULT_CLIENTS = 4
+# Organizations when neither the user nor the partition says: the data's own default split.
+DEFAULT_CLIENTS = DataConfig.num_clients
+# Where the aggregator listens and serves its metrics in a local federation: loopback, on ports it picks.
+LOOPBACK = "127.0.0.1"
+# A local client's own settings (a single thread each, giving up soon on an aggregator that went away).
+CLIENT_THREADS = 1
+CLIENT_GIVE_UP_SECONDS = 120.0
+# Written to the files even at their dataclass defaults, so that each file says which data, which share of it
+# and which latent width its organization uses, and a run's rounds (under DP, ``client_file`` adds the noise seed).
+ALWAYS_WRITTEN = ("data.dataset", "data.partition", "data.num_clients", "data.client_index", "data.seed",
+                  "model.latent_dim", "runs.rounds")
 # Data fields set by their own options, so not through ``data`` (--data FIELD=VALUE): field -> option.
 DATA_OPTIONS = {"dataset": "set it with --dataset", "partition": "set it with --partition", "alpha": "set it with --alpha",
                 "num_clients": "set it with --clients", "client_index": "it is set per organization",
@@ -73,24 +105,24 @@ class LocalRunOptions:
     rounds: int | None = None
     dataset: str = DEFAULT_DATASET
     partition: str | None = None
-    alpha: float = 0.5
-    seed: int = 0
+    alpha: float = DataConfig.alpha
+    seed: int = DataConfig.seed
     # Per-organization architectures (cycled); --model X is ("X",).
     models: tuple[str, ...] = ()
     latent_dim: int | None = None
     # Own test sets of label-skewed partitions: "proportional" or "fedgen" (hetfed.client.data.split_like).
-    test_split: str = "proportional"
+    test_split: str = DataConfig.test_split
     # Clients write model snapshots and probe latents under <workdir>/artifacts (hetfed.client.artifacts).
     artifacts: bool = False
     # Training knobs given on the command line (TRAIN_KNOBS), for every run.
     train: Mapping[str, Any] = field(default_factory=dict)
-    wire_dtype: str = "float32"
+    wire_dtype: str = TrainConfig.wire_dtype
     output: str | None = None
-    timeout: float = 1800.0
+    timeout: float = RUN_TIMEOUT_SECONDS
     # --set: algorithm -> config field -> value.
     extra_algorithm_config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Partitions with a shared seed set: its fraction of each domain; train on the whole seed set too (AGG).
-    public_fraction: float = 0.1
+    public_fraction: float = DataConfig.public_fraction
     train_on_public: bool = False
     quiet: bool = False
     # Federate over mTLS with certificates generated into <workdir>/certs.
@@ -116,8 +148,20 @@ class RunPlan:
     rounds: int
     models: tuple[str, ...]
     latent_dim: int | None
-    config: dict[str, Any]
-    seed_set: dict[str, Any] | None
+    # The algorithm's config, parsed once here (the command line's values included); the aggregator's file
+    # carries its mapping, which the aggregator and the clients read back through the same dataclass.
+    train: TrainConfig
+    seed_set: SeedSetConfig | None
+    # The aggregator's run, as its file carries it.
+    run: RunConfig
+    # Each organization's client config, as its file carries it but for the aggregator's address and the
+    # organization's certificate (known once the aggregator listens, and the certificates exist: ``client_settings``).
+    clients: tuple[ClientConfig, ...]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The algorithm's config as written to the aggregator's file (every field, typed values)."""
+        return dict(self.run.algorithm_config)
 
 
 @dataclass(frozen=True)
@@ -129,7 +173,9 @@ class LocalPlan:
     runs: tuple[RunPlan, ...]
     picture: str
     clients: int = DEFAULT_CLIENTS
-    # The organizations' [privacy] fields as validated (PrivacyConfig's types); empty: no differential privacy.
+    # Every organization's data table, by organization (the same but for client_index).
+    data: tuple[DataConfig, ...] = ()
+    # The [privacy] fields given, as parsed (PrivacyConfig's types; the clients' tables carry them); empty: no DP.
     privacy: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,27 +184,23 @@ def run_id_of(algorithm: str) -> str:
     return algorithm.replace("_", "-")
 
 
-def _data_mapping(opts: LocalRunOptions, partition: str, clients: int, index: int) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        **opts.data,
-        "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha, "num_clients": clients,
-        "client_index": index, "seed": opts.seed, "public_fraction": opts.public_fraction,
-    }
-    if opts.test_split != "proportional":
-        data["test_split"] = opts.test_split
-    if opts.train_on_public:
-        data["train_on_public"] = True
-    return data
+def _data_config(opts: LocalRunOptions, partition: str, clients: int, index: int) -> DataConfig:
+    """Organization ``index``'s data table, parsed as its client parses it (--data's values typed once, here)."""
+    given = {**opts.data, "dataset": opts.dataset, "partition": partition, "alpha": opts.alpha,
+             "num_clients": clients, "client_index": index, "seed": opts.seed, "public_fraction": opts.public_fraction,
+             "test_split": opts.test_split, "train_on_public": opts.train_on_public}
+    try:
+        return from_mapping(DataConfig, given, "data")
+    except ConfigError as exc:
+        # A range check names its field itself (data.alpha must ...): its message, without the table's name.
+        raise ConfigError(str(exc.__cause__ or exc)) from None
 
 
 def plan(opts: LocalRunOptions) -> LocalPlan:
     """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
-    from hetfed.client.data import DATASETS, PARTITIONS, DataConfig, load_seed_set
-    from hetfed.client.model_registry import MODELS, input_mismatch, models_for
-
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
-    privacy = _check_privacy(opts.privacy)
+    privacy = _privacy_config(opts.privacy)
     known = {f.name for f in dataclasses.fields(DataConfig)}
     for name in opts.data:
         if name in DATA_OPTIONS:
@@ -185,13 +227,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     if opts.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(DATASETS)}")
     entry = DATASETS[opts.dataset]
-    if entry.check:
-        from hetfed.client.data import DatasetUnavailableError, resolve
-
-        try:
-            resolve(entry.check)()
-        except DatasetUnavailableError as exc:
-            raise ConfigError(str(exc)) from None
+    catalog.check_dataset_available(opts.dataset)
     own = dataset_defaults(opts.dataset)
     layered = {s.name: experiment(s).defaults_for(opts.dataset).over(own.over(BASE)) for s in specs}
     # One partition for every run of the federation: the user's, else the one the algorithms need, else the
@@ -214,11 +250,8 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         raise ConfigError(f"dataset {opts.dataset!r} has no partition {partition!r}; it offers "
                           f"{', '.join(entry.partitions)}")
     clients = opts.clients if opts.clients is not None else PARTITIONS[partition].clients or DEFAULT_CLIENTS
-    try:
-        seed_cfg = DataConfig(**_data_mapping(opts, partition, clients, 0))
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from None
-    own_data = None if entry.builtin else _check_own_data(opts, partition, clients)
+    data = tuple(_data_config(opts, partition, clients, index) for index in range(clients))
+    own_data = None if entry.builtin else catalog.check_own_data(data)
     runs = []
     for spec in specs:
         d = layered[spec.name]
@@ -246,7 +279,11 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
                                       f"{', '.join(models_for(entry.input_shape))}")
         latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
         fields = {f.name for f in dataclasses.fields(spec.config_type)}
-        config: dict[str, Any] = {k: v for k, v in d.config.items() if k in fields}
+        # The command's and the dataset's knobs, where the algorithm's config keeps the shared default (an algorithm
+        # declaring its own default keeps it: stated once, in its config), then the algorithm's experiment entry.
+        own_defaults = _own_defaults(spec.config_type)
+        config: dict[str, Any] = {k: v for k, v in own.over(BASE).config.items() if k in fields - own_defaults}
+        config.update({k: v for k, v in experiment(spec).defaults_for(opts.dataset).config.items() if k in fields})
         config.update({k: v for k, v in opts.train.items() if k in fields})
         config["wire_dtype"] = opts.wire_dtype
         # Algorithms with one label space and one latent space carry their widths in their config.
@@ -266,31 +303,67 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             latent = typed.latent_dim
         seed_set = None
         if spec.needs_seed_set:
-            seeds = load_seed_set(seed_cfg)
-            assert seeds is not None
-            seed_set = {"id": seeds.id, "sha256": seeds.sha256, "size": len(seeds),
-                        "parts": {f"org-{d}": list(r) for d, r in seeds.ranges().items() if d < clients}}
-        rounds = opts.rounds if opts.rounds is not None else int(d.rounds or 10)
+            seed_set = from_mapping(SeedSetConfig, catalog.seed_set_summary(data[0], clients), "seed_set")
+        # Unset everywhere: a run's own default (the aggregator's RunConfig).
+        rounds = next(n for n in (opts.rounds, d.rounds, DEFAULT_ROUNDS) if n is not None)
         if rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {rounds}")
         if own_data is not None or any(is_reference(m) for m in models):
-            _check_models(opts, models, latent, spec.bounded_latent, own_data, partition, clients)
-        runs.append(RunPlan(run_id_of(spec.name), spec, rounds, tuple(models), latent, config, seed_set))
-    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients, privacy)
+            catalog.check_models(opts.dataset, models, latent, spec.bounded_latent, own_data)
+        run_id = run_id_of(spec.name)
+        # With scraping on, a run whose organizations share one architecture declares the bytes of its whole model,
+        # the dashboards' whole-model baseline (heterogeneous organizations have no single whole model to compare with).
+        reference = 0
+        if opts.metrics_linger > 0 and len(set(models)) == 1:
+            reference = catalog.model_bytes(data[0], models[0], latent)
+        try:
+            run = RunConfig(id=run_id, algorithm=spec.name, organizations=tuple(f"org-{i}" for i in range(clients)),
+                            rounds=rounds, seed=opts.seed, algorithm_config=to_mapping(typed), seed_set=seed_set,
+                            fedavg_model_bytes=reference,
+                            # Every organization trains under differential privacy: the aggregator refuses an update
+                            # that does not declare it. One whose budget is spent sends a leave notice and exits
+                            # PRIVACY_BUDGET_SPENT; the aggregator stops waiting for it at once.
+                            require_privacy=privacy.enabled)
+        except ConfigError as exc:
+            raise ConfigError(f"run {run_id}: {exc}") from None
+        orgs = tuple(_client_of(opts, run_id, data[i], models[i % len(models)], latent, privacy,
+                                bool(opts.artifacts or entry.picture or opts.output))
+                     for i in range(clients))
+        runs.append(RunPlan(run_id, spec, rounds, tuple(models), latent, typed, seed_set, run, orgs))
+    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients, data,
+                     {name: getattr(privacy, name) for name in opts.privacy})
 
 
-def _check_privacy(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The [privacy] fields given (``--set privacy.FIELD=VALUE``), typed and validated as a client will read them;
-    a typo or a value out of its domain is one line."""
-    from hetfed.client.privacy.config import PrivacyConfig
+def _own_defaults(config_type: type[TrainConfig]) -> set[str]:
+    """The training knobs (TrainConfig's fields) whose default ``config_type`` or a base under TrainConfig declares."""
+    shared = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {name for cls in config_type.__mro__ if cls is not TrainConfig and issubclass(cls, TrainConfig)
+            for name in inspect.get_annotations(cls) if name in shared}
 
-    if not fields:
-        return {}
+
+def _privacy_config(fields: Mapping[str, Any]) -> PrivacyConfig:
+    """The organizations' [privacy] table (``--set privacy.FIELD=VALUE``), parsed as a client parses it; a typo or
+    a value out of its domain is one line. None given: differential privacy off."""
     cfg = from_mapping(PrivacyConfig, dict(fields), "--set privacy")
-    if not cfg.enabled:
+    if fields and not cfg.enabled:
         raise ConfigError("--set privacy: differential privacy needs privacy.epsilon_budget, privacy.target_epsilon "
                           f"or privacy.noise_multiplier (got only {', '.join(sorted(fields))})")
-    return {name: getattr(cfg, name) for name in fields}
+    return cfg
+
+
+def _client_of(opts: LocalRunOptions, run_id: str, data: DataConfig, model: str, latent: int | None,
+               privacy: PrivacyConfig, artifacts: bool) -> ClientConfig:
+    """An organization's client config in run ``run_id``, but for the aggregator's address and its certificate."""
+    organization = f"org-{data.client_index}"
+    if privacy.enabled and "noise_seed" not in opts.privacy:
+        privacy = dataclasses.replace(privacy, noise_seed=noise_seed(opts.seed, data.client_index))
+    return ClientConfig(
+        organization=organization, run=run_id, threads=CLIENT_THREADS, data=data,
+        model=ModelConfig(**{("builder" if is_reference(model) else "name"): model}, latent_dim=latent or 0),
+        retry=RetryConfig(give_up_after_seconds=CLIENT_GIVE_UP_SECONDS),
+        # With --output each organization's snapshots and its exported model (model/) are kept there.
+        output_dir=artifacts_dir(run_id, organization) if artifacts else None,
+        report_timing=opts.timing, privacy=privacy)
 
 
 def noise_seed(seed: int, index: int) -> int:
@@ -302,56 +375,6 @@ def noise_seed(seed: int, index: int) -> int:
     """
     digest = hashlib.sha256(f"hetfed-privacy-noise:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFF_FFFF
-
-
-@dataclasses.dataclass(frozen=True)
-class OwnData:
-    """What the organizations' own data sets agree on (checked before any process starts)."""
-
-    num_classes: int
-    input_shape: tuple[int, ...]
-
-
-def _check_own_data(opts: LocalRunOptions, partition: str, clients: int) -> OwnData:
-    """Load every organization's own data set (its files, or its data factory's) as its client will, so that a
-    factory that cannot be imported or raises, labels out of range, an empty training set, an unreadable image
-    or organizations that disagree on the label count or input shape stop ``hetfed run`` in one line."""
-    from hetfed.client.data import DataConfig, load_client_data
-
-    seen: dict[tuple[int, tuple[int, ...]], str] = {}
-    for index in range(clients):
-        try:
-            data = load_client_data(DataConfig(**_data_mapping(opts, partition, clients, index)))
-        except (ValueError, TypeError, ImportError) as exc:
-            raise ConfigError(f"org-{index}'s data: {' '.join(str(exc).split())}") from None
-        seen.setdefault((data.num_classes, data.input_shape), f"org-{index}")
-    if len(seen) > 1:
-        (k0, s0), (k1, s1) = list(seen)[:2]
-        first, other = seen[(k0, s0)], seen[(k1, s1)]
-        raise ConfigError(f"the organizations' data disagree: {first} has {k0} classes and inputs {s0}, {other} has "
-                          f"{k1} classes and inputs {s1}")
-    (k, shape), = seen
-    return OwnData(k, shape)
-
-
-def _check_models(opts: LocalRunOptions, models: Sequence[str], latent: int | None, bounded: bool,
-                  own: OwnData | None, partition: str, clients: int) -> None:
-    """Build each architecture once on a probe batch of the data's inputs (an own builder that cannot be imported,
-    raises, or does not map to (batch, latent_dim) stops ``hetfed run`` in one line)."""
-    from hetfed.client.data import DATASETS
-    from hetfed.client.models import build_model
-
-    entry = DATASETS[opts.dataset]
-    if own is not None:
-        shape, classes = own.input_shape, own.num_classes
-    else:
-        assert entry.input_shape is not None and entry.num_classes is not None
-        shape, classes = entry.input_shape, entry.num_classes
-    for m in dict.fromkeys(models):
-        try:
-            build_model(m, shape, classes, latent_dim=latent, bounded_latent=bounded)
-        except (ValueError, ImportError) as exc:
-            raise ConfigError(" ".join(str(exc).split())) from None
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -465,7 +488,7 @@ class LocalFederation:
 
     def status(self, timeout: float = 10.0) -> list[RunStatus]:
         """The aggregator's Status of every run."""
-        return status_of(f"127.0.0.1:{self.port}", self.tls, timeout=timeout)
+        return status_of(f"{LOOPBACK}:{self.port}", self.tls, timeout=timeout)
 
     def wait_clients(self, timeout: float) -> None:
         """Wait for every client process to exit."""
@@ -492,36 +515,19 @@ class LocalFederation:
 
 
 # ------------------------------------------------------------------------------------------------ configs
-def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: TlsConfig | None = None) -> dict[str, Any]:
-    """The aggregator config of a local federation: one run per algorithm."""
+def aggregator_settings(opts: LocalRunOptions | LocalPlan, state_dir: str,
+                        tls: TlsConfig | None = None) -> AggregatorConfig:
+    """The aggregator config of a local federation: the plan's runs, served on loopback (``tls``: its certificate,
+    under mTLS, where the orchestrator reads every run's Status)."""
     p = opts if isinstance(opts, LocalPlan) else plan(opts)
-    runs = []
-    for r in p.runs:
-        run: dict[str, Any] = {
-            "id": r.run_id,
-            "algorithm": r.spec.name,
-            "organizations": [f"org-{i}" for i in range(p.clients)],
-            "rounds": r.rounds,
-            "round_deadline_seconds": 600.0,
-            "seed": p.opts.seed,
-            "algorithm_config": r.config,
-        }
-        if r.seed_set is not None:
-            run["seed_set"] = r.seed_set
-        if p.privacy:
-            # Every organization trains under differential privacy: the aggregator refuses an update that does not
-            # declare it. One whose budget is spent sends a leave notice and exits PRIVACY_BUDGET_SPENT; the
-            # aggregator stops waiting for it at once, so rounds close with the organizations left.
-            run["require_privacy"] = True
-        runs.append(run)
-    declare_fedavg_reference(runs, p)
-    server: dict[str, Any] = {
-        "listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1", "state_dir": state_dir,
-    }
-    if tls is not None:
-        server["tls"] = to_mapping(tls)
-        server["operators"] = [OPERATOR_ORGANIZATION]
-    return {"server": server, "runs": runs}
+    server = ServerConfig(listen=f"{LOOPBACK}:0", metrics_port=0, metrics_host=LOOPBACK, state_dir=state_dir, tls=tls,
+                          operators=(OPERATOR_ORGANIZATION,) if tls is not None else ())
+    return AggregatorConfig(runs=tuple(r.run for r in p.runs), server=server)
+
+
+def aggregator_config(opts: LocalRunOptions | LocalPlan, state_dir: str, tls: TlsConfig | None = None) -> dict[str, Any]:
+    """The aggregator's file of a local federation (``aggregator_settings``, less what its dataclasses default)."""
+    return to_sparse_mapping(aggregator_settings(opts, state_dir, tls), ALWAYS_WRITTEN)
 
 
 def artifacts_dir(run_id: str, organization: str) -> str:
@@ -529,32 +535,24 @@ def artifacts_dir(run_id: str, organization: str) -> str:
     return str(Path("artifacts") / run_id / organization)
 
 
-def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, port: int,
-                  tls: TlsConfig | None = None) -> dict[str, Any]:
-    """The config of organization ``index`` in run ``run_id`` (``tls``: its certificate, under mTLS)."""
+def client_settings(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, port: int,
+                    tls: TlsConfig | None = None) -> ClientConfig:
+    """The client config of organization ``index`` in run ``run_id``: the plan's, with the aggregator's port on
+    loopback (``tls``: the organization's certificate, under mTLS)."""
     p = opts if isinstance(opts, LocalPlan) else plan(opts)
     r = next(r for r in p.runs if r.run_id == run_id)
-    model = r.models[index % len(r.models)]
-    cfg: dict[str, Any] = {
-        "organization": f"org-{index}",
-        "run": run_id,
-        "aggregator": f"127.0.0.1:{port}",
-        "device": "auto",
-        "threads": 1,
-        "data": _data_mapping(p.opts, p.partition, p.clients, index),
-        "model": {("builder" if is_reference(model) else "name"): model, "latent_dim": r.latent_dim or 0},
-        "retry": {"give_up_after_seconds": 120.0},
-    }
-    if p.opts.artifacts or p.picture or p.opts.output:
-        # With --output each organization's snapshots and its exported model (model/) are kept there.
-        cfg["output_dir"] = artifacts_dir(run_id, f"org-{index}")
-    if p.opts.timing:
-        cfg["report_timing"] = True
-    if p.privacy:
-        cfg["privacy"] = {**p.privacy, "noise_seed": p.privacy.get("noise_seed", noise_seed(p.opts.seed, index))}
-    if tls is not None:
-        cfg["tls"] = to_mapping(tls)
-    return cfg
+    return dataclasses.replace(r.clients[index], aggregator=f"{LOOPBACK}:{port}", tls=tls)
+
+
+def client_file(cfg: ClientConfig) -> dict[str, Any]:
+    """A client config as its file carries it: what its dataclasses do not default, and ``ALWAYS_WRITTEN``."""
+    return to_sparse_mapping(cfg, (*ALWAYS_WRITTEN, *(("privacy.noise_seed",) if cfg.privacy.enabled else ())))
+
+
+def client_config(opts: LocalRunOptions | LocalPlan, run_id: str, index: int, port: int,
+                  tls: TlsConfig | None = None) -> dict[str, Any]:
+    """The file of organization ``index`` in run ``run_id`` (``client_settings``, as ``client_file`` writes it)."""
+    return client_file(client_settings(opts, run_id, index, port, tls))
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -635,15 +633,6 @@ def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]
     }
 
 
-def fmt_bytes(n: float) -> str:
-    """Bytes in decimal units (B, KB, MB, GB)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
-
-
 def _pct(v: float | None) -> str:
     return f"{100 * v:.2f}%" if v is not None else "-"
 
@@ -685,16 +674,16 @@ TARGETS_FILE = "prometheus-targets.json"
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 
 
 def write_targets(workdir: Path, aggregator_metrics_port: int, clients: dict[str, int]) -> Path:
     """Write the file_sd targets of a local federation atomically (``clients``: process name -> port)."""
     groups: list[dict[str, Any]] = [
-        {"targets": [f"127.0.0.1:{aggregator_metrics_port}"], "labels": {"hetfed_component": "aggregator"}}
+        {"targets": [f"{LOOPBACK}:{aggregator_metrics_port}"], "labels": {"hetfed_component": "aggregator"}}
     ]
-    groups += [{"targets": [f"127.0.0.1:{port}"], "labels": {"hetfed_component": "client", "hetfed_process": name}}
+    groups += [{"targets": [f"{LOOPBACK}:{port}"], "labels": {"hetfed_component": "client", "hetfed_process": name}}
                for name, port in sorted(clients.items())]
     path = workdir / TARGETS_FILE
     tmp = path.with_suffix(".tmp")
@@ -713,27 +702,8 @@ def client_metrics(opts: LocalRunOptions, workdir: Path, aggregator_metrics_port
         return {}
     ports = {name: free_port() for name in names}
     write_targets(workdir, aggregator_metrics_port, ports)
-    return {name: {"metrics_port": port, "metrics_host": "127.0.0.1", "metrics_linger_seconds": opts.metrics_linger}
+    return {name: {"metrics_port": port, "metrics_host": LOOPBACK, "metrics_linger_seconds": opts.metrics_linger}
             for name, port in ports.items()}
-
-
-def model_bytes(plan: LocalPlan, model: str, latent_dim: int | None) -> int:
-    """Bytes of a model's floating state in float32 on the plan's data: one whole-model message of it."""
-    from hetfed.client.data import DataConfig, load_client_data
-    from hetfed.client.models import build_model
-
-    data = load_client_data(DataConfig(**_data_mapping(plan.opts, plan.partition, plan.clients, 0)))
-    m = build_model(model, data.input_shape, data.num_classes, latent_dim=latent_dim)
-    return sum(v.numel() * 4 for v in m.state_dict().values() if v.is_floating_point())
-
-
-def declare_fedavg_reference(runs: list[dict[str, Any]], plan: LocalPlan) -> None:
-    """With scraping on, set ``fedavg_model_bytes`` on every run whose organizations share one architecture."""
-    if plan.opts.metrics_linger <= 0:
-        return
-    for run, r in zip(runs, plan.runs, strict=True):
-        if len(set(r.models)) == 1:  # heterogeneous organizations have no single whole model to compare with
-            run["fedavg_model_bytes"] = model_bytes(plan, r.models[0], r.latent_dim)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -749,7 +719,7 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
     o = p.opts
     certs = _make_certs(p.clients, workdir) if o.tls else None
     fed = LocalFederation(workdir, certs.client_tls(OPERATOR_ORGANIZATION) if certs else None,
-                          warm=[_data_mapping(o, p.partition, p.clients, 0)])
+                          warm=[to_sparse_mapping(p.data[0])])
     started = time.monotonic()
     state = workdir / "state"
     if state.exists():  # a local run is one-shot: an earlier run's state in the same directory is not resumed
@@ -764,7 +734,8 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
         scrape = client_metrics(o, workdir, fed.metrics_port, list(names.values()))
         for (run_id, i), name in names.items():
             client_tls = certs.client_tls(f"org-{i}") if certs else None
-            fed.start_client(name, {**client_config(p, run_id, i, fed.port, client_tls), **scrape.get(name, {})})
+            cfg = dataclasses.replace(client_settings(p, run_id, i, fed.port, client_tls), **scrape.get(name, {}))
+            fed.start_client(name, client_file(cfg))
         by_run = {run_id: [name for (r, _), name in names.items() if r == run_id] for run_id in {r for r, _ in names}}
         # Organizations that left a run because their privacy budget was spent (their client exited
         # PRIVACY_BUDGET_SPENT): reported once each; the run goes on for the others under its quorum rules.
@@ -832,20 +803,15 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
 
     o = p.opts
     if not o.quiet:
-        from hetfed.client.data import PARTITIONS, DataConfig
-
-        data = DataConfig(**_data_mapping(o, p.partition, p.clients, 0))
-        detail = "".join(f", {k}={getattr(data, k)}" for k in PARTITIONS[p.partition].parameters)
+        detail = "".join(f", {k}={getattr(p.data[0], k)}" for k in PARTITIONS[p.partition].parameters)
         rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
         say(f"hetfed run: {', '.join(o.algorithms)} with {p.clients} organizations on {o.dataset} "
             f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
     results = federate(p, workdir)
     print_table(TABLE_HEAD, table_rows(results))
     if p.picture:
-        from hetfed.client.data.registry import resolve
-
         for r in results:
-            png = resolve(p.picture)(workdir, r["run"], Path(o.output or "."))
+            png = catalog.draw_picture(p.picture, workdir, r["run"], Path(o.output or "."))
             if png is not None:
                 say(f"{r['algorithm']}: {png}")
     if o.output:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetfed.cli.experiments import bytes_reference
 from hetfed.cli.prom import PNG_KEY, prom_query, prom_range
 
 X_LABEL = "cumulative bytes (up + down, log scale)"
@@ -127,11 +128,13 @@ def _labels(curves: list[RunCurve]) -> None:
             c.label = f"{c.algorithm} ({c.run}, {Path(c.source).parent.name or c.source})"
 
 
-def fedavg_reference(c: RunCurve, curves: list[RunCurve]) -> RunCurve | None:
-    """The FedAvg run to compare ``c`` with: from the same source when there is one, else the first."""
-    fedavg = [d for d in curves if d.algorithm == "fedavg" and d.bytes_per_train_round > 0]
-    same = [d for d in fedavg if d.source == c.source]
-    return (same or fedavg)[0] if fedavg else None
+def reference_run(c: RunCurve, curves: list[RunCurve]) -> RunCurve | None:
+    """The run of the bytes reference (the experiments' ``bytes_reference``) to compare ``c`` with: from the same
+    source when there is one, else the first."""
+    name, _ = bytes_reference()
+    refs = [d for d in curves if name and d.algorithm == name and d.bytes_per_train_round > 0]
+    same = [d for d in refs if d.source == c.source]
+    return (same or refs)[0] if refs else None
 
 
 def fmt_bytes(n: float) -> str:
@@ -144,12 +147,14 @@ def fmt_bytes(n: float) -> str:
 
 
 def markdown_table(curves: list[RunCurve]) -> str:
-    """Final accuracy, bytes up and down, bytes per train round and the ratio to FedAvg, one row per run."""
+    """Final accuracy, bytes up and down, bytes per train round and the ratio to the bytes reference's, one row
+    per run."""
     _labels(curves)
-    rows = ["| algorithm | final accuracy | bytes up | bytes down | bytes per round | ratio to FedAvg |",
+    reference = bytes_reference()[1] or "reference"
+    rows = [f"| algorithm | final accuracy | bytes up | bytes down | bytes per round | ratio to {reference} |",
             "|---|---:|---:|---:|---:|---:|"]
     for c in curves:
-        ref = fedavg_reference(c, curves)
+        ref = reference_run(c, curves)
         ratio = f"{c.bytes_per_train_round / ref.bytes_per_train_round:.3g}x" if ref is not None else "-"
         acc = f"{100 * c.final_accuracy:.2f}%" if c.final_accuracy is not None else "-"
         rows.append(f"| {c.label} | {acc} | {fmt_bytes(c.bytes_up)} | {fmt_bytes(c.bytes_down)} | "

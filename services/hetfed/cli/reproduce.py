@@ -1,6 +1,6 @@
 """Paper reproductions as data: one runner for every algorithm's declared grid, results rendered from JSON.
 
-A grid (``<algorithm>.bench.toml`` in the experiment package, ``hetfed.experiments``) declares the data
+A grid (``<algorithm>.bench.toml`` in the experiment package, ``hetfed.cli.experiments``) declares the data
 settings, the axes of the grid (for example Dirichlet α), the seeds, the methods compared (an algorithm with
 its models and config), the figures each federation reports, the paper's numbers and the claims. The runner
 starts every federation with the same ``hetfed aggregator`` and ``hetfed client`` processes as ``hetfed
@@ -196,7 +196,7 @@ class Grid:
 
 def grids() -> dict[str, Path]:
     """Every declared reproduction grid, by name (the file's stem)."""
-    folder = resources.files("hetfed.experiments")
+    folder = resources.files("hetfed.cli.experiments")
     out = {}
     for entry in folder.iterdir():
         if entry.name.endswith(GRID_SUFFIX):
@@ -353,9 +353,9 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
             return best_rounds_mean(per_round(kind, key, summary), fig.best_rounds)
         return _over_organizations(kind, key, final)
     if kind == "diagnostic":
-        from hetfed.client.diagnostics import DIAGNOSTICS
+        from hetfed.client.catalog import diagnostic
 
-        return DIAGNOSTICS[key](workdir, dict(summary), seed)
+        return diagnostic(key, workdir, summary, seed)
     value = summary.get(fig.source)
     return None if value is None else float(value)
 

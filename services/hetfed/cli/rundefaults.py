@@ -12,19 +12,19 @@ HEADER = ("algorithm", "rounds", "local work", "lr", "momentum", "batch", "clien
 def rows(dataset: str) -> tuple[list[tuple[str, ...]], dict[str, str]]:
     """(one row of HEADER's columns per algorithm a run alone can use, {algorithm: why not} for the rest)."""
     from hetfed.cli.localrun import LocalRunOptions, plan
-    from hetfed.wire.config import ConfigError, from_mapping
+    from hetfed.wire.config import ConfigError
     from hetfed.wire.specs import SPECS
 
     table: list[tuple[str, ...]] = []
     refused: dict[str, str] = {}
-    for name, spec in SPECS.items():
+    for name in SPECS:
         try:
             p = plan(LocalRunOptions(algorithms=(name,), dataset=dataset))
         except ConfigError as exc:
             refused[name] = str(exc)
             continue
         r = p.runs[0]
-        cfg = from_mapping(spec.config_type, r.config, f"{name} config")
+        cfg = r.train
         n, unit = (cfg.local_steps, "step") if cfg.local_steps else (cfg.local_epochs, "epoch")
         work = f"{n} {unit}" + ("s" if n != 1 else "")
         table.append((name, str(r.rounds), work, f"{cfg.lr:g}", f"{cfg.momentum:g}", str(cfg.batch_size),

@@ -45,7 +45,7 @@ class PartitionEntry:
 @dataclass(frozen=True)
 class DatasetEntry:
     """A dataset: its partitions, its classes, and whether it ships built in (``hetfed run``'s defaults for it
-    are the experiment side's, ``hetfed.experiments``)."""
+    are the experiment side's, ``hetfed.cli.experiments``)."""
 
     summary: str
     partitions: Mapping[str, PartitionEntry]

@@ -4,7 +4,7 @@ A spec says what crosses the wire and no more: an algorithm's name, its frozen c
 kinds each side may send in each phase, what stays private, the figures its metrics carry, and where its
 two halves live (``"module:Class"``, imported only by the side that runs them). The aggregator (numpy) and
 the clients (torch) both read it; this module imports neither. Local-run defaults, labels, documentation
-and reproduction grids are the experiment side's (``hetfed.experiments``).
+and reproduction grids are the experiment side's (``hetfed.cli.experiments``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Figure:
 
     ``source`` names the per-organization metric it is read from: ``test_accuracy`` or a key of the
     reports' extra figures (for example ``cross_test_accuracy``, which data with domains provides). How a
-    figure is labelled for people is the experiment side's (``hetfed.experiments``).
+    figure is labelled for people is the experiment side's (``hetfed.cli.experiments``).
     """
 
     key: str

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetfed.experiments.base import LocalDefaults
+from hetfed.cli.experiments.base import LocalDefaults
 
 DATASET_DEFAULTS: dict[str, LocalDefaults] = {
     "mnist5k": LocalDefaults(partition="dirichlet", models=("lenet",)),

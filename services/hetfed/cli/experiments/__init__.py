@@ -7,9 +7,15 @@ this module.
 
 from __future__ import annotations
 
-from hetfed.experiments.algorithms import DEFAULT_COMPARISON, EXPERIMENTS, docs_page, experiment
-from hetfed.experiments.base import ANY_DATASET, Experiment, FigureLabel, LocalDefaults
-from hetfed.experiments.datasets import DATASET_DEFAULTS, dataset_defaults
+from hetfed.cli.experiments.algorithms import (
+           DEFAULT_COMPARISON,
+           EXPERIMENTS,
+           bytes_reference,
+           docs_page,
+           experiment,
+)
+from hetfed.cli.experiments.base import ANY_DATASET, Experiment, FigureLabel, LocalDefaults
+from hetfed.cli.experiments.datasets import DATASET_DEFAULTS, dataset_defaults
 
 __all__ = ["ANY_DATASET", "DATASET_DEFAULTS", "DEFAULT_COMPARISON", "EXPERIMENTS", "Experiment", "FigureLabel",
-           "LocalDefaults", "dataset_defaults", "docs_page", "experiment"]
+           "LocalDefaults", "bytes_reference", "dataset_defaults", "docs_page", "experiment"]

@@ -55,6 +55,9 @@ class Experiment:
     labels: Mapping[str, FigureLabel] = field(default_factory=dict)
     # The algorithm's page under docs/ ("": algorithms/<name>.md).
     docs: str = ""
+    # Non-empty: reports compare every run's bytes per round with this algorithm's runs (the whole model each
+    # way), under this label ("ratio to LABEL"). Read by the algorithm's own name: its presets are not the reference.
+    bytes_reference: str = ""
 
     def defaults_for(self, dataset: str) -> LocalDefaults:
         """The local-run defaults on ``dataset`` (its own entry over the every-dataset entry)."""

@@ -5,16 +5,15 @@ A preset (``ditto_cos``, ``fedl2r``) shares the entry of the algorithm it preset
 
 from __future__ import annotations
 
-from hetfed.experiments.base import ANY_DATASET, Experiment, FigureLabel, LocalDefaults
+from hetfed.cli.experiments.base import ANY_DATASET, Experiment, FigureLabel, LocalDefaults
 from hetfed.wire.specs import AlgorithmSpec
 
 # What ``hetfed run`` compares when the user names no algorithm: the federated baseline against local training.
 DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 
-# FedSR's schedule: the training knobs hetfed run's own defaults would otherwise set (lr, batch size, epochs).
-_FEDSR_SCHEDULE = {"local_steps": 5, "batch_size": 64, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
-
 EXPERIMENTS: dict[str, Experiment] = {
+    # Every organization sends and receives the whole model: what reports compare other algorithms' bytes with.
+    "fedavg": Experiment(bytes_reference="FedAvg"),
     "fedcma": Experiment(
         defaults={
             # The point of Fed-CMA is heterogeneous encoders: organizations alternate a CNN and an MLP.
@@ -30,9 +29,10 @@ EXPERIMENTS: dict[str, Experiment] = {
     "fedh2l": Experiment(
         defaults={
             # One round is one iteration of Algorithm 1 (one local and one mutual-learning step), so many rounds;
-            # four different architectures, as the paper mixes networks; its own optimiser (AMSGrad, lr 1e-3).
+            # four different architectures, as the paper mixes networks; its own optimiser (its config's AMSGrad and
+            # lr 1e-3), without hetfed run's momentum.
             ANY_DATASET: LocalDefaults(rounds=500, models=("lenet", "mlp", "fedgen_cnn", "lenet_wide"),
-                                       partition="rotated", config={"lr": 1e-3, "momentum": 0.0}),
+                                       partition="rotated", config={"momentum": 0.0}),
         },
         labels={
             "wdp": FigureLabel("WDP", "within-domain performance: accuracy on the own domain's test set"),
@@ -43,7 +43,6 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "fedsr": Experiment(
         defaults={
-            ANY_DATASET: LocalDefaults(config=_FEDSR_SCHEDULE),
             # Rotated MNIST leave one domain out with the paper's network (z = 64) and 100 rounds of E = 5 steps.
             "mnist5k": LocalDefaults(rounds=100, models=("rmnist_cnn",), latent_dim=64, partition="rotated_lodo"),
         },
@@ -57,10 +56,10 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "simfed": Experiment(
         defaults={
-            # The paper's SGD (no momentum, lr 5e-2, batch 128); 5 local epochs per round so that 20 rounds train
-            # MNIST-5k's small organizations about as far as the tuning runs needed (docs/algorithms/simfed.md).
-            ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20,
-                                       config={"local_epochs": 5, "lr": 0.05, "momentum": 0.0, "batch_size": 128}),
+            # The paper's SGD (its config's lr 5e-2 and batch 128, without hetfed run's momentum); 5 local epochs per
+            # round so that 20 rounds train MNIST-5k's small organizations about as far as the tuning runs needed
+            # (docs/algorithms/simfed.md).
+            ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20, config={"local_epochs": 5, "momentum": 0.0}),
             # The feature vectors take the MLP (LeNet needs images); gauss4's 2-D latent space is drawn.
             "synthetic": LocalDefaults(models=("mlp",)),
             "gauss4": LocalDefaults(models=("mlp",), latent_dim=2),
@@ -76,12 +75,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "ditto": Experiment(
         defaults={
-            # The paper's Appendix C setup for Synthetic: 15 rounds of 5 local epochs, batch 10, SGD with momentum
-            # 0.9 and weight decay 1e-3, Linear(60, 20) → Linear(20, 10); the learning rate of its Table 3 for
-            # (0.5, 0.5).
-            "synthetic": LocalDefaults(
-                rounds=15, models=("linear",), latent_dim=20,
-                config={"local_epochs": 5, "batch_size": 10, "lr": 0.01, "momentum": 0.9, "weight_decay": 0.001}),
+            # Synthetic's own defaults are the paper's Appendix C setup (experiments/datasets.py); Ditto adds the
+            # width of its Linear(60, 20) → Linear(20, 10) network.
+            "synthetic": LocalDefaults(latent_dim=20),
         },
         labels={"global": FigureLabel(
             "global model", "the averaged global model w̄ on each organization's own test set (FedAvg's model)")},
@@ -99,3 +95,11 @@ def experiment(spec: AlgorithmSpec) -> Experiment:
 def docs_page(spec: AlgorithmSpec) -> str:
     """The algorithm's page under docs/ (a preset shares its algorithm's)."""
     return experiment(spec).docs or f"algorithms/{spec.family}.md"
+
+
+def bytes_reference() -> tuple[str, str]:
+    """(name, label) of the algorithm whose bytes per round reports compare every run's with; ("", "") if none."""
+    for name, entry in EXPERIMENTS.items():
+        if entry.bytes_reference:
+            return name, entry.bytes_reference
+    return "", ""
