@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,10 +170,19 @@ def _proc_stat(pid: int) -> tuple[float, int]:
     return cpu, hwm
 
 
-class Probe:
-    """Samples the aggregator's CPU once round 2 has begun and at the end of training, and the processes' peak RSS.
+def _cpu_or_zero(pid: int) -> float:
+    """CPU seconds of a process, 0 once it is gone (a client that already exited is not counted)."""
+    try:
+        return _proc_stat(pid)[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
 
-    The aggregator's CPU per round is its CPU utilisation between the two samples times the mean round time of
+
+class Probe:
+    """Samples CPU once round 2 has begun and at the end of training (the aggregator's, and every process's: the
+    aggregator and all client processes), and the processes' peak RSS.
+
+    CPU per round is the CPU used between the two samples, over their interval, times the mean round time of
     rounds 2..R, so the samples need not fall on round boundaries; the driver polls Status every
     ``POLL_SECONDS`` over one channel, to stay out of the measurement.
     """
@@ -188,15 +198,17 @@ class Probe:
             return
         self.rss[name] = max(self.rss.get(name, 0), hwm)
 
-    def __call__(self, agg_pid: int, client_pid: int | None, status: RunStatus) -> None:
+    def __call__(self, agg_pid: int, client_pid: int | None, status: RunStatus, client_pids: Sequence[int] = ()) -> None:
         self.sample("aggregator", agg_pid)
         if client_pid is not None:
             self.sample("client", client_pid)
         cpu, _ = _proc_stat(agg_pid)
-        if "start" not in self.marks and status.round >= 2 and status.phase.value == "train":
-            self.marks["start"], self.marks["start_t"] = cpu, time.monotonic()
-        if "start" in self.marks and "end" not in self.marks and status.phase.value != "train":
-            self.marks["end"], self.marks["end_t"] = cpu, time.monotonic()
+        starting = "start" not in self.marks and status.round >= 2 and status.phase.value == "train"
+        ending = "start" in self.marks and "end" not in self.marks and status.phase.value != "train"
+        if starting or ending:
+            every = cpu + sum(_cpu_or_zero(pid) for pid in client_pids)
+            mark = "start" if starting else "end"
+            self.marks[mark], self.marks[f"{mark}_all"], self.marks[f"{mark}_t"] = cpu, every, time.monotonic()
 
 
 def aggregator_config(w: Workload, clients: int, rounds: int, state: Path,
@@ -252,7 +264,8 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
                     if p.poll() not in (None, 0):
                         raise RuntimeError(f"a light client process exited with {p.returncode}")
                 (status,) = watcher.status(RUN)
-                probe(fed.aggregator.pid, first.pid if first.poll() is None else None, status)
+                probe(fed.aggregator.pid, first.pid if first.poll() is None else None, status,
+                      [p.pid for p in light_procs] if light else [c.pid for c in fed.clients.values()])
                 if status.finished:
                     break
                 if time.monotonic() > deadline:
@@ -282,10 +295,14 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
     window = probe.marks.get("end_t", 0.0) - probe.marks.get("start_t", 0.0)
     agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / window * statistics.fmean(durations)
                if window > 0 else float("nan"))
+    all_cpu = ((probe.marks["end_all"] - probe.marks["start_all"]) / window * statistics.fmean(durations)
+               if window > 0 else float("nan"))
     return {
         "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light, "device": device,
         "round_median_s": median, "round_p90_s": sorted(durations)[int(0.9 * (len(durations) - 1))],
         "aggregator_cpu_s_per_round": agg_cpu,
+        # Every process of the federation (the aggregator and its clients): core-seconds per round.
+        "cpu_s_per_round": all_cpu,
         "aggregator_peak_rss_mb": probe.rss.get("aggregator", 0) / 2**20,
         "client_peak_rss_mb": probe.rss.get("client", 0) / 2**20,
         "bytes_per_round": round_bytes, "analytic_bytes_per_round": 2 * clients * model_bytes,
@@ -298,14 +315,15 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
 def report(r: dict[str, Any]) -> str:
     """One row of the table."""
     return (f"{r['workload']:>2} {r['clients']:>4}{'*' if r['light_clients'] else ' '} {r['round_median_s']:8.3f} "
-            f"{r['round_p90_s']:8.3f} {r['aggregator_cpu_s_per_round']:8.3f} {r['aggregator_peak_rss_mb']:8.0f} "
+            f"{r['round_p90_s']:8.3f} {r['aggregator_cpu_s_per_round']:8.3f} {r['cpu_s_per_round']:8.3f} "
+            f"{r['aggregator_peak_rss_mb']:8.0f} "
             f"{r['client_peak_rss_mb']:8.0f} {r['bytes_per_round'] / 1e6:9.2f} "
             f"{r['bytes_per_round'] / r['analytic_bytes_per_round']:7.4f} {r['training_s']:8.3f} "
             f"{r['loopback_copy_s']:8.3f} {r['overhead_ratio']:7.2f} {r['load_average']:5.1f}")
 
 
-HEADER = (" W    N  round_s   p90_s  aggCPU_s aggRSS_MB cliRSS_MB  MB/round  /payload  train_s   copy_s  ratio  load\n"
-          "-- ----- -------- -------- -------- -------- -------- --------- ------- -------- -------- ------- -----")
+HEADER = (" W    N  round_s   p90_s  aggCPU_s allCPU_s aggRSS_MB cliRSS_MB  MB/round  /payload  train_s   copy_s  ratio  load\n"
+          "-- ----- -------- -------- -------- -------- -------- -------- --------- ------- -------- -------- ------- -----")
 
 
 def main(argv: list[str] | None = None) -> int:

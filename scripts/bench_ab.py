@@ -9,8 +9,10 @@ tree is measured as it is, uncommitted changes included. Each pair runs ``benchm
 in each tree, alternating which goes first, with the same virtual environment and each tree's own packages
 first on ``PYTHONPATH`` (checked before measuring: the aggregator's and the client's modules must load from
 that tree). Printed: every run's figures, then HEAD/BASE for the round median, the aggregator's CPU seconds per
-round and its peak RSS, as the median ratio over the pairs and its range. Each tree runs its own harness
-(the harness drives the tree's own CLI code): compare trees whose ``round_overhead.py`` measures the same way.
+round, every process's CPU per round (the aggregator's and its clients') and the aggregator's peak RSS, as the
+median ratio over the pairs and its range. Each tree runs its own harness by default (the harness drives the
+tree's own CLI code); ``--harness head`` runs HEAD's harness against both trees, for figures an older harness
+lacks (every process's CPU), where the older tree's CLI still fits it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = (("round_median_s", "round median"), ("aggregator_cpu_s_per_round", "aggregator CPU per round"),
-           ("aggregator_peak_rss_mb", "aggregator peak RSS"))
+           ("cpu_s_per_round", "all processes' CPU per round"), ("aggregator_peak_rss_mb", "aggregator peak RSS"))
 
 
 def git(*args: str) -> str:
@@ -63,10 +65,10 @@ def check_tree(tree: Path) -> None:
         sys.exit(f"bench_ab: with PYTHONPATH on {tree}, these load from elsewhere: {strays}")
 
 
-def measure(tree: Path, args: argparse.Namespace) -> list[dict[str, float]]:
-    """One run of ``tree``'s round-overhead harness against its packages; its rows."""
+def measure(tree: Path, harness: Path, args: argparse.Namespace) -> list[dict[str, float]]:
+    """One run of the round-overhead harness of ``harness`` (a tree) against ``tree``'s packages; its rows."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(tree / "benchmarks/round_overhead.py"), "--workload", args.workload, "--clients", args.clients,
+        cmd = [sys.executable, str(harness / "benchmarks/round_overhead.py"), "--workload", args.workload, "--clients", args.clients,
                "--rounds", str(args.rounds), "--json", out.name]
         subprocess.run(cmd, env=tree_env(tree), check=True, cwd=tree, stdout=subprocess.DEVNULL)
         return list(json.loads(Path(out.name).read_text()))
@@ -80,6 +82,8 @@ def main() -> int:
     ap.add_argument("--clients", default="4", help="comma-separated N (default 4)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=3, help="alternating pairs of runs (default 3)")
+    ap.add_argument("--harness", choices=("own", "head"), default="own",
+                    help="each tree's own round_overhead.py (default), or HEAD's for both")
     ap.add_argument("--json", type=Path, help="also write every run and the ratios here")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
@@ -96,16 +100,18 @@ def main() -> int:
         for i in range(args.pairs):
             order = [("base", base), ("head", head)] if i % 2 == 0 else [("head", head), ("base", base)]
             for name, tree in order:
-                rows = measure(tree, args)
+                rows = measure(tree, head if args.harness == "head" else tree, args)
                 runs[name].append(rows)
                 print(f"pair {i + 1} {name}: " + "; ".join(
                     f"N={r['clients']} round {r['round_median_s']:.4f} s, aggregator CPU "
-                    f"{r['aggregator_cpu_s_per_round']:.4f} s, RSS {r['aggregator_peak_rss_mb']:.0f} MB"
-                    for r in rows), flush=True)
+                    f"{r['aggregator_cpu_s_per_round']:.4f} s, all CPU {r.get('cpu_s_per_round', float('nan')):.4f} s, "
+                    f"RSS {r['aggregator_peak_rss_mb']:.0f} MB" for r in rows), flush=True)
     ratios: dict[str, dict[str, list[float]]] = {}
     print("\nHEAD / BASE, median of the pairs (range):")
     for j, n in enumerate(args.clients.split(",")):
         for key, name in FIGURES:
+            if not all(key in r[j] for r in runs["head"] + runs["base"]):
+                continue  # an older harness does not measure it
             values = [h[j][key] / b[j][key] for h, b in zip(runs["head"], runs["base"], strict=True)]
             ratios.setdefault(f"N={n}", {})[key] = values
             print(f"  N={n:<4} {name:<26} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
