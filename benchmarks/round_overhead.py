@@ -170,12 +170,12 @@ def _proc_stat(pid: int) -> tuple[float, int]:
     return cpu, hwm
 
 
-def _cpu_or_zero(pid: int) -> float:
-    """CPU seconds of a process, 0 once it is gone (a client that already exited is not counted)."""
+def _cpu_or_none(pid: int) -> float | None:
+    """CPU seconds of a process, None once it is gone."""
     try:
         return _proc_stat(pid)[0]
     except (FileNotFoundError, ProcessLookupError):
-        return 0.0
+        return None
 
 
 class Probe:
@@ -190,6 +190,7 @@ class Probe:
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         self.rss: dict[str, int] = {}
+        self.client_cpu: dict[int, float] = {}  # each client process's CPU seconds at its last sample
 
     def sample(self, name: str, pid: int) -> None:
         try:
@@ -205,8 +206,12 @@ class Probe:
         cpu, _ = _proc_stat(agg_pid)
         starting = "start" not in self.marks and status.round >= 2 and status.phase.value == "train"
         ending = "start" in self.marks and "end" not in self.marks and status.phase.value != "train"
+        for pid in client_pids:  # a process that has exited keeps its last reading
+            seen = _cpu_or_none(pid)
+            if seen is not None:
+                self.client_cpu[pid] = seen
         if starting or ending:
-            every = cpu + sum(_cpu_or_zero(pid) for pid in client_pids)
+            every = cpu + sum(self.client_cpu.values())
             mark = "start" if starting else "end"
             self.marks[mark], self.marks[f"{mark}_all"], self.marks[f"{mark}_t"] = cpu, every, time.monotonic()
 

@@ -11,8 +11,9 @@ first on ``PYTHONPATH`` (checked before measuring: the aggregator's and the clie
 that tree). Printed: every run's figures, then HEAD/BASE for the round median, the aggregator's CPU seconds per
 round, every process's CPU per round (the aggregator's and its clients') and the aggregator's peak RSS, as the
 median ratio over the pairs and its range. Each tree runs its own harness by default (the harness drives the
-tree's own CLI code); ``--harness head`` runs HEAD's harness against both trees, for figures an older harness
-lacks (every process's CPU), where the older tree's CLI still fits it.
+tree's own CLI code); ``--harness head`` runs HEAD's harness against both trees, and ``--harness this`` the
+harness of the checkout this script is in, for figures an older harness lacks (every process's CPU), where the
+older trees' CLI still fits it.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def main() -> int:
     ap.add_argument("--clients", default="4", help="comma-separated N (default 4)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=3, help="alternating pairs of runs (default 3)")
-    ap.add_argument("--harness", choices=("own", "head"), default="own",
-                    help="each tree's own round_overhead.py (default), or HEAD's for both")
+    ap.add_argument("--harness", choices=("own", "head", "this"), default="own",
+                    help="each tree's own round_overhead.py (default), HEAD's for both, or this checkout's for both")
     ap.add_argument("--json", type=Path, help="also write every run and the ratios here")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
@@ -100,7 +101,8 @@ def main() -> int:
         for i in range(args.pairs):
             order = [("base", base), ("head", head)] if i % 2 == 0 else [("head", head), ("base", base)]
             for name, tree in order:
-                rows = measure(tree, head if args.harness == "head" else tree, args)
+                harness = {"own": tree, "head": head, "this": REPO}[args.harness]
+                rows = measure(tree, harness, args)
                 runs[name].append(rows)
                 print(f"pair {i + 1} {name}: " + "; ".join(
                     f"N={r['clients']} round {r['round_median_s']:.4f} s, aggregator CPU "
