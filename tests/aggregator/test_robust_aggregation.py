@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
 
-from hetfed.aggregator.algorithms.aggregators import CoordinateMedian, TrimmedMean, clip_to_ball
+from hetfed.aggregator.algorithms.aggregators import (
+    NORM_BLOCK,
+    CoordinateMedian,
+    TrimmedMean,
+    clip_to_ball,
+    distance,
+    global_norm,
+)
 from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.fedavg import FedAvgServer
 from hetfed.aggregator.algorithms.fedavg_head import HeadFedAvgServer
@@ -160,3 +168,24 @@ def test_the_head_average_takes_the_norm_bound_too() -> None:
     with pytest.raises(WireError) as err:
         half.validate(Phase.TRAIN, "a", Received([HeadWeights(np.full((2, 2), 2e6), np.zeros(2), 1)]))
     assert err.value.reason == "implausible_update"
+
+
+def test_the_blocked_distance_matches_float64_over_several_blocks() -> None:
+    """||a − c|| over tensors longer than one block, one tensor missing from the centre, against float64 sums of
+    the same values: float32 differences and squares, summed pairwise within blocks and in float64 across them."""
+    rng = np.random.default_rng(7)
+    n = 4 * NORM_BLOCK + 123
+    c = rng.standard_normal(n).astype(np.float32)
+    a = (c + 0.01 * rng.standard_normal(n)).astype(np.float32)
+    extra = np.array([3.0, 4.0], np.float32)  # not in the centre: counts from 0, adds 5² = 25
+    want = math.sqrt(float(np.sum((a.astype(np.float64) - c.astype(np.float64)) ** 2)) + 25.0)
+    got = distance({"w": a, "extra": extra}, {"w": c})
+    assert got == pytest.approx(want, rel=1e-8)  # float32 squares, summed pairwise: ~3e-9 here
+    m = a[: 300 * 700].reshape(300, 700)  # a matrix over several blocks: the same sum over its elements
+    assert distance({"m": m}, {"m": c[: 300 * 700].reshape(300, 700)}) == pytest.approx(math.sqrt(float(
+        np.sum((m.astype(np.float64) - c[: 300 * 700].reshape(300, 700).astype(np.float64)) ** 2))), rel=1e-8)
+    assert global_norm({"w": c, "extra": extra}) == pytest.approx(
+        math.sqrt(float(np.sum(c.astype(np.float64) ** 2)) + 25.0), rel=1e-8)
+    # Hand-computed: (4, 5, 1) − (1, 1, 1) = (3, 4, 0), norm 5, in float64 and float32 alike.
+    for dtype in (np.float64, np.float32):
+        assert distance({"w": np.array([4.0, 5.0, 1.0], dtype)}, {"w": np.ones(3, dtype)}) == 5.0
