@@ -14,7 +14,9 @@ thread each; plaintext loopback; the aggregator fsyncs every accepted update, as
 same typed client (several organizations per process, no training): they stand in for torch clients at large
 N, and the output says so.
 
-For each N it prints the round median (rounds 2..R), the aggregator's CPU seconds per round, the aggregator's
+For each N it prints the round median (rounds 2..R; from the round's opening to its close), the period (from one
+close to the next, read off the aggregator's log: what another framework's close-to-close round time compares
+with), the aggregator's CPU seconds per round, the aggregator's
 and one client's peak RSS, the bytes on the wire per round against the analytic payload 2·N·model bytes, and
 the floor measured in the same run: the slowest organization's own training time per round (clients report
 it with ``report_timing``) plus one loopback TCP copy of the round's bytes. The ratio round / floor is the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -36,6 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +163,23 @@ def loopback_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+# The aggregator's log line at each close (observe/observers.py; engine.py before the rooms), with logging's
+# millisecond timestamp: consecutive closes give the round's whole period, aggregation and close included.
+_CLOSED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: run (\S+) closed train round (\d+) ")
+
+
+def close_periods(log: Path, run: str) -> dict[int, float]:
+    """Seconds from round r-1's close to round r's close, by r, from the aggregator's log (the period a client
+    sees: opening, every client's round, the close and its aggregation; ``duration_seconds`` stops before the
+    close's work)."""
+    closes: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = _CLOSED.match(line)
+        if m and m.group(2) == run:
+            closes[int(m.group(3))] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return {r: closes[r] - closes[r - 1] for r in sorted(closes) if r - 1 in closes}
+
+
 def _proc_stat(pid: int) -> tuple[float, int]:
     """(CPU seconds, peak RSS bytes) of a live process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -182,8 +203,8 @@ class Probe:
     """Samples CPU once round 2 has begun and at the end of training (the aggregator's, and every process's: the
     aggregator and all client processes), and the processes' peak RSS.
 
-    CPU per round is the CPU used between the two samples, over their interval, times the mean round time of
-    rounds 2..R, so the samples need not fall on round boundaries; the driver polls Status every
+    CPU per round is the CPU used between the two samples, over their interval, times the mean period (close to
+    close) of rounds 2..R, so the samples need not fall on round boundaries; the driver polls Status every
     ``POLL_SECONDS`` over one channel, to stay out of the measurement.
     """
 
@@ -284,6 +305,7 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
         fed.stop()
     train = [h for h in status.history if 2 <= h.round <= rounds]
     durations = [h.duration_seconds for h in train]
+    periods = [v for r, v in close_periods(workdir / "aggregator.log", RUN).items() if 2 <= r <= rounds]
     round_bytes = statistics.median(sum(t.bytes for t in h.traffic) for h in train)
     # The floor: the slowest organization's own training time in each round, plus one loopback copy.
     train_wall = []
@@ -298,13 +320,18 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
     floor = training + copy
     median = statistics.median(durations)
     window = probe.marks.get("end_t", 0.0) - probe.marks.get("start_t", 0.0)
-    agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / window * statistics.fmean(durations)
+    # A round's share of the window: its mean period, close to close (the mean open-to-close duration, which
+    # leaves the close out, where the log has no closes).
+    per_round = statistics.fmean(periods) if periods else statistics.fmean(durations)
+    agg_cpu = ((probe.marks["end"] - probe.marks["start"]) / window * per_round
                if window > 0 else float("nan"))
-    all_cpu = ((probe.marks["end_all"] - probe.marks["start_all"]) / window * statistics.fmean(durations)
+    all_cpu = ((probe.marks["end_all"] - probe.marks["start_all"]) / window * per_round
                if window > 0 else float("nan"))
     return {
         "workload": w.name, "clients": clients, "rounds": rounds, "light_clients": light, "device": device,
         "round_median_s": median, "round_p90_s": sorted(durations)[int(0.9 * (len(durations) - 1))],
+        # Close to close (the round's aggregation included), as a federation's throughput is counted elsewhere.
+        "period_median_s": statistics.median(periods) if periods else float("nan"),
         "aggregator_cpu_s_per_round": agg_cpu,
         # Every process of the federation (the aggregator and its clients): core-seconds per round.
         "cpu_s_per_round": all_cpu,
@@ -320,15 +347,16 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
 def report(r: dict[str, Any]) -> str:
     """One row of the table."""
     return (f"{r['workload']:>2} {r['clients']:>4}{'*' if r['light_clients'] else ' '} {r['round_median_s']:8.3f} "
-            f"{r['round_p90_s']:8.3f} {r['aggregator_cpu_s_per_round']:8.3f} {r['cpu_s_per_round']:8.3f} "
+            f"{r['round_p90_s']:8.3f} {r['period_median_s']:8.3f} {r['aggregator_cpu_s_per_round']:8.3f} "
+            f"{r['cpu_s_per_round']:8.3f} "
             f"{r['aggregator_peak_rss_mb']:8.0f} "
             f"{r['client_peak_rss_mb']:8.0f} {r['bytes_per_round'] / 1e6:9.2f} "
             f"{r['bytes_per_round'] / r['analytic_bytes_per_round']:7.4f} {r['training_s']:8.3f} "
             f"{r['loopback_copy_s']:8.3f} {r['overhead_ratio']:7.2f} {r['load_average']:5.1f}")
 
 
-HEADER = (" W    N  round_s   p90_s  aggCPU_s allCPU_s aggRSS_MB cliRSS_MB  MB/round  /payload  train_s   copy_s  ratio  load\n"
-          "-- ----- -------- -------- -------- -------- -------- -------- --------- ------- -------- -------- ------- -----")
+HEADER = (" W    N  round_s   p90_s period_s aggCPU_s allCPU_s aggRSS_MB cliRSS_MB  MB/round  /payload  train_s   copy_s  ratio  load\n"
+          "-- ----- -------- -------- -------- -------- -------- -------- -------- --------- ------- -------- -------- ------- -----")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = (("round_median_s", "round median"), ("aggregator_cpu_s_per_round", "aggregator CPU per round"),
+FIGURES = (("round_median_s", "round median"), ("period_median_s", "period, close to close"),
+           ("aggregator_cpu_s_per_round", "aggregator CPU per round"),
            ("cpu_s_per_round", "all processes' CPU per round"), ("aggregator_peak_rss_mb", "aggregator peak RSS"))
 
 
