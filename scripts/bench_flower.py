@@ -1,0 +1,81 @@
+"""hetfed's round against Flower's on workload A, interleaved in one hour on this machine.
+
+    python scripts/bench_flower.py --flower-python "$FLWR_VENV/bin/python" --clients 4,8,32 --pairs 3
+
+Each pair runs ``benchmarks/round_overhead.py --workload A`` (hetfed, this checkout, this interpreter) and
+``benchmarks/flower_round.py`` (Flower 1.42's legacy gRPC path, under ``--flower-python``: a virtual environment
+with torch 2.13.0 and flwr, as that script's docstring says) once each for every N, alternating which goes
+first. Printed: every run's figures, then hetfed/Flower for the round period (hetfed's close to close, as
+Flower's round is timed), every process's CPU per round and the server's peak RSS, as the median ratio over the
+pairs and its range. A ratio of 0.5 on the period is the performance issue's goal: half of Flower's round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# (hetfed's key, Flower's key, what it is)
+FIGURES = (("period_median_s", "round_median_s", "round period, close to close"),
+           ("cpu_s_per_round", "cpu_s_per_round", "every process's CPU per round"),
+           ("aggregator_peak_rss_mb", "server_peak_rss_mb", "server peak RSS"))
+
+
+def run(cmd: list[str], env: dict[str, str]) -> list[dict[str, float]]:
+    """One run of a harness with ``--json``; its rows."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([*cmd, "--json", out.name], check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+        return list(json.loads(Path(out.name).read_text()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flower-python", required=True, help="the interpreter of a virtual environment with flwr")
+    ap.add_argument("--clients", default="4", help="comma-separated N (default 4)")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs of runs (default 3)")
+    ap.add_argument("--json", type=Path, help="also write every run and the ratios here")
+    args = ap.parse_args()
+    paths = os.pathsep.join(str(REPO / d) for d in ("proto", "services", "clients"))
+    hetfed_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [paths, os.environ.get("PYTHONPATH")]))}
+    flower_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sides = {
+        "hetfed": ([sys.executable, "benchmarks/round_overhead.py", "--workload", "A", "--clients", args.clients,
+                    "--rounds", str(args.rounds)], hetfed_env),
+        "flower": ([args.flower_python, "benchmarks/flower_round.py", "--clients", args.clients,
+                    "--rounds", str(args.rounds)], flower_env),
+    }
+    print(f"workload A, N = {args.clients}, {args.rounds} rounds, {args.pairs} pairs; load {os.getloadavg()[0]:.2f}",
+          flush=True)
+    runs: dict[str, list[list[dict[str, float]]]] = {"hetfed": [], "flower": []}
+    for i in range(args.pairs):
+        for name in ("hetfed", "flower") if i % 2 == 0 else ("flower", "hetfed"):
+            rows = run(*sides[name])
+            runs[name].append(rows)
+            key = "period_median_s" if name == "hetfed" else "round_median_s"
+            print(f"pair {i + 1} {name}: " + "; ".join(
+                f"N={r['clients']} period {r[key]:.4f} s, all CPU {r['cpu_s_per_round']:.4f} s, server RSS "
+                f"{r['aggregator_peak_rss_mb' if name == 'hetfed' else 'server_peak_rss_mb']:.0f} MB"
+                for r in rows), flush=True)
+    ratios: dict[str, dict[str, list[float]]] = {}
+    print("\nhetfed / Flower, median of the pairs (range):")
+    for j, n in enumerate(args.clients.split(",")):
+        for ours, theirs, what in FIGURES:
+            values = [h[j][ours] / f[j][theirs] for h, f in zip(runs["hetfed"], runs["flower"], strict=True)]
+            ratios.setdefault(f"N={n}", {})[ours] = values
+            print(f"  N={n:<4} {what:<32} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
+                                         "ratios": ratios}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
