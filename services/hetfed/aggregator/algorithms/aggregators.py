@@ -42,11 +42,13 @@ class WeightedMean:
         self.weight += weight
         self.count += 1
 
-    def mean(self) -> dict[str, np.ndarray]:
-        """The weighted mean of everything added (float64)."""
+    def mean(self, dtype: type[np.floating] = np.float64) -> dict[str, np.ndarray]:
+        """The weighted mean of everything added, divided in float64 and rounded once to ``dtype``: the same
+        values as ``(sum / weight).astype(dtype)``, without the float64 quotient in memory."""
         if self.weight <= 0:
             raise ValueError("no contributions")
-        return {k: v / self.weight for k, v in self._sums.items()}
+        return {k: np.divide(v, self.weight, out=np.empty(v.shape, dtype), casting="unsafe")
+                for k, v in self._sums.items()}
 
     def reset(self) -> None:
         """Forget every contribution."""
@@ -94,8 +96,11 @@ class TrimmedMean:
             self._mid[name] = self._mid[name] + middle if name in self._mid else middle
         self.count += 1
 
-    def mean(self) -> dict[str, np.ndarray]:
-        """The trimmed mean of everything added (float64)."""
+    def mean(self, dtype: type[np.floating] = np.float64) -> dict[str, np.ndarray]:
+        """The trimmed mean of everything added (computed in float64, rounded to ``dtype``)."""
+        return {k: v.astype(dtype, copy=False) for k, v in self._mean().items()}
+
+    def _mean(self) -> dict[str, np.ndarray]:
         n, k = self.count, self.trim
         if n == 0:
             raise ValueError("no contributions")
@@ -129,11 +134,13 @@ class CoordinateMedian:
             self._values.setdefault(name, []).append(np.array(a, dtype=np.float64))
         self.count += 1
 
-    def mean(self) -> dict[str, np.ndarray]:
-        """The coordinate-wise median of everything added (float64; named ``mean`` like the other aggregators)."""
+    def mean(self, dtype: type[np.floating] = np.float64) -> dict[str, np.ndarray]:
+        """The coordinate-wise median of everything added (computed in float64, rounded to ``dtype``; named
+        ``mean`` like the other aggregators)."""
         if self.count == 0:
             raise ValueError("no contributions")
-        return {name: np.median(np.stack(values), axis=0) for name, values in self._values.items()}
+        return {name: np.median(np.stack(values), axis=0).astype(dtype, copy=False)
+                for name, values in self._values.items()}
 
     def reset(self) -> None:
         """Forget every contribution."""

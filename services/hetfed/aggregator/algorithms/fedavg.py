@@ -105,7 +105,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
     def close_round(self, phase: Phase, round_: int) -> None:
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median)."""
         if self._acc.count:
-            self.global_ = {k: v.astype(np.float32) for k, v in self._acc.mean().items()}
+            self.global_ = self._acc.mean(np.float32)
             self._global_norm = None
         self._acc.reset()
 
