@@ -35,11 +35,16 @@ def shared_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_shared_state(model: torch.nn.Module, weights: ModelWeights) -> None:
-    """Copy received global weights into ``model`` in place."""
+    """Copy received global weights into ``model`` in place: once, straight into the memory of a model on the
+    CPU (the received arrays are read-only views of the message), through a float32 staging copy elsewhere."""
     state = shared_state(model)
     with torch.no_grad():
         for name, arr in weights.tensors.items():
-            state[name].copy_(torch.from_numpy(np.array(arr, dtype=np.float32)))
+            target = state[name]
+            if target.device.type == "cpu":
+                np.copyto(target.numpy(), arr, casting="same_kind")
+            else:
+                target.copy_(torch.from_numpy(np.array(arr, dtype=np.float32)))
 
 
 def model_weights(model: torch.nn.Module, num_examples: int) -> ModelWeights:
