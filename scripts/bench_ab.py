@@ -76,6 +76,21 @@ def measure(tree: Path, harness: Path, args: argparse.Namespace) -> list[dict[st
         return list(json.loads(Path(out.name).read_text()))
 
 
+def print_ratios(top: list[list[dict[str, float]]], bottom: list[list[dict[str, float]]], clients: list[str],
+                 figures: list[tuple[str, str, str]]) -> dict[str, dict[str, list[float]]]:
+    """Print top/bottom for each N and figure (its key in the top rows, in the bottom rows, its name) as the median
+    of the pairs and their range, and return the ratios; a figure an older harness lacks is left out."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for j, n in enumerate(clients):
+        for top_key, bottom_key, name in figures:
+            if not all(top_key in r[j] for r in top) or not all(bottom_key in r[j] for r in bottom):
+                continue
+            values = [t[j][top_key] / b[j][bottom_key] for t, b in zip(top, bottom, strict=True)]
+            ratios.setdefault(f"N={n}", {})[top_key] = values
+            print(f"  N={n:<4} {name:<32} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+    return ratios
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="the commit to compare against (e.g. main)")
@@ -109,15 +124,8 @@ def main() -> int:
                     f"N={r['clients']} round {r['round_median_s']:.4f} s, aggregator CPU "
                     f"{r['aggregator_cpu_s_per_round']:.4f} s, all CPU {r.get('cpu_s_per_round', float('nan')):.4f} s, "
                     f"RSS {r['aggregator_peak_rss_mb']:.0f} MB" for r in rows), flush=True)
-    ratios: dict[str, dict[str, list[float]]] = {}
     print("\nHEAD / BASE, median of the pairs (range):")
-    for j, n in enumerate(args.clients.split(",")):
-        for key, name in FIGURES:
-            if not all(key in r[j] for r in runs["head"] + runs["base"]):
-                continue  # an older harness does not measure it
-            values = [h[j][key] / b[j][key] for h, b in zip(runs["head"], runs["base"], strict=True)]
-            ratios.setdefault(f"N={n}", {})[key] = values
-            print(f"  N={n:<4} {name:<26} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+    ratios = print_ratios(runs["head"], runs["base"], args.clients.split(","), [(k, k, name) for k, name in FIGURES])
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
                                          "ratios": ratios}, indent=1))

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_ab import print_ratios  # scripts/, this script's folder, is first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 # (hetfed's key, Flower's key, what it is)
@@ -64,13 +65,8 @@ def main() -> int:
                 f"N={r['clients']} period {r[key]:.4f} s, all CPU {r['cpu_s_per_round']:.4f} s, server RSS "
                 f"{r['aggregator_peak_rss_mb' if name == 'hetfed' else 'server_peak_rss_mb']:.0f} MB"
                 for r in rows), flush=True)
-    ratios: dict[str, dict[str, list[float]]] = {}
     print("\nhetfed / Flower, median of the pairs (range):")
-    for j, n in enumerate(args.clients.split(",")):
-        for ours, theirs, what in FIGURES:
-            values = [h[j][ours] / f[j][theirs] for h, f in zip(runs["hetfed"], runs["flower"], strict=True)]
-            ratios.setdefault(f"N={n}", {})[ours] = values
-            print(f"  N={n:<4} {what:<32} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+    ratios = print_ratios(runs["hetfed"], runs["flower"], args.clients.split(","), list(FIGURES))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
                                          "ratios": ratios}, indent=1))

@@ -41,3 +41,11 @@ def test_a_tree_without_the_packages_is_refused(tmp_path: Path) -> None:
 def test_the_environment_puts_the_tree_first() -> None:
     env = bench_ab().tree_env(Path("/somewhere"))
     assert env["PYTHONPATH"].split(":")[:3] == ["/somewhere/proto", "/somewhere/services", "/somewhere/clients"]
+
+
+def test_ratios_pair_runs_in_order_and_skip_a_figure_a_harness_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    head = [[{"clients": 4, "a": 2.0, "b": 9.0}], [{"clients": 4, "a": 3.0, "b": 9.0}]]
+    base = [[{"clients": 4, "a": 1.0, "x": 3.0}], [{"clients": 4, "a": 4.0, "x": 3.0}]]
+    ratios = bench_ab().print_ratios(head, base, ["4"], [("a", "a", "A"), ("b", "x", "B against X"), ("c", "c", "C")])
+    assert ratios == {"N=4": {"a": [2.0, 0.75], "b": [3.0, 3.0]}}  # pairs in order; "c" is in neither harness
+    assert "1.375 (0.750-2.000)" in capsys.readouterr().out  # the median of the two pairs and their range
