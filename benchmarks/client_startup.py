@@ -21,31 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from hetfed.cli.localrun import LocalFederation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import round_overhead as ro  # the workloads, their data and configs
-
-_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
-
-
-def _stamps(log: Path, pattern: str) -> list[float]:
-    """The timestamps of the log lines matching ``pattern`` (after the stamp)."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = re.match(_STAMP + pattern, line)
-        if m:
-            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
-    return out
 
 
 def once(w: ro.Workload, workdir: Path, timeout: float) -> dict[str, float]:
@@ -69,8 +55,8 @@ def once(w: ro.Workload, workdir: Path, timeout: float) -> dict[str, float]:
             raise RuntimeError(f"the client exited with {code}:\n{(workdir / 'client.log').read_text()[-2000:]}")
     finally:
         fed.stop()
-    (joined,) = _stamps(workdir / "client.log", r"INFO hetfed\.client: \S+ joined run ")
-    closes = _stamps(workdir / "aggregator.log", r"INFO \S+: run \S+ closed train round ")
+    ((joined, _),) = ro.log_lines(workdir / "client.log", r"INFO hetfed\.client: \S+ joined run ")
+    closes = [t for t, _ in ro.log_lines(workdir / "aggregator.log", r"INFO \S+: run \S+ closed train round ")]
     return {"joined_s": joined - start, "round1_s": closes[0] - start, "round2_s": closes[1] - closes[0]}
 
 

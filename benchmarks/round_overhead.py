@@ -163,20 +163,26 @@ def loopback_copy_seconds(n_bytes: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-# The aggregator's log line at each close (observe/observers.py; engine.py before the rooms), with logging's
-# millisecond timestamp: consecutive closes give the round's whole period, aggregation and close included.
-_CLOSED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: run (\S+) closed train round (\d+) ")
+# logging's timestamp at the start of every line the CLI logs (hetfed.cli's format), to the millisecond.
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+
+
+def log_lines(log: Path, pattern: str) -> list[tuple[float, re.Match[str]]]:
+    """(timestamp, match) of every line of a process's log whose text after the timestamp matches ``pattern``."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(_STAMP + pattern, line)
+        if m:
+            out.append((datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), m))
+    return out
 
 
 def close_periods(log: Path, run: str) -> dict[int, float]:
     """Seconds from round r-1's close to round r's close, by r, from the aggregator's log (the period a client
     sees: opening, every client's round, the close and its aggregation; ``duration_seconds`` stops before the
-    close's work)."""
-    closes: dict[int, float] = {}
-    for line in log.read_text(errors="replace").splitlines():
-        m = _CLOSED.match(line)
-        if m and m.group(2) == run:
-            closes[int(m.group(3))] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    close's work). The close's log line is observe/observers.py's (engine.py's before the rooms)."""
+    closes = {int(m.group(3)): t for t, m in log_lines(log, r"INFO \S+: run (\S+) closed train round (\d+) ")
+              if m.group(2) == run}
     return {r: closes[r] - closes[r - 1] for r in sorted(closes) if r - 1 in closes}
 
 

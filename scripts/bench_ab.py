@@ -91,6 +91,14 @@ def print_ratios(top: list[list[dict[str, float]]], bottom: list[list[dict[str, 
     return ratios
 
 
+def save(args: argparse.Namespace, runs: dict[str, list[list[dict[str, float]]]],
+         ratios: dict[str, dict[str, list[float]]]) -> None:
+    """Write the arguments, every run and the ratios to ``args.json``, when it is set."""
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
+                                         "ratios": ratios}, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="the commit to compare against (e.g. main)")
@@ -126,9 +134,7 @@ def main() -> int:
                     f"RSS {r['aggregator_peak_rss_mb']:.0f} MB" for r in rows), flush=True)
     print("\nHEAD / BASE, median of the pairs (range):")
     ratios = print_ratios(runs["head"], runs["base"], args.clients.split(","), [(k, k, name) for k, name in FIGURES])
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
-                                         "ratios": ratios}, indent=1))
+    save(args, runs, ratios)
     return 0
 
 

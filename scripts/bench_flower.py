@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_ab import print_ratios  # scripts/, this script's folder, is first on sys.path
+from bench_ab import print_ratios, save  # scripts/, this script's folder, is first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 # (hetfed's key, Flower's key, what it is)
@@ -66,10 +66,7 @@ def main() -> int:
                 f"{r['aggregator_peak_rss_mb' if name == 'hetfed' else 'server_peak_rss_mb']:.0f} MB"
                 for r in rows), flush=True)
     print("\nhetfed / Flower, median of the pairs (range):")
-    ratios = print_ratios(runs["hetfed"], runs["flower"], args.clients.split(","), list(FIGURES))
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
-                                         "ratios": ratios}, indent=1))
+    save(args, runs, print_ratios(runs["hetfed"], runs["flower"], args.clients.split(","), list(FIGURES)))
     return 0
 
 

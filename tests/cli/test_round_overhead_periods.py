@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def round_overhead():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("round_overhead", REPO / "benchmarks" / "round_overhead.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["round_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import load_benchmark
 
 
 def test_periods_run_from_close_to_close_of_one_runs_train_rounds(tmp_path: Path) -> None:
@@ -30,7 +19,7 @@ def test_periods_run_from_close_to_close_of_one_runs_train_rounds(tmp_path: Path
         "2026-12-01 21:40:22,001 INFO hetfed.aggregator: run overhead closed train round 3 with 4 clients in 0.60s\n"
         "2026-12-01 21:40:22,101 INFO hetfed.aggregator: run overhead closed evaluate round 4 with 4 clients in 0.1s\n"
     )
-    periods = round_overhead().close_periods(log, "overhead")
+    periods = load_benchmark("round_overhead").close_periods(log, "overhead")
     assert sorted(periods) == [2, 3]
     assert periods[2] == pytest.approx(0.109, abs=1e-6)  # 21.326 - 21.217
     assert periods[3] == pytest.approx(0.675, abs=1e-6)  # 22.001 - 21.326

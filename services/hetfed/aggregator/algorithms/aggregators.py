@@ -208,5 +208,6 @@ def clip_to_ball(arrays: Mapping[str, np.ndarray], centre: Mapping[str, np.ndarr
 
 
 def global_norm(arrays: Mapping[str, np.ndarray]) -> float:
-    """||arrays||_2 over every tensor together (float64), a block at a time."""
+    """||arrays||_2 over every tensor together, as ``distance`` computes it (float32 squares for float32 arrays,
+    blocks added in float64)."""
     return distance(arrays, {})
