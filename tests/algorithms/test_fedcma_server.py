@@ -207,6 +207,45 @@ def test_config_requires_0_lt_lambda_eta_le_1() -> None:
     assert from_mapping(FedCMAConfig, {"lambda1": 2.0, "lambda2": 2.0, "server_lr": 0.5}).server_lr == 0.5
 
 
+def test_separate_head_step_follows_the_reference_codes_two_etas() -> None:
+    """head_server_lr sets v̄'s step alone: λ1·η_head = 4·0.25 = 1 replaces v̄ by Σ p_i v_i, ē keeps λ2·η."""
+    cfg = from_mapping(FedCMAConfig, {"latent_dim": 1, "num_classes": 3, "lambda1": 4.0, "lambda2": 0.5,
+                                      "server_lr": 0.5, "head_server_lr": 0.25})
+    assert cfg.head_eta == 0.25
+    half = FedCMAServer(cfg, RunInfo(0, tuple(COUNTS)))
+    assert (half.head_step, half.mean_step) == (1.0, 0.25)
+    for org, counts in COUNTS.items():
+        half.accumulate(Phase.SETUP, org, Received([ClassCounts(np.array(counts, np.int64))]))
+    half.close_round(Phase.SETUP, 0)
+    half.head_weight, half.head_bias = np.full((3, 1), 9.0), np.full(3, 9.0)  # forgotten entirely by a step of 1
+    push(half, "a", [0.25, None, 0.5], [1.0, 0.0, -1.0], [1.0, 0.0, 0.0])
+    push(half, "b", [0.75, 0.5, None], [0.0, 2.0, 0.0], [0.0, 1.0, 0.0])
+    push(half, "c", [None, 0.25, 1.0], [2.0, 0.0, 2.0], [0.0, 0.0, 1.0])
+    half.close_round(Phase.TRAIN, 1)
+    # v̄ = 0.2·v_a + 0.3·v_b + 0.5·v_c exactly; ē = 0.25·target (targets 0.5, 0.375, 0.875 as above).
+    np.testing.assert_allclose(half.head_weight, [[1.2], [0.6], [0.8]], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(half.head_bias, [0.2, 0.3, 0.5], rtol=0, atol=1e-15)
+    np.testing.assert_array_equal(half.means, [[0.125], [0.09375], [0.21875]])
+    # Unset, the head's η is server_lr (eq. 7's single η).
+    assert FedCMAServer(CFG, RunInfo(0, tuple(COUNTS))).head_step == 0.5
+    with pytest.raises(ConfigError, match=r"lambda1·head_server_lr must lie in \(0, 1\] \(eq. 7\), got 5.0·0.3 = 1.5"):
+        from_mapping(FedCMAConfig, {"lambda1": 5.0, "head_server_lr": 0.3})
+    with pytest.raises(ConfigError, match="head_server_lr"):
+        from_mapping(FedCMAConfig, {"head_server_lr": "fast"})
+
+
+def test_the_authors_preset_carries_their_run_script() -> None:
+    """fedcma_authors: code/script_cifar.sh:99 through main_full.py's anneal_cons_alpha (η·λ per term)."""
+    spec = SPECS["fedcma_authors"]
+    assert spec.family == "fedcma" and spec.server == SPECS["fedcma"].server
+    cfg = spec.config()
+    assert (cfg.lambda1, cfg.lambda2) == (5.0, 1.0)
+    assert cfg.lambda1 * cfg.head_eta == 1.0 and cfg.lambda2 * cfg.server_lr == 0.18
+    assert (cfg.alignment, cfg.head_consensus, cfg.keep_optimizer_state) == ("reference", "reference", True)
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay) == (0.01, 0.9, 5e-4)
+    assert spec.config(lambda2=0.5).lambda2 == 0.5  # a run's own fields still win
+
+
 def test_the_spec_is_model_private_and_never_accepts_model_weights() -> None:
     spec = SPECS["fedcma"]
     assert spec.model_private and spec.bounded_latent

@@ -28,6 +28,8 @@ class FedCMAConfig(SharedSpaceConfig):
     lambda2: float = 0.5
     # η in eq. 7 (the server step): v̄ ← (1 - λ1η)·v̄ + λ1η·Σ p_i v_i, likewise ē with λ2.
     server_lr: float = 0.9
+    # η of the head's step alone (the reference code's --lrl2_alpha, apart from --lr_alpha for ē); None: server_lr.
+    head_server_lr: float | None = None
     # d_e and K (``latent_dim``, ``num_classes`` of SharedSpaceConfig): every organization's encoder maps into
     # [0, 1]^d_e; the head is Linear(d_e, K).
     # b: points per class in the fixed batches B_i^k (b_i^k = min(b, n_i^k)), chosen once per organization.
@@ -44,12 +46,21 @@ class FedCMAConfig(SharedSpaceConfig):
     # updated: the normalisation the uploaded means e_i^k are computed with).
     alignment_bn: Literal["train", "eval"] = "train"
 
+    @property
+    def head_eta(self) -> float:
+        """η of the server's step on v̄: ``head_server_lr``, else ``server_lr``."""
+        return float(self.server_lr if self.head_server_lr is None else self.head_server_lr)
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("lambda1", "lambda2"):
-            step = getattr(self, name) * self.server_lr
-            check(0 < step <= 1, f"{name}·server_lr must lie in (0, 1] (eq. 7), got {getattr(self, name)}·"
-                                 f"{self.server_lr} = {step:g}")
+        check(self.head_server_lr is None or (isinstance(self.head_server_lr, int | float)
+                                              and not isinstance(self.head_server_lr, bool)),
+              f"head_server_lr must be a number or absent, got {self.head_server_lr!r}")
+        for name, eta, eta_name in (("lambda1", self.head_eta, "head_server_lr" if self.head_server_lr is not None
+                                     else "server_lr"), ("lambda2", self.server_lr, "server_lr")):
+            step = getattr(self, name) * eta
+            check(0 < step <= 1, f"{name}·{eta_name} must lie in (0, 1] (eq. 7), got {getattr(self, name)}·"
+                                 f"{eta} = {step:g}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
         check(self.alignment in ("paper", "reference"), f"alignment must be 'paper' or 'reference', got {self.alignment!r}")
         check(self.head_consensus in ("paper", "reference"),
@@ -73,4 +84,18 @@ SPEC = AlgorithmSpec(
     figures=(Figure("global_head", "global_head_test_accuracy"),),
     server="hetfed.aggregator.algorithms.fedcma:FedCMAServer",
     client="hetfed.client.algorithms.fedcma:FedCMAClient",
+)
+
+# The reference code's run script (ajavvadi/FedCMA-ktboi, code/script_cifar.sh:99, read through code/main_full.py):
+# --lamda 1.0 (alignment, λ2) and --lamda_l2 5.0 (head, λ1) in the code's forms λ·MSE and λ·‖v − v̄‖²
+# (code/worker.py:289, :294-300); server steps --lr_alpha·--lamda = 0.18·1.0 on ē and --lrl2_alpha·--lamda_l2 =
+# 0.2·5.0 = 1.0 on v̄ (main_full.py:72-85, :686-724; a step of 1.0 sets v̄ to the p-weighted mean of the heads,
+# --weighted_sharing); SGD at lr 0.01, momentum 0.9, weight decay 5e-4, kept across rounds (worker.py:132-137,
+# script_cifar.sh:23, :25).
+AUTHORS_SPEC = SPEC.preset(
+    "fedcma_authors",
+    "Fed-CMA with its authors' run settings: reference-code loss forms, lambda1 5, lambda2 1, server steps 1.0 (head) "
+    "and 0.18 (means), SGD momentum 0.9 with weight decay 5e-4",
+    lambda1=5.0, lambda2=1.0, server_lr=0.18, head_server_lr=0.2, alignment="reference",
+    head_consensus="reference", keep_optimizer_state=True, lr=0.01, momentum=0.9, weight_decay=5e-4,
 )

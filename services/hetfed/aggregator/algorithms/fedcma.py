@@ -54,7 +54,7 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
     def __init__(self, config: FedCMAConfig, run: RunInfo) -> None:
         super().__init__(config, run)
         k, d = config.num_classes, config.latent_dim
-        self.head_step = config.lambda1 * config.server_lr
+        self.head_step = config.lambda1 * config.head_eta
         self.mean_step = config.lambda2 * config.server_lr
         # Setup: organizations (sorted) and their class counts n_i^k.
         self.organizations: list[str] = []
