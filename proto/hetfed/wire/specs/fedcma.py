@@ -53,14 +53,10 @@ class FedCMAConfig(SharedSpaceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.head_server_lr is None or (isinstance(self.head_server_lr, int | float)
-                                              and not isinstance(self.head_server_lr, bool)),
-              f"head_server_lr must be a number or absent, got {self.head_server_lr!r}")
-        for name, eta, eta_name in (("lambda1", self.head_eta, "head_server_lr" if self.head_server_lr is not None
-                                     else "server_lr"), ("lambda2", self.server_lr, "server_lr")):
-            step = getattr(self, name) * eta
-            check(0 < step <= 1, f"{name}·{eta_name} must lie in (0, 1] (eq. 7), got {getattr(self, name)}·"
-                                 f"{eta} = {step:g}")
+        head_eta_field = "server_lr" if self.head_server_lr is None else "head_server_lr"
+        for name, eta_field in (("lambda1", head_eta_field), ("lambda2", "server_lr")):
+            lam, eta = getattr(self, name), getattr(self, eta_field)
+            check(0 < lam * eta <= 1, f"{name}·{eta_field} must lie in (0, 1] (eq. 7), got {lam}·{eta} = {lam * eta:g}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
         check(self.alignment in ("paper", "reference"), f"alignment must be 'paper' or 'reference', got {self.alignment!r}")
         check(self.head_consensus in ("paper", "reference"),
