@@ -139,6 +139,18 @@ def test_the_page_is_rendered_from_the_measurements_and_keeps_hand_written_text(
     assert "79.33" not in body
 
 
+def test_the_command_on_a_page_drops_where_its_files_went() -> None:
+    """--workdir, --json and --page name the machine's paths, not what ran; every other word is kept."""
+    command = ("hetfed bench fedcma --rounds 20 --workdir /work/x/wd --cell alpha=0.02,0.03 --json=/work/x/o.json "
+               "--page '/work/x y/o.md' --resume --methods 'a b'")
+    assert rp.portable_command(command) == "hetfed bench fedcma --rounds 20 --cell alpha=0.02,0.03 --resume --methods 'a b'"
+    data = {"command": command, "date": "2026-01-01", "machine": "2 CPU cores", "wall_seconds": 60.0,
+            "load": [0.5, 0.7], "rows": _rows(), "bytes_references": {}}
+    text = rp.render(_grid(), data)
+    assert "Command: `hetfed bench fedcma --rounds 20 --cell alpha=0.02,0.03 --resume --methods 'a b'`" in text
+    assert "/work/" not in text
+
+
 @pytest.mark.e2e
 def test_a_small_grid_runs_real_federations_and_reports(tmp_path: Path) -> None:
     grid = rp.Grid(

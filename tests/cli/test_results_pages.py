@@ -31,3 +31,10 @@ def test_page_is_rendered_from_its_measurements(tmp_path: Path, name: str) -> No
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert page.read_bytes() == (RESULTS / f"{name}.md").read_bytes(), \
         f"docs/results/{name}.md differs from its measurements; run hetfed bench {name} --report-only"
+
+
+def test_no_results_page_names_a_path_of_the_machine_it_ran_on() -> None:
+    """Pages say what ran, not where its files went: no work-directory or home paths."""
+    named = [(p.name, word) for p in RESULTS.glob("*.md") for word in p.read_text().split()
+             if any(root in word for root in ("/work/", "/home/", "/root/", "/Users/"))]
+    assert named == []

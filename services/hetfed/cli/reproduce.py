@@ -18,6 +18,8 @@ import json
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
 import tempfile
 import threading
@@ -512,6 +514,15 @@ def _cell_name(cell: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} = {v}" for k, v in cell.items()) or "all"
 
 
+# Where a run wrote its files says nothing about what ran, and names the machine it ran on: pages leave it out.
+_OUTPUT_FLAGS = re.compile(r"\s--(?:workdir|json|page)(?:=|\s+)(?:'[^']*'|\S+)")
+
+
+def portable_command(command: str) -> str:
+    """The command as a reader would re-run it: without --workdir, --json and --page and their values."""
+    return _OUTPUT_FLAGS.sub("", command)
+
+
 def _how_measured(data: Mapping[str, Any], total: int) -> str:
     """The header's account of how a grid's federations were run: in one invocation, partly or wholly resumed."""
     each = "each one aggregator and its client processes over loopback gRPC"
@@ -530,7 +541,7 @@ def render(grid: Grid, data: Mapping[str, Any]) -> str:
     rows = data["rows"]
     seeds = sorted({r["seed"] for r in rows})
     lines = [
-        f"Command: `{data['command']}`  ",
+        f"Command: `{portable_command(data['command'])}`  ",
         f"Measured {data['date']} on {data['machine']}: {len(rows)} federations " + _how_measured(data, len(rows)),
         f"Seeds reported: {', '.join(map(str, seeds))}"
         + (f"; settings were chosen on seeds {', '.join(map(str, grid.tuning_seeds))}, never on the reported ones"
@@ -743,7 +754,7 @@ def main(name: str, argv: list[str]) -> int:
     rows.sort(key=lambda r: order.get((json.dumps(r["cell"], sort_keys=True), r["seed"], r["method"]), len(order)))
     refs = {} if args.no_bytes else {r.label: run_bytes_reference(grid, r, root) for r in grid.bytes_references}
     data = {
-        "command": " ".join(["hetfed", "bench", name, *argv]),
+        "command": portable_command(shlex.join(["hetfed", "bench", name, *argv])),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
         "jobs": args.jobs,
