@@ -288,3 +288,21 @@ def test_keep_optimizer_state_carries_momentum_across_rounds() -> None:
     assert kept.optimizer() is kept.optimizer()
     assert fresh.optimizer() is not fresh.optimizer()
     assert FedCMAConfig().keep_optimizer_state  # the reference code's default
+
+
+def test_privacy_with_an_unbounded_latent_is_refused_before_anything_is_released() -> None:
+    """The class-sum release takes its bound C_z = sqrt(d_e) from [0, 1]^d_e: without it there is no sensitivity."""
+    from hetfed.client.privacy.config import PrivacyConfig
+    from hetfed.client.privacy.session import PrivacySession
+
+    plain = make_client(bounded_latent=False)
+    counts = plain.setup(0)[0]
+    assert isinstance(counts, ClassCounts) and counts.counts.tolist() == [5, 3, 0]  # without DP it runs
+    client = make_client(bounded_latent=False)
+    ctx = client.ctx
+    session = PrivacySession(PrivacyConfig(epsilon_budget=3.0), "run", "org", None, len(ctx.data.train),
+                             torch.device("cpu"))
+    private = FedCMAClient(ClientContext("org", ctx.model, ctx.data, ctx.device, ctx.config, seed=0, privacy=session))
+    with pytest.raises(ValueError, match="needs bounded latents"):
+        private.setup(0)
+    assert session.ledger.releases == []

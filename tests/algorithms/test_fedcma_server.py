@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -47,9 +48,9 @@ def head(weight: list[float], bias: list[float], n: int = 1) -> HeadWeights:
     return HeadWeights(np.array(weight, np.float32).reshape(3, 1), np.array(bias, np.float32), n)
 
 
-def after_setup(seed: int = 0) -> FedCMAServer:
+def after_setup(seed: int = 0, cfg: FedCMAConfig = CFG) -> FedCMAServer:
     """A server half whose setup round saw the three organizations' counts, with v̄ set to zero."""
-    half = FedCMAServer(CFG, RunInfo(seed, tuple(COUNTS)))
+    half = FedCMAServer(cfg, RunInfo(seed, tuple(COUNTS)))
     assert half.payloads_for(Phase.SETUP, 0, "a") == []
     for org, counts in COUNTS.items():
         payloads = Received([ClassCounts(np.array(counts, np.int64))])
@@ -194,6 +195,27 @@ def test_validate_rejects_shapes_counts_and_unbounded_means() -> None:
     assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1.0, 2.0, 3.0]))}) == "shape_mismatch"
     assert reason(half, "setup", "a", {CC: ClassCounts(np.array([1, -2, 3], np.int64))}) == "invalid_value"
     half.validate(Phase.TRAIN, "a", Received([cme([0.5, None, 0.5], [1, 0, 1]), good_head]))
+
+
+def test_an_unbounded_latent_takes_means_outside_the_unit_cube() -> None:
+    """bounded_latent = false (FedGen's network, no sigmoid): means outside [0, 1] are the encoder's own (NaN and
+    infinities are refused before the half sees them, by the contract: tests/wire)."""
+    half = after_setup(cfg=dataclasses.replace(CFG, bounded_latent=False))
+    good_head = head([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    wide_range = Received([cme([-3.5, None, 12.25], [1, 0, 1]), good_head])
+    half.validate(Phase.TRAIN, "a", wide_range)
+    half.accumulate(Phase.TRAIN, "a", wide_range)
+    bounded = after_setup()
+    assert reason(bounded, "train", "a", {CME: cme([-3.5, None, 12.25], [1, 0, 1]), HW: good_head}) == "invalid_value"
+
+
+def test_whether_encoders_end_in_a_sigmoid_is_the_configs_where_it_has_the_field() -> None:
+    spec = SPECS["fedcma"]
+    assert spec.latent_bounded() and spec.latent_bounded(spec.config())
+    assert not spec.latent_bounded(spec.config(bounded_latent=False))
+    assert not SPECS["fedavg"].latent_bounded(SPECS["fedavg"].config())  # no such field: the spec's own (False)
+    with pytest.raises(ValueError, match="bounded_latent must be true or false"):
+        spec.config(bounded_latent="no")
 
 
 def test_config_requires_0_lt_lambda_eta_le_1() -> None:

@@ -64,6 +64,28 @@ def test_a_short_gauss4_run_finishes_and_draws_its_latent_spaces(toy_run: tuple[
             assert z.shape == (400, D) and z.min() >= 0.0 and z.max() <= 1.0  # bounded latents
 
 
+def test_an_unbounded_latent_run_keeps_its_encoders_own_range(tmp_path: Path) -> None:
+    """bounded_latent = false: no sigmoid is added to the linear encoder, latents leave [0, 1] and the aggregator
+    accepts their means."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedcma", "--dataset", "gauss4", "--clients", "2",
+         "--rounds", "2", "--local-epochs", "1", "--lr", "0.1", "--model", "linear", "--set", "bounded_latent=false",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["round"] for r in run["rounds"]] == [0, 1, 2, 3]
+    assert all(r["clients"] == 2 for r in run["rounds"][1:3]), run["rounds"]  # every upload accepted
+    outside = 0
+    for i in range(2):
+        with np.load(out / "artifacts" / "fedcma" / f"org-{i}" / "final.npz") as snap:
+            z = snap["probe_z"]
+            outside += int(((z < 0.0) | (z > 1.0)).sum())
+    assert outside > 0
+
+
 def _size(payload: Payload) -> int:
     """Bytes a payload takes inside an Update (what the aggregator's traffic accounting attributes to its kind)."""
     return embedded_size(codec.payload_to_proto(payload).ByteSize())

@@ -113,8 +113,10 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
     if not clients:
         return None
     algorithm = json.loads((workdir / "aggregator.json").read_text())
-    algo = next(r["algorithm"] for r in algorithm["runs"] if r["id"] == run_id)
-    bounded = get_spec(algo).bounded_latent
+    run = next(r for r in algorithm["runs"] if r["id"] == run_id)
+    algo = run["algorithm"]
+    spec = get_spec(algo)
+    bounded = spec.latent_bounded(spec.parse(run.get("algorithm_config", {})))
     stages = ("round-1", "final")
     colors = np.array(["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"])
     markers = "o^sD"

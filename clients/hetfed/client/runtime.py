@@ -322,7 +322,7 @@ class ClientRuntime:
             # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
             # builds the architecture (most as registered, some wrapped in what the algorithm needs).
             model = half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes, seed=int(joined.seed),
-                                         latent_dim=latent, bounded_latent=spec.bounded_latent, config=config)
+                                         latent_dim=latent, bounded_latent=spec.latent_bounded(config), config=config)
             if privacy is not None:  # BatchNorm replaced by GroupNorm (or refused) before the model trains
                 from hetfed.client.privacy.mechanisms import prepare_model
 

@@ -309,7 +309,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
         if rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {rounds}")
         if own_data is not None or any(is_reference(m) for m in models):
-            catalog.check_models(opts.dataset, models, latent, spec.bounded_latent, own_data)
+            catalog.check_models(opts.dataset, models, latent, spec.latent_bounded(typed), own_data)
         run_id = run_id_of(spec.name)
         # With scraping on, a run whose organizations share one architecture declares the bytes of its whole model,
         # the dashboards' whole-model baseline (heterogeneous organizations have no single whole model to compare with).

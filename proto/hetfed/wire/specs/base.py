@@ -117,7 +117,8 @@ class AlgorithmSpec(Generic[C]):
     repeated_download: frozenset[PayloadKind] = frozenset()
     # True when no encoder weights may ever leave an organization.
     model_private: bool = False
-    # True when encoders must end in a sigmoid so z lies in [0, 1]^d_e.
+    # True when encoders must end in a sigmoid so z lies in [0, 1]^d_e, unless the config's own
+    # ``bounded_latent`` field says otherwise (``latent_bounded`` reads both).
     bounded_latent: bool = False
     # True when every organization must hold the run's shared seed set (its id and SHA-256 are checked at Join).
     needs_seed_set: bool = False
@@ -160,6 +161,12 @@ class AlgorithmSpec(Generic[C]):
         if phase is Phase.EVALUATE:
             return _METRICS, _METRICS
         return frozenset(), frozenset()
+
+    def latent_bounded(self, config: TrainConfig | None = None) -> bool:
+        """Whether this run's encoders end in a sigmoid: the config's ``bounded_latent`` field where the
+        algorithm's config has one, else the spec's."""
+        own = getattr(config, "bounded_latent", None)
+        return self.bounded_latent if own is None else bool(own)
 
     @property
     def first_phase(self) -> Phase:

@@ -45,6 +45,10 @@ class FedCMAConfig(SharedSpaceConfig):
     # and updates its running ones, like any training forward pass) or "eval" (running statistics, not
     # updated: the normalisation the uploaded means e_i^k are computed with).
     alignment_bn: Literal["train", "eval"] = "train"
+    # True: every encoder ends in a sigmoid, z in [0, 1]^d_e (Assumption 2), and the aggregator refuses class
+    # means outside it. False: the architecture's own last activation (FedGen's CNN ends in a ReLU); the paper
+    # calls boundedness "not necessary", a help to the proof (section 3, after Assumption 3).
+    bounded_latent: bool = True
 
     @property
     def head_eta(self) -> float:
@@ -62,6 +66,7 @@ class FedCMAConfig(SharedSpaceConfig):
         check(self.head_consensus in ("paper", "reference"),
               f"head_consensus must be 'paper' or 'reference', got {self.head_consensus!r}")
         check(self.alignment_bn in ("train", "eval"), f"alignment_bn must be 'train' or 'eval', got {self.alignment_bn!r}")
+        check(isinstance(self.bounded_latent, bool), f"bounded_latent must be true or false, got {self.bounded_latent!r}")
         check(isinstance(self.keep_optimizer_state, bool),
               f"keep_optimizer_state must be true or false, got {self.keep_optimizer_state!r}")
 

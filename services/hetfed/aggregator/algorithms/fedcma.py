@@ -136,7 +136,8 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
         if (cme.counts < 0).any() or (cme.counts > self.counts[i]).any():
             raise WireError("invalid_value", "class_mean_embeddings.counts must lie in [0, n_i^k] of the setup counts")
         rows = np.asarray(cme.means, dtype=np.float64)[cme.presence]
-        if rows.size and (rows.min() < -_BOUND_TOLERANCE or rows.max() > 1 + _BOUND_TOLERANCE):
+        bounded = self.config.bounded_latent
+        if bounded and rows.size and (rows.min() < -_BOUND_TOLERANCE or rows.max() > 1 + _BOUND_TOLERANCE):
             raise WireError("invalid_value", "class means must lie in [0, 1]^d_e (Fed-CMA's latents are bounded)")
         _check_float(head.weight, (k, d), "head_weights.weight")
         _check_float(head.bias, (k,), "head_weights.bias")

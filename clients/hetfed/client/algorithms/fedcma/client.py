@@ -1,6 +1,7 @@
 """Fed-CMA's client half (Algorithm 1, worker side): eq. 5 through the shared training loop.
 
-The encoder g_i (any architecture, sigmoid-bounded into [0, 1]^d_e) never leaves the organization.
+The encoder g_i (any architecture, sigmoid-bounded into [0, 1]^d_e unless ``bounded_latent`` is false) never
+leaves the organization.
 Setup: send the class counts n_i^k and fix one batch B_i^k of b_i^k = min(b, n_i^k) examples per class.
 Each round: take ē and v̄ from the instructions (the first v̄ received initialises the head), train
 with cross-entropy + (λ1/2)·p_i·||v_i - v̄||² + (λ2/2)·Σ_k (p_i^k/b_i^k)·Σ_{x∈B_i^k} ||g_i(x) - ē^k||²
@@ -105,6 +106,9 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         which this organization then uses as its counts too)."""
         self._check_model()
         privacy = self.ctx.privacy
+        if privacy is not None and not self.cfg.bounded_latent:
+            raise ValueError("Fed-CMA under [privacy] needs bounded latents: its class-sum release takes its bound "
+                             "C_z = sqrt(d_e) from [0, 1]^d_e (set bounded_latent = true, or leave [privacy] out)")
         if privacy is None:
             self.fixed_batch()
             return [ClassCounts(self.counts.copy())]
