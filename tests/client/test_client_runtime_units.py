@@ -76,3 +76,27 @@ def test_the_round_loop_evaluates_every_n_rounds_from_the_first() -> None:
 
     assert [r for r in range(1, 8) if evaluation_due(r, 3)] == [1, 4, 7]
     assert all(evaluation_due(r, 1) for r in range(1, 5))
+
+
+def test_the_round_loop_trains_each_round_at_the_configs_scheduled_rate() -> None:
+    """A kept SGD optimiser (FedAvg, keep_optimizer_state) steps round t at lr·γ^max(t − 2, 0) under
+    lr_decay_from = 3 (FedGen's schedule): the round loop sets the factor, the half knows nothing of it."""
+    from hetfed.client.algorithms import ClientContext
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.runtime import run_round
+    from hetfed.wire.payloads import Received
+    from hetfed.wire.phases import Action
+
+    spec = SPECS["fedavg"]
+    config = spec.config(batch_size=16, local_steps=1, lr=0.01, momentum=0.9, keep_optimizer_state=True,
+                         lr_decay=0.99, lr_decay_from=3)
+    data = load_client_data(DataConfig(dataset="digits", partition="iid", num_clients=2, client_index=0))
+    half_type = client_half_type(spec)
+    model = half_type.make_model("mlp", data.input_shape, data.num_classes, seed=5, latent_dim=None,
+                                 bounded_latent=False, config=config)
+    half = half_type(ClientContext("org-0", model, data, torch.device("cpu"), config, 5))
+    rates = []
+    for t in (1, 2, 3, 4):
+        run_round(half, Action.TRAIN, t, 100 + t, Received([], frozenset()))
+        rates.append(half._optimizer.param_groups[0]["lr"])  # type: ignore[attr-defined]
+    assert rates == [0.01, 0.01, 0.01 * 0.99, 0.01 * 0.99 ** 2]

@@ -17,6 +17,8 @@ from hetfed.client.training import (
     eval_mode,
     evaluate,
     fit,
+    make_optimizer,
+    round_lr_factor,
     sampled_batches,
 )
 from hetfed.wire.specs import TrainConfig
@@ -156,3 +158,35 @@ def test_evaluate_with_a_custom_prediction() -> None:
     acc, loss = evaluate(m, d, predict=lambda x: probs.expand(len(x), 2))
     assert acc == 0.75
     assert loss == pytest.approx((-np.log(0.25) - 3 * np.log(0.75)) / 4, rel=1e-6)
+
+
+def test_the_round_factor_is_fedgens_exponential_decay_by_hand() -> None:
+    """FedGen steps ExponentialLR(0.99) with the round index after each round: 0-based round g trains at
+    lr·0.99^max(g − 1, 0), so 1-based rounds 1, 2, 3, 4 at lr, lr, 0.99·lr, 0.9801·lr (lr_decay_from = 3)."""
+    fedgen = TrainConfig(lr=0.01, lr_decay=0.99, lr_decay_from=3)
+    assert [fedgen.lr_factor(t) for t in (1, 2, 3, 4)] == [1.0, 1.0, 0.99, 0.99 ** 2]
+    every_round = TrainConfig(lr_decay=0.5)  # the default start: round 2 takes the first decayed rate
+    assert [every_round.lr_factor(t) for t in (1, 2, 3)] == [1.0, 0.5, 0.25]
+    assert TrainConfig().lr_factor(200) == 1.0
+    for bad in ({"lr_decay": 0.0}, {"lr_decay": 1.5}, {"lr_decay_from": 0}):
+        with pytest.raises(ValueError, match="lr_decay"):
+            TrainConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_fit_steps_every_optimiser_of_the_config_at_its_base_rate_times_the_rounds_factor() -> None:
+    """One plain SGD step at lr 0.5 under a factor of 0.25 moves the weight by 0.125·grad, exactly; an optimiser
+    built elsewhere (no base rate) keeps its own rate; outside the block the base rate is back."""
+    d = data()
+    batch = Batch(d.x, d.y)
+    model, ref, other = linear(0.1), linear(0.1), linear(0.3)
+    opt = make_optimizer(list(model.parameters()), TrainConfig(lr=0.5))
+    own = torch.optim.SGD(other.parameters(), lr=0.5)
+    with round_lr_factor(0.25):
+        fit([Objective(model, opt), Objective(other, own)], [batch])
+    assert opt.param_groups[0]["lr"] == 0.125 and own.param_groups[0]["lr"] == 0.5
+    loss = nn.functional.cross_entropy(ref(batch.x), batch.y)
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(model.weight, ref.weight - 0.125 * ref.weight.grad, rtol=0, atol=1e-15)
+    fit([Objective(model, opt)], [])
+    assert opt.param_groups[0]["lr"] == 0.5

@@ -53,7 +53,10 @@ def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  #
     if action is Action.SETUP:
         return half.setup(round_seed)
     if action is Action.TRAIN:
-        return half.train(round_, round_seed, received)
+        from hetfed.client.training import round_lr_factor  # torch is loaded: the half built its model
+
+        with round_lr_factor(half.config.lr_factor(round_)):
+            return half.train(round_, round_seed, received)
     return [half.evaluate(round_, received)]
 
 class ClientError(RuntimeError):

@@ -13,6 +13,7 @@ Batches come from ``epoch_batches`` (shuffled epochs or a number of steps) or ``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -234,6 +235,7 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
     """
     for o in objectives:
         o.model.train()
+        apply_lr_factor(o.optimizer)
     totals: list[float | torch.Tensor] = [0.0] * len(objectives)
     steps = 0
     for batch in batches:
@@ -335,10 +337,39 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (with momentum), Adam or AMSGrad, as the run configures."""
+    """SGD (with momentum), Adam or AMSGrad, as the run configures. Its rate is ``cfg.lr``, its base: ``fit``
+    steps it at the base times the round's factor (``TrainConfig.lr_decay``)."""
+    opt: torch.optim.Optimizer
     if cfg.optimizer in ("adam", "amsgrad"):
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, amsgrad=cfg.optimizer == "amsgrad")
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, amsgrad=cfg.optimizer == "amsgrad")
+    else:
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    for group in opt.param_groups:
+        group["base_lr"] = group["lr"]
+    return opt
+
+
+# The training round's factor on every base learning rate (TrainConfig.lr_factor). The round loop sets it around
+# a half's training hook, so every algorithm follows the schedule without knowing of it.
+_LR_FACTOR: contextvars.ContextVar[float] = contextvars.ContextVar("hetfed_lr_factor", default=1.0)
+
+
+@contextlib.contextmanager
+def round_lr_factor(factor: float) -> Iterator[None]:
+    """Within the block, optimisers from ``make_optimizer`` step at their base rate times ``factor``."""
+    token = _LR_FACTOR.set(float(factor))
+    try:
+        yield
+    finally:
+        _LR_FACTOR.reset(token)
+
+
+def apply_lr_factor(optimizer: torch.optim.Optimizer) -> None:
+    """Set each group's rate to its base times the round's factor (groups without a base are left alone)."""
+    factor = _LR_FACTOR.get()
+    for group in optimizer.param_groups:
+        if "base_lr" in group:
+            group["lr"] = group["base_lr"] * factor
 
 
 @contextlib.contextmanager

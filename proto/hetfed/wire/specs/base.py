@@ -36,6 +36,16 @@ class TrainConfig:
     optimizer: Optimizer = "sgd"
     # Transport precision of floating tensors (float16/bfloat16 halve the bytes).
     wire_dtype: WireDtype = "float32"
+    # A per-round learning-rate decay γ: training round t steps at lr·γ^max(t − lr_decay_from + 1, 0), every
+    # optimiser built from this config alike. 1.0: a constant rate. FedGen's ExponentialLR(γ = 0.99) stepped
+    # with the round index after each round's training (users/userbase.py:58, useravg.py:40-41) is γ = 0.99
+    # from round 3 (rounds 1 and 2 at lr).
+    lr_decay: float = 1.0
+    lr_decay_from: int = 2
+
+    def lr_factor(self, round_: int) -> float:
+        """The factor on every base learning rate in training round ``round_`` (1-based)."""
+        return float(self.lr_decay ** max(round_ - self.lr_decay_from + 1, 0))
 
     def __post_init__(self) -> None:
         check(self.local_epochs >= 1, f"local_epochs must be >= 1, got {self.local_epochs}")
@@ -44,6 +54,8 @@ class TrainConfig:
         check(self.lr > 0, f"lr must be > 0, got {self.lr}")
         check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        check(0 < self.lr_decay <= 1, f"lr_decay must be in (0, 1], got {self.lr_decay}")
+        check(self.lr_decay_from >= 1, f"lr_decay_from must be >= 1, got {self.lr_decay_from}")
 
 
 @dataclass(frozen=True)
