@@ -114,6 +114,80 @@ def test_dirichlet_partition_gives_up_with_a_clear_error() -> None:
         dirichlet_partition(labels, 10, alpha=1.0, min_per_client=20, seed=0)
 
 
+def test_dirichlet_partition_at_ratio_one_is_the_draw_it_was() -> None:
+    """sampling_ratio = 1.0 drops nothing and consumes the generator as before: the counts recorded at 97e16a9."""
+    labels = np.repeat(np.arange(10), 100)
+    parts = dirichlet_partition(labels, 5, 0.5, 10, seed=3, sampling_ratio=1.0)
+    assert [class_counts(labels[p], 10).tolist() for p in parts] == [
+        [41, 8, 10, 3, 16, 17, 0, 55, 6, 1], [0, 9, 24, 4, 13, 49, 56, 16, 1, 0],
+        [38, 70, 1, 15, 7, 0, 14, 8, 34, 7], [4, 3, 61, 0, 42, 0, 29, 0, 0, 90],
+        [17, 10, 4, 78, 22, 34, 1, 21, 59, 2]]
+    default = dirichlet_partition(labels, 5, 0.5, 10, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, default, strict=True))
+
+
+def test_dirichlet_partition_sampling_ratio_keeps_fedgens_per_class_counts() -> None:
+    """FedGen's subsampling: class c keeps int(min(r·n/M, int(r·n_c))) examples; cap 0.5 · 180 / 3 = 30."""
+    labels = np.repeat(np.arange(3), [100, 60, 20])
+    parts = dirichlet_partition(labels, 3, 1000.0, 5, seed=0, sampling_ratio=0.5)
+    kept = np.concatenate(parts)
+    assert np.unique(kept).size == kept.size  # no index twice
+    assert class_counts(labels[kept], 3).tolist() == [30, 30, 10]  # min(30, 50), min(30, 30), min(30, 10)
+    assert [class_counts(labels[p], 3).tolist() for p in parts] == [[9, 10, 3], [10, 10, 3], [11, 10, 4]]
+    # FedGen's Fashion-MNIST scale: 6,000 images a class, 20 users, ratio 0.5: 1,500 of each class, 15,000 in all.
+    fmnist = np.repeat(np.arange(10), 6000)
+    parts = dirichlet_partition(fmnist, 20, 0.05, 10, seed=0, sampling_ratio=0.5)
+    assert class_counts(fmnist[np.concatenate(parts)], 10).tolist() == [1500] * 10
+    assert min(p.size for p in parts) >= 10
+
+
+def test_dirichlet_partition_sampling_ratio_is_checked() -> None:
+    labels = np.repeat(np.arange(2), 50)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="sampling_ratio must be in"):
+            dirichlet_partition(labels, 2, 1.0, 1, seed=0, sampling_ratio=bad)
+    # 0.2 keeps int(min(0.2 · 100 / 5, int(0.2 · 50))) = 4 a class: 8 examples cannot give 5 clients 2 each.
+    with pytest.raises(ValueError, match=r"at least 2 of 8 examples \(100 at sampling_ratio 0.2\)"):
+        dirichlet_partition(labels, 5, 1.0, 2, seed=0, sampling_ratio=0.2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sampling_ratio": 0.0}, r"data.sampling_ratio must be > 0"),
+        ({"sampling_ratio": 1.5}, r"data.sampling_ratio must be in \(0, 1\], got 1.5"),
+        ({"sampling_ratio": 0.5, "partition": "iid"}, r"applies to partition 'dirichlet' only, got 0.5 with "
+                                                      r"partition 'iid'"),
+        ({"mean": (0.5,), "std": (0.5,), "partition": "rotated"}, r"to 'mnist5k' and 'fmnist' under partition 'iid' "
+                                                                  r"or 'dirichlet', got dataset 'mnist5k' with "
+                                                                  r"partition 'rotated'"),
+        ({"mean": (0.5,), "std": (0.5,), "dataset": "digits"}, r"got dataset 'digits' with partition 'dirichlet'"),
+        ({"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}, r"need one value for the grey images of 'mnist5k', got 3"),
+    ],
+)
+def test_sampling_ratio_and_normalisation_fields_are_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_mnist5k_normalised_and_subsampled_as_fedgen_loads_it() -> None:
+    """FedGen's Normalize((0.5,), (0.5,)) maps the [0, 1] pixels to [-1, 1]; the split is the ratio's."""
+    plain = load_client_data(DataConfig(num_clients=4, client_index=1, alpha=0.5, seed=2))
+    norm = load_client_data(DataConfig(num_clients=4, client_index=1, alpha=0.5, seed=2, mean=(0.5,), std=(0.5,)))
+    for a, b in ((plain.train, norm.train), (plain.test, norm.test), (plain.global_test, norm.global_test)):
+        assert isinstance(a, ArrayDataset) and isinstance(b, ArrayDataset)
+        np.testing.assert_array_equal(b.y, a.y)
+        assert b.x.dtype == np.float32
+        np.testing.assert_array_equal(b.x, (a.x - np.float32(0.5)) / np.float32(0.5))
+    assert float(norm.train.x.min()) == -1.0 and float(norm.train.x.max()) == 1.0
+    half = load_client_data(DataConfig(num_clients=4, client_index=1, alpha=0.5, seed=2, sampling_ratio=0.5))
+    assert "ratio=0.5" in half.name
+    # 4,000 training images (500 a class less the 20% held out): each class keeps int(min(500, 200)) = 200 in all.
+    sizes = [len(load_client_data(DataConfig(num_clients=4, client_index=i, alpha=0.5, seed=2,
+                                             sampling_ratio=0.5)).train) for i in range(4)]
+    assert sum(sizes) == 2000
+
+
 def test_class_proportions_exact() -> None:
     labels = np.array([0, 0, 1, 1, 1, 2])
     props = class_proportions(labels, [np.array([0, 2]), np.array([1, 3, 4, 5])], 4)

@@ -234,7 +234,7 @@ def test_normalisation_needs_one_value_per_channel(tmp_path: Path) -> None:
     [
         ({"dataset": "imagefolder", "partition": "natural"}, r"data.path must name a directory of class directories"),
         ({"dataset": "imagefolder", "partition": "domain", "path": "/d"}, r"partition 'domain' is not available"),
-        ({"image_size": 32}, r"data.image_size, channels, mean, std and verify_images apply to dataset 'imagefolder' "
+        ({"image_size": 32}, r"data.image_size, channels and verify_images apply to dataset 'imagefolder' "
                              r"only, got image_size 32 for dataset 'mnist5k'$"),
         ({"channels": 1, "verify_images": False}, r"only, got channels 1, verify_images False for dataset"),
         ({"dataset": "imagefolder", "path": "/d", "image_size": -1}, r"data.image_size must be >= 0, got -1"),

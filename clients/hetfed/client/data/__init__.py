@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetfed.client.data.config import DataConfig
+import numpy as np
+
+from hetfed.client.data.config import NORMALISABLE, DataConfig
 from hetfed.client.data.core import (
     HOLDOUT_FRACTION,
     ArrayDataset,
@@ -64,6 +66,7 @@ __all__ = [
     "load_client_data",
     "load_npz_dir",
     "load_seed_set",
+    "normalised",
     "permute_labels",
     "permuted",
     "split_like",
@@ -76,7 +79,27 @@ def load_client_data(cfg: DataConfig) -> ClientData:
     if cfg.data_seed is not None:  # one fixed data set whatever the run's (training) seed
         cfg = dataclasses.replace(cfg, seed=cfg.data_seed)
     data: ClientData = resolve(DATASETS[cfg.dataset].partitions[cfg.partition].loader)(cfg)
+    if cfg.mean and cfg.dataset in NORMALISABLE:
+        data = normalised(data, cfg.mean, cfg.std)
     return permuted(data, cfg.seed, cfg.client_index) if cfg.permute_labels else data
+
+
+def normalised(data: ClientData, mean: tuple[float, ...], std: tuple[float, ...]) -> ClientData:
+    """``data`` with every array set's images mapped to (x - mean) / std per channel (float32, as torchvision's
+    ``Normalize``); FedGen's loaders use mean 0.5 and std 0.5, pixels in [-1, 1]."""
+    m = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
+    s = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
+
+    def one(ds: Examples) -> Examples:
+        if not isinstance(ds, ArrayDataset):
+            raise TypeError(f"data.mean and data.std normalise arrays here, got {type(ds).__name__}")
+        return dataclasses.replace(ds, x=(ds.x - m) / s)
+
+    return dataclasses.replace(
+        data, train=one(data.train), test=one(data.test),
+        global_test=None if data.global_test is None else one(data.global_test),
+        cross_test=None if data.cross_test is None else one(data.cross_test),
+        extra_eval={k: one(v) for k, v in data.extra_eval.items()})
 
 
 def load_seed_set(cfg: DataConfig) -> SeedSet | None:

@@ -13,6 +13,8 @@ from hetfed.client.data.registry import DATASETS, PARTITIONS, DatasetName, Parti
 
 # Datasets that may be given a data.path without needing one (the data factory receives it as context.path).
 _OPTIONAL_PATH = ("torch",)
+# Built-in image datasets whose pixels (in [0, 1]) data.mean and data.std may normalise, as imagefolder's are.
+NORMALISABLE = ("mnist5k", "fmnist")
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
@@ -47,6 +49,10 @@ class DataConfig:
     # The seed of the data itself (generation, partition and split); None: the run's `seed`. A fixed value keeps
     # one data set while the training seed varies (the Ditto+MMD paper's protocol: one data set, seeds 2021-2023).
     data_seed: int | None = None
+    # Partition "dirichlet": the share of the training set that is split at all. Below 1, class c contributes its
+    # first int(min(r·n/M, int(r·n_c))) shuffled examples and each organization's re-balancing cap is r·n/M
+    # (FedGen's sampling_ratio; data/Mnist/generate_niid_dirichlet.py:56-84 of zhuangdizhu/FedGen).
+    sampling_ratio: float = 1.0
     # How `synthetic` holds out each organization's test rows: "stratified" 20% per class (hetfed's own choice),
     # or "random" 20% at random (FL4Health's split_data_and_targets). `validation_fraction` of the remaining rows
     # is then set aside unused (FL4Health: 0.2, so train/validation/test = 64/16/20; the paper evaluates the last
@@ -109,6 +115,12 @@ class DataConfig:
             )
         if self.data_seed is not None:
             check_int("data.data_seed", self.data_seed, minimum=0)
+        check_float("data.sampling_ratio", self.sampling_ratio, minimum=0.0, inclusive=False)
+        if self.sampling_ratio > 1:
+            raise ValueError(f"data.sampling_ratio must be in (0, 1], got {self.sampling_ratio:g}")
+        if self.sampling_ratio != 1 and self.partition != "dirichlet":
+            raise ValueError(f"data.sampling_ratio applies to partition 'dirichlet' only, got {self.sampling_ratio:g} "
+                             f"with partition {self.partition!r}")
         check_choice("data.split", self.split, ("stratified", "random"))
         check_float("data.validation_fraction", self.validation_fraction, minimum=0.0, inclusive=True)
         if self.validation_fraction >= 0.9:
@@ -175,11 +187,18 @@ class DataConfig:
             raise ValueError(f"data.verify_images must be true or false, got {self.verify_images!r}")
         if self.dataset != "imagefolder":
             set_here = [f"{name} {value!r}" for name, value, default in (
-                ("image_size", self.image_size, 0), ("channels", self.channels, 0), ("mean", self.mean, ()),
-                ("std", self.std, ()), ("verify_images", self.verify_images, True)) if value != default]
+                ("image_size", self.image_size, 0), ("channels", self.channels, 0),
+                ("verify_images", self.verify_images, True)) if value != default]
             if set_here:
-                raise ValueError(f"data.image_size, channels, mean, std and verify_images apply to dataset "
-                                 f"'imagefolder' only, got {', '.join(set_here)} for dataset {self.dataset!r}")
+                raise ValueError(f"data.image_size, channels and verify_images apply to dataset 'imagefolder' only, "
+                                 f"got {', '.join(set_here)} for dataset {self.dataset!r}")
+            if self.mean and (self.dataset not in NORMALISABLE or self.partition not in ("iid", "dirichlet")):
+                raise ValueError(f"data.mean and data.std apply to dataset 'imagefolder', and to "
+                                 f"{' and '.join(map(repr, NORMALISABLE))} under partition 'iid' or 'dirichlet', "
+                                 f"got dataset {self.dataset!r} with partition {self.partition!r}")
+            if self.mean and len(self.mean) != 1:
+                raise ValueError(f"data.mean and data.std need one value for the grey images of {self.dataset!r}, "
+                                 f"got {len(self.mean)}")
         check_int("data.num_workers", self.num_workers, minimum=0)
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"data.pin_memory must be true or false, got {self.pin_memory!r}")

@@ -148,10 +148,11 @@ def load_fmnist(cfg: DataConfig) -> ClientData:
         test_parts = iid_partition(y_test.size, m, (cfg.seed, STREAM_TEST_SPLIT))
         detail = "iid"
     else:
-        parts = dirichlet_partition(y_train, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION))
+        parts = dirichlet_partition(y_train, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION),
+                                    sampling_ratio=cfg.sampling_ratio)
         props = class_proportions(y_train, parts, NUM_CLASSES)
         test_parts = split_like(y_test, props, (cfg.seed, STREAM_TEST_SPLIT), mode=cfg.test_split)
-        detail = f"dirichlet alpha={cfg.alpha:g}"
+        detail = f"dirichlet alpha={cfg.alpha:g}" + (f" ratio={cfg.sampling_ratio:g}" if cfg.sampling_ratio < 1 else "")
     i = cfg.client_index
     return ClientData(
         train=_images(x_train, parts[i], y_train),

@@ -187,10 +187,11 @@ def load_imagefolder(cfg: DataConfig) -> ClientData:
         test_parts = iid_partition(len(test), m, (cfg.seed, STREAM_TEST_SPLIT))
         detail = "iid"
     else:
-        parts = dirichlet_partition(train.y, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION))
+        parts = dirichlet_partition(train.y, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION),
+                                    sampling_ratio=cfg.sampling_ratio)
         props = class_proportions(train.y, parts, num_classes)
         test_parts = split_like(test.y, props, (cfg.seed, STREAM_TEST_SPLIT), mode=cfg.test_split)
-        detail = f"dirichlet alpha={cfg.alpha:g}"
+        detail = f"dirichlet alpha={cfg.alpha:g}" + (f" ratio={cfg.sampling_ratio:g}" if cfg.sampling_ratio < 1 else "")
     return ClientData(
         train=train.subset(parts[i]),
         test=test.subset(test_parts[i]),

@@ -98,11 +98,11 @@ def load_pooled(cfg: DataConfig) -> ClientData:
         detail = "iid"
     else:
         parts = dirichlet_partition(
-            train_all.y, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION)
+            train_all.y, m, cfg.alpha, cfg.min_per_client, (cfg.seed, STREAM_PARTITION), sampling_ratio=cfg.sampling_ratio
         )
         props = class_proportions(train_all.y, parts, num_classes)
         test_parts = split_like(pool.y, props, (cfg.seed, STREAM_TEST_SPLIT), mode=cfg.test_split)
-        detail = f"dirichlet alpha={cfg.alpha:g}"
+        detail = f"dirichlet alpha={cfg.alpha:g}" + (f" ratio={cfg.sampling_ratio:g}" if cfg.sampling_ratio < 1 else "")
     i = cfg.client_index
     return ClientData(
         train=train_all.subset(parts[i]),

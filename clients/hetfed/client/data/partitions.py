@@ -57,34 +57,47 @@ def dirichlet_partition(
     min_per_client: int,
     seed: Seed,
     *,
+    sampling_ratio: float = 1.0,
     max_retries: int = 10_000,
 ) -> list[np.ndarray]:
     """Split indices among clients with per-class proportions drawn from Dir(alpha) (FedGen / NIID-bench style).
 
     Classes are visited in a random order; for each, proportions p ~ Dir(alpha·1) over clients are drawn,
-    clients that already hold at least n / num_clients examples get p = 0 (the usual re-balancing), and the
-    class's shuffled indices are cut at the cumulative proportions. The whole draw is repeated until every
-    client holds at least ``min_per_client`` examples, at most ``max_retries`` times.
+    clients that already hold at least cap = sampling_ratio · n / num_clients examples get p = 0 (the usual
+    re-balancing), and the class's shuffled indices are cut at the cumulative proportions. The whole draw is
+    repeated until every client holds at least ``min_per_client`` examples, at most ``max_retries`` times.
+
+    ``sampling_ratio`` < 1 is FedGen's subsampling (``devide_train_data`` in
+    data/Mnist/generate_niid_dirichlet.py:56-84 of zhuangdizhu/FedGen): only the first
+    int(min(cap, int(sampling_ratio · n_c))) shuffled examples of class c are split, the rest are held by no
+    client. At 1.0 nothing is dropped and the draw is the same as without the argument.
     """
     y = as_labels(labels)
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if not (alpha > 0 and math.isfinite(alpha)):
         raise ValueError(f"alpha must be > 0, got {alpha}")
+    if not (0 < sampling_ratio <= 1):
+        raise ValueError(f"sampling_ratio must be in (0, 1], got {sampling_ratio}")
     n = int(y.size)
-    if n < num_clients * max(min_per_client, 1):
+    cap = sampling_ratio * n / num_clients
+    kept = n if sampling_ratio == 1 else sum(
+        int(min(cap, int(sampling_ratio * int(c)))) for c in np.bincount(y) if c)
+    if kept < num_clients * max(min_per_client, 1):
         raise ValueError(
-            f"cannot give each of {num_clients} clients at least {max(min_per_client, 1)} of {n} examples"
+            f"cannot give each of {num_clients} clients at least {max(min_per_client, 1)} of {kept} examples"
+            + (f" ({n} at sampling_ratio {sampling_ratio:g})" if kept != n else "")
         )
     rng = np.random.default_rng(seed)
     classes = np.unique(y)
     by_class = {int(c): np.flatnonzero(y == c) for c in classes}
-    cap = n / num_clients
     for _ in range(max_retries):
         chunks: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         counts = np.zeros(num_clients, dtype=np.int64)
         for c in rng.permutation(classes):
             idx = rng.permutation(by_class[int(c)])
+            if sampling_ratio < 1:
+                idx = idx[: int(min(cap, int(sampling_ratio * idx.size)))]
             p = np.nan_to_num(rng.dirichlet(np.full(num_clients, alpha)))
             open_ = counts < cap
             p = p * open_
