@@ -16,7 +16,9 @@ import pytest
 
 from hetfed.cli.localrun import LocalRunOptions, summarize_run
 from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
+from hetfed.wire import codec
 from tests.conftest import load_benchmark
 from tests.e2e.runs import recorded_run
 from tests.e2e.test_fedh2l import _fields
@@ -93,12 +95,19 @@ def test_uploads_are_factors_criteria_embeddings_and_metrics_only(federation: di
                 # Every factorised layer is an encoder layer (the dense LeNet's weight names); the head never goes.
                 assert [f"{layer.name}.weight" for layer in layers] == [k for k in encoder if k.endswith("weight")]
                 sent_floats = 0
-                for layer in layers:
-                    assert _fields(layer) == {"name", "u", "v", "mask_indices", "mask_values", "mask_shape"}
+                decoded = codec.factorized_weights_from_proto(p.factorized_weights, None).layers
+                for layer, mask in zip(layers, decoded, strict=True):
                     rows, cols = layer.mask_shape
                     assert list(layer.u.shape) == [rows] and list(layer.v.shape) == [cols]
-                    nnz = layer.mask_values.shape[0]
-                    assert list(layer.mask_indices.shape) == [nnz] and layer.mask_indices.dtype == tpb.DTYPE_INT64
+                    nnz = mask.mask_indices.size
+                    # Each mask in its smallest form: gaps (1, 2 or 4 bytes by the largest), a bitmap, or dense.
+                    gap = int(np.diff(mask.mask_indices, prepend=-1).max()) - 1 if nnz else 0
+                    sizes = {pb.MASK_ENCODING_GAPS: (1 if gap < 256 else 2 if gap < 65536 else 4) * nnz,
+                             pb.MASK_ENCODING_BITMAP: (rows * cols + 7) // 8, pb.MASK_ENCODING_DENSE: 4 * (rows * cols - nnz)}
+                    assert sizes[layer.mask_encoding] == min(sizes.values())
+                    form = {pb.MASK_ENCODING_GAPS: {"mask_indices"}, pb.MASK_ENCODING_BITMAP: {"mask_bitmap"},
+                            pb.MASK_ENCODING_DENSE: set()}[layer.mask_encoding]
+                    assert _fields(layer) == {"name", "u", "v", "mask_values", "mask_shape", "mask_encoding"} | form
                     # No dense weight: u, v and the sparse mask are far fewer numbers than the layer's weight.
                     assert rows + cols + nnz < 0.5 * rows * cols
                     assert rows * cols == math.prod(encoder[f"{layer.name}.weight"])

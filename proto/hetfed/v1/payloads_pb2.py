@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetfed.v1 import tensor_pb2 as hetfed_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hetfed/v1/payloads.proto\x12\thetfed.v1\x1a\x16hetfed/v1/tensor.proto\"M\n\x0cModelWeights\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.hetfed.v1.NamedTensor\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\"g\n\x0bHeadWeights\x12!\n\x06weight\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1f\n\x04\x62ias\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\"0\n\x0b\x43lassCounts\x12!\n\x06\x63ounts\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xa2\x01\n\x13\x43lassMeanEmbeddings\x12!\n\x06labels\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12 \n\x05means\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12!\n\x06\x63ounts\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12#\n\x08presence\x18\x04 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xad\x01\n\x0eSeedPosteriors\x12\x13\n\x0bseed_set_id\x18\x01 \x01(\t\x12\"\n\x07indices\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12(\n\rprobabilities\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1b\n\x13teaching_confidence\x18\x04 \x01(\x01\x12\x1b\n\x13source_organization\x18\x05 \x01(\t\"\xc0\x01\n\x0f\x46\x61\x63torizedLayer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x01u\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\'\n\x0cmask_indices\x18\x04 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12&\n\x0bmask_values\x18\x05 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x12\n\nmask_shape\x18\x06 \x03(\x03\"U\n\x11\x46\x61\x63torizedWeights\x12*\n\x06layers\x18\x01 \x03(\x0b\x32\x1a.hetfed.v1.FactorizedLayer\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\"T\n\x12\x43riteriaEmbeddings\x12\x17\n\x0f\x63riteria_set_id\x18\x01 \x01(\t\x12%\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xe2\x01\n\x0b\x45valMetrics\x12\x12\n\ntrain_loss\x18\x01 \x01(\x01\x12\x1a\n\x12num_train_examples\x18\x02 \x01(\x03\x12\x15\n\rtest_accuracy\x18\x03 \x01(\x01\x12\x11\n\ttest_loss\x18\x04 \x01(\x01\x12\x19\n\x11num_test_examples\x18\x05 \x01(\x03\x12\x30\n\x05\x65xtra\x18\x06 \x03(\x0b\x32!.hetfed.v1.EvalMetrics.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc4\x03\n\x07Payload\x12\x30\n\rmodel_weights\x18\x01 \x01(\x0b\x32\x17.hetfed.v1.ModelWeightsH\x00\x12.\n\x0chead_weights\x18\x02 \x01(\x0b\x32\x16.hetfed.v1.HeadWeightsH\x00\x12.\n\x0c\x63lass_counts\x18\x03 \x01(\x0b\x32\x16.hetfed.v1.ClassCountsH\x00\x12?\n\x15\x63lass_mean_embeddings\x18\x04 \x01(\x0b\x32\x1e.hetfed.v1.ClassMeanEmbeddingsH\x00\x12\x34\n\x0fseed_posteriors\x18\x05 \x01(\x0b\x32\x19.hetfed.v1.SeedPosteriorsH\x00\x12:\n\x12\x66\x61\x63torized_weights\x18\x06 \x01(\x0b\x32\x1c.hetfed.v1.FactorizedWeightsH\x00\x12<\n\x13\x63riteria_embeddings\x18\x07 \x01(\x0b\x32\x1d.hetfed.v1.CriteriaEmbeddingsH\x00\x12.\n\x0c\x65val_metrics\x18\x08 \x01(\x0b\x32\x16.hetfed.v1.EvalMetricsH\x00\x42\x06\n\x04kind*\xbd\x02\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPAYLOAD_KIND_MODEL_WEIGHTS\x10\x01\x12\x1d\n\x19PAYLOAD_KIND_HEAD_WEIGHTS\x10\x02\x12\x1d\n\x19PAYLOAD_KIND_CLASS_COUNTS\x10\x03\x12&\n\"PAYLOAD_KIND_CLASS_MEAN_EMBEDDINGS\x10\x04\x12 \n\x1cPAYLOAD_KIND_SEED_POSTERIORS\x10\x05\x12#\n\x1fPAYLOAD_KIND_FACTORIZED_WEIGHTS\x10\x06\x12$\n PAYLOAD_KIND_CRITERIA_EMBEDDINGS\x10\x07\x12\x1d\n\x19PAYLOAD_KIND_EVAL_METRICS\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hetfed/v1/payloads.proto\x12\thetfed.v1\x1a\x16hetfed/v1/tensor.proto\"M\n\x0cModelWeights\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.hetfed.v1.NamedTensor\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\"g\n\x0bHeadWeights\x12!\n\x06weight\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1f\n\x04\x62ias\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\"0\n\x0b\x43lassCounts\x12!\n\x06\x63ounts\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xa2\x01\n\x13\x43lassMeanEmbeddings\x12!\n\x06labels\x18\x01 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12 \n\x05means\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12!\n\x06\x63ounts\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12#\n\x08presence\x18\x04 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xad\x01\n\x0eSeedPosteriors\x12\x13\n\x0bseed_set_id\x18\x01 \x01(\t\x12\"\n\x07indices\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12(\n\rprobabilities\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1b\n\x13teaching_confidence\x18\x04 \x01(\x01\x12\x1b\n\x13source_organization\x18\x05 \x01(\t\"\x98\x02\n\x0f\x46\x61\x63torizedLayer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x01u\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\'\n\x0cmask_indices\x18\x04 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12&\n\x0bmask_values\x18\x05 \x01(\x0b\x32\x11.hetfed.v1.Tensor\x12\x12\n\nmask_shape\x18\x06 \x03(\x03\x12.\n\rmask_encoding\x18\x07 \x01(\x0e\x32\x17.hetfed.v1.MaskEncoding\x12&\n\x0bmask_bitmap\x18\x08 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"U\n\x11\x46\x61\x63torizedWeights\x12*\n\x06layers\x18\x01 \x03(\x0b\x32\x1a.hetfed.v1.FactorizedLayer\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\"T\n\x12\x43riteriaEmbeddings\x12\x17\n\x0f\x63riteria_set_id\x18\x01 \x01(\t\x12%\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.hetfed.v1.Tensor\"\xe2\x01\n\x0b\x45valMetrics\x12\x12\n\ntrain_loss\x18\x01 \x01(\x01\x12\x1a\n\x12num_train_examples\x18\x02 \x01(\x03\x12\x15\n\rtest_accuracy\x18\x03 \x01(\x01\x12\x11\n\ttest_loss\x18\x04 \x01(\x01\x12\x19\n\x11num_test_examples\x18\x05 \x01(\x03\x12\x30\n\x05\x65xtra\x18\x06 \x03(\x0b\x32!.hetfed.v1.EvalMetrics.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc4\x03\n\x07Payload\x12\x30\n\rmodel_weights\x18\x01 \x01(\x0b\x32\x17.hetfed.v1.ModelWeightsH\x00\x12.\n\x0chead_weights\x18\x02 \x01(\x0b\x32\x16.hetfed.v1.HeadWeightsH\x00\x12.\n\x0c\x63lass_counts\x18\x03 \x01(\x0b\x32\x16.hetfed.v1.ClassCountsH\x00\x12?\n\x15\x63lass_mean_embeddings\x18\x04 \x01(\x0b\x32\x1e.hetfed.v1.ClassMeanEmbeddingsH\x00\x12\x34\n\x0fseed_posteriors\x18\x05 \x01(\x0b\x32\x19.hetfed.v1.SeedPosteriorsH\x00\x12:\n\x12\x66\x61\x63torized_weights\x18\x06 \x01(\x0b\x32\x1c.hetfed.v1.FactorizedWeightsH\x00\x12<\n\x13\x63riteria_embeddings\x18\x07 \x01(\x0b\x32\x1d.hetfed.v1.CriteriaEmbeddingsH\x00\x12.\n\x0c\x65val_metrics\x18\x08 \x01(\x0b\x32\x16.hetfed.v1.EvalMetricsH\x00\x42\x06\n\x04kind*\xbd\x02\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPAYLOAD_KIND_MODEL_WEIGHTS\x10\x01\x12\x1d\n\x19PAYLOAD_KIND_HEAD_WEIGHTS\x10\x02\x12\x1d\n\x19PAYLOAD_KIND_CLASS_COUNTS\x10\x03\x12&\n\"PAYLOAD_KIND_CLASS_MEAN_EMBEDDINGS\x10\x04\x12 \n\x1cPAYLOAD_KIND_SEED_POSTERIORS\x10\x05\x12#\n\x1fPAYLOAD_KIND_FACTORIZED_WEIGHTS\x10\x06\x12$\n PAYLOAD_KIND_CRITERIA_EMBEDDINGS\x10\x07\x12\x1d\n\x19PAYLOAD_KIND_EVAL_METRICS\x10\x08*x\n\x0cMaskEncoding\x12\x1d\n\x19MASK_ENCODING_UNSPECIFIED\x10\x00\x12\x16\n\x12MASK_ENCODING_GAPS\x10\x01\x12\x18\n\x14MASK_ENCODING_BITMAP\x10\x02\x12\x17\n\x13MASK_ENCODING_DENSE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EVALMETRICS_EXTRAENTRY']._loaded_options = None
   _globals['_EVALMETRICS_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_PAYLOADKIND']._serialized_start=1691
-  _globals['_PAYLOADKIND']._serialized_end=2008
+  _globals['_PAYLOADKIND']._serialized_start=1779
+  _globals['_PAYLOADKIND']._serialized_end=2096
+  _globals['_MASKENCODING']._serialized_start=2098
+  _globals['_MASKENCODING']._serialized_end=2218
   _globals['_MODELWEIGHTS']._serialized_start=63
   _globals['_MODELWEIGHTS']._serialized_end=140
   _globals['_HEADWEIGHTS']._serialized_start=142
@@ -47,15 +49,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEEDPOSTERIORS']._serialized_start=463
   _globals['_SEEDPOSTERIORS']._serialized_end=636
   _globals['_FACTORIZEDLAYER']._serialized_start=639
-  _globals['_FACTORIZEDLAYER']._serialized_end=831
-  _globals['_FACTORIZEDWEIGHTS']._serialized_start=833
-  _globals['_FACTORIZEDWEIGHTS']._serialized_end=918
-  _globals['_CRITERIAEMBEDDINGS']._serialized_start=920
-  _globals['_CRITERIAEMBEDDINGS']._serialized_end=1004
-  _globals['_EVALMETRICS']._serialized_start=1007
-  _globals['_EVALMETRICS']._serialized_end=1233
-  _globals['_EVALMETRICS_EXTRAENTRY']._serialized_start=1189
-  _globals['_EVALMETRICS_EXTRAENTRY']._serialized_end=1233
-  _globals['_PAYLOAD']._serialized_start=1236
-  _globals['_PAYLOAD']._serialized_end=1688
+  _globals['_FACTORIZEDLAYER']._serialized_end=919
+  _globals['_FACTORIZEDWEIGHTS']._serialized_start=921
+  _globals['_FACTORIZEDWEIGHTS']._serialized_end=1006
+  _globals['_CRITERIAEMBEDDINGS']._serialized_start=1008
+  _globals['_CRITERIAEMBEDDINGS']._serialized_end=1092
+  _globals['_EVALMETRICS']._serialized_start=1095
+  _globals['_EVALMETRICS']._serialized_end=1321
+  _globals['_EVALMETRICS_EXTRAENTRY']._serialized_start=1277
+  _globals['_EVALMETRICS_EXTRAENTRY']._serialized_end=1321
+  _globals['_PAYLOAD']._serialized_start=1324
+  _globals['_PAYLOAD']._serialized_end=1776
 # @@protoc_insertion_point(module_scope)

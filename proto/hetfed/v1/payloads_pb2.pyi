@@ -19,6 +19,13 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_FACTORIZED_WEIGHTS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_CRITERIA_EMBEDDINGS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_EVAL_METRICS: _ClassVar[PayloadKind]
+
+class MaskEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MASK_ENCODING_UNSPECIFIED: _ClassVar[MaskEncoding]
+    MASK_ENCODING_GAPS: _ClassVar[MaskEncoding]
+    MASK_ENCODING_BITMAP: _ClassVar[MaskEncoding]
+    MASK_ENCODING_DENSE: _ClassVar[MaskEncoding]
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_MODEL_WEIGHTS: PayloadKind
 PAYLOAD_KIND_HEAD_WEIGHTS: PayloadKind
@@ -28,6 +35,10 @@ PAYLOAD_KIND_SEED_POSTERIORS: PayloadKind
 PAYLOAD_KIND_FACTORIZED_WEIGHTS: PayloadKind
 PAYLOAD_KIND_CRITERIA_EMBEDDINGS: PayloadKind
 PAYLOAD_KIND_EVAL_METRICS: PayloadKind
+MASK_ENCODING_UNSPECIFIED: MaskEncoding
+MASK_ENCODING_GAPS: MaskEncoding
+MASK_ENCODING_BITMAP: MaskEncoding
+MASK_ENCODING_DENSE: MaskEncoding
 
 class ModelWeights(_message.Message):
     __slots__ = ("tensors", "num_examples")
@@ -80,20 +91,24 @@ class SeedPosteriors(_message.Message):
     def __init__(self, seed_set_id: _Optional[str] = ..., indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., teaching_confidence: _Optional[float] = ..., source_organization: _Optional[str] = ...) -> None: ...
 
 class FactorizedLayer(_message.Message):
-    __slots__ = ("name", "u", "v", "mask_indices", "mask_values", "mask_shape")
+    __slots__ = ("name", "u", "v", "mask_indices", "mask_values", "mask_shape", "mask_encoding", "mask_bitmap")
     NAME_FIELD_NUMBER: _ClassVar[int]
     U_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     MASK_INDICES_FIELD_NUMBER: _ClassVar[int]
     MASK_VALUES_FIELD_NUMBER: _ClassVar[int]
     MASK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MASK_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    MASK_BITMAP_FIELD_NUMBER: _ClassVar[int]
     name: str
     u: _tensor_pb2.Tensor
     v: _tensor_pb2.Tensor
     mask_indices: _tensor_pb2.Tensor
     mask_values: _tensor_pb2.Tensor
     mask_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., u: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    mask_encoding: MaskEncoding
+    mask_bitmap: _tensor_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., u: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_indices: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask_shape: _Optional[_Iterable[int]] = ..., mask_encoding: _Optional[_Union[MaskEncoding, str]] = ..., mask_bitmap: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class FactorizedWeights(_message.Message):
     __slots__ = ("layers", "num_examples")

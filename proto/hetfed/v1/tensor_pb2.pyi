@@ -17,6 +17,8 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT32: _ClassVar[Dtype]
     DTYPE_UINT8: _ClassVar[Dtype]
     DTYPE_BOOL: _ClassVar[Dtype]
+    DTYPE_UINT16: _ClassVar[Dtype]
+    DTYPE_UINT32: _ClassVar[Dtype]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -25,6 +27,8 @@ DTYPE_INT64: Dtype
 DTYPE_INT32: Dtype
 DTYPE_UINT8: Dtype
 DTYPE_BOOL: Dtype
+DTYPE_UINT16: Dtype
+DTYPE_UINT32: Dtype
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -48,6 +48,8 @@ _WIRE: dict[str, tuple[int, np.dtype]] = {
     "int32": (tpb.DTYPE_INT32, np.dtype("<i4")),
     "uint8": (tpb.DTYPE_UINT8, np.dtype("u1")),
     "bool": (tpb.DTYPE_BOOL, np.dtype("?")),
+    "uint16": (tpb.DTYPE_UINT16, np.dtype("<u2")),
+    "uint32": (tpb.DTYPE_UINT32, np.dtype("<u4")),
 }
 _BY_ENUM = {enum: (name, dt) for name, (enum, dt) in _WIRE.items()}
 WIRE_DTYPES = tuple(_WIRE)
@@ -175,7 +177,9 @@ def _min_encoded_bytes(payload: Payload, wire_dtype: str | None) -> int:
     """A lower bound of the tensor bytes ``payload`` encodes to (narrowing applied to every float)."""
     narrow = wire_dtype in ("float16", "bfloat16")
     total = 0
-    for _, a in named_tensors(payload):
+    for name, a in named_tensors(payload):
+        if isinstance(payload, FactorizedWeights) and name.endswith(".mask_indices"):
+            continue  # positions may travel as a bitmap or one-byte gaps: the values alone bound a mask
         a = np.asarray(a)
         item = 2 if narrow and a.dtype.kind == "f" else min(a.dtype.itemsize, 4 if a.dtype.kind == "f" else 8)
         total += a.size * item
@@ -291,29 +295,146 @@ def seed_posteriors_from_proto(s: pb.SeedPosteriors, lifted: list[memoryview] | 
                           s.source_organization)
 
 
+# The gap widths a MASK_ENCODING_GAPS mask may use, narrowest first.
+_GAP_DTYPES = (np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4"))
+
+
+def mask_encoding(indices: np.ndarray, values: np.ndarray, size: int, value_bytes: int) -> tuple[int, int]:
+    """(MaskEncoding, bytes of its tensors) of the smallest form for a sparse mask: ``indices`` strictly increasing
+    flat positions into ``size`` entries, ``values`` (``value_bytes`` each on the wire) the entries there.
+
+    Forms and their bytes for k entries sent: positions 4k or 8k (int32 or int64) and gaps 1k, 2k or 4k (by
+    the largest gap), each plus the values; a bitmap ceil(size / 8) plus the values; dense ``value_bytes`` ·
+    size, only when no sent value is zero (a dense mask sends its non-zero entries). At equal size the first of
+    gaps, bitmap, dense and positions is taken.
+    """
+    idx = np.asarray(indices)
+    k = int(idx.size)
+    values_bytes = value_bytes * k
+    gap = int(np.max(np.diff(idx, prepend=-1) - 1)) if k else 0
+    candidates = []
+    width = next((dt.itemsize for dt in _GAP_DTYPES if gap <= np.iinfo(dt).max), None)
+    if width is not None:
+        candidates.append((width * k + values_bytes, 0, pb.MASK_ENCODING_GAPS))
+    candidates.append(((size + 7) // 8 + values_bytes, 1, pb.MASK_ENCODING_BITMAP))
+    if k == 0 or np.all(np.asarray(values) != 0):
+        candidates.append((value_bytes * size, 2, pb.MASK_ENCODING_DENSE))
+    candidates.append(((4 if size <= np.iinfo(np.int32).max + 1 else 8) * k + values_bytes, 3,
+                       pb.MASK_ENCODING_UNSPECIFIED))
+    nbytes, _, enum = min(candidates)
+    return int(enum), int(nbytes)
+
+
+def _fill_mask(fl: pb.FactorizedLayer, layer: FactorizedLayer, wire_dtype: str | None) -> None:
+    """Write ``layer``'s mask into ``fl`` in its smallest form (``mask_encoding``)."""
+    idx = np.asarray(layer.mask_indices)
+    val = np.asarray(layer.mask_values)
+    size = math.prod(layer.mask_shape)
+    valid = idx.ndim == 1 and val.shape == idx.shape and idx.dtype.kind in "iu" and val.dtype.kind == "f"
+    if valid and idx.size:
+        wide = idx.astype(np.int64)
+        valid = bool(wide[0] >= 0 and wide[-1] < size and np.all(np.diff(wide) > 0))
+    if not valid:  # not a sparse mask: sent as given, for the receiver's checks to name what is wrong
+        fl.mask_encoding = pb.MASK_ENCODING_UNSPECIFIED  # type: ignore[assignment]
+        _fill(fl.mask_indices, idx)
+        _fill_t(fl.mask_values, val, wire_dtype)
+        return
+    idx = idx.astype(np.int64)
+    sent_as = wire_dtype if (wire_dtype is not None and val.dtype.kind == "f") else wire_dtype_of(val)
+    enum, _ = mask_encoding(idx, val, size, _WIRE[sent_as][1].itemsize)
+    fl.mask_encoding = enum  # type: ignore[assignment]
+    if enum == pb.MASK_ENCODING_GAPS:
+        gaps = np.diff(idx, prepend=-1) - 1
+        width = next(dt for dt in _GAP_DTYPES if not gaps.size or gaps.max() <= np.iinfo(dt).max)
+        _fill(fl.mask_indices, gaps.astype(width))
+        _fill_t(fl.mask_values, val, wire_dtype)
+    elif enum == pb.MASK_ENCODING_BITMAP:
+        bits = np.zeros(size, dtype=bool)
+        bits[idx] = True
+        _fill(fl.mask_bitmap, np.packbits(bits))
+        _fill_t(fl.mask_values, val, wire_dtype)
+    elif enum == pb.MASK_ENCODING_DENSE:
+        dense = np.zeros(size, dtype=val.dtype)
+        dense[idx] = val
+        _fill_t(fl.mask_values, dense, wire_dtype)
+    else:
+        _fill(fl.mask_indices, idx.astype(np.int32) if size <= np.iinfo(np.int32).max + 1 else idx)
+        _fill_t(fl.mask_values, val, wire_dtype)
+
+
+def _read_mask(layer: pb.FactorizedLayer, lifted: list[memoryview] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 flat positions, values) of a layer's mask in any MaskEncoding form; a form that does not stand for
+    strictly increasing positions inside the mask, or carries another form's fields, is malformed."""
+    name = layer.name[:64]
+    size = math.prod(int(d) for d in layer.mask_shape)
+    enum = layer.mask_encoding
+    if enum not in pb.MaskEncoding.values():
+        raise WireError("malformed", f"layer {name!r}: unknown mask encoding {enum}")
+    form = pb.MaskEncoding.Name(enum)
+    if enum != pb.MASK_ENCODING_BITMAP and layer.HasField("mask_bitmap"):
+        raise WireError("malformed", f"layer {name!r}: a mask bitmap is sent with MASK_ENCODING_BITMAP only, "
+                                     f"not {form}")
+    if enum in (pb.MASK_ENCODING_BITMAP, pb.MASK_ENCODING_DENSE) and layer.HasField("mask_indices"):
+        raise WireError("malformed", f"layer {name!r}: mask indices are not sent with {form}")
+    values = tensor_from_proto(layer.mask_values, lifted)
+    if enum == pb.MASK_ENCODING_UNSPECIFIED:  # positions as sent; the receiver checks them
+        raw = tensor_from_proto(layer.mask_indices, lifted)
+        return (raw.astype(np.int64) if raw.dtype == np.int32 else raw), values
+    if values.ndim != 1:
+        raise WireError("malformed", f"layer {name!r}: mask values must be a vector, got {list(values.shape)}")
+    if enum == pb.MASK_ENCODING_BITMAP:
+        bitmap = tensor_from_proto(layer.mask_bitmap, lifted)
+        if bitmap.dtype != np.uint8 or bitmap.shape != ((size + 7) // 8,):
+            raise WireError("malformed", f"layer {name!r}: the bitmap of a mask of {size} entries is uint8 "
+                                         f"[{(size + 7) // 8}], got {bitmap.dtype}{list(bitmap.shape)}")
+        bits = np.unpackbits(bitmap)
+        if bits[size:].any():
+            raise WireError("malformed", f"layer {name!r}: the mask bitmap sets padding bits past entry {size}")
+        idx = np.flatnonzero(bits).astype(np.int64)
+        if idx.size != values.size:
+            raise WireError("malformed", f"layer {name!r}: the mask bitmap sets {idx.size} bits but {values.size} "
+                                         "values follow")
+        return idx, values
+    if enum == pb.MASK_ENCODING_DENSE:
+        if values.size != size:
+            raise WireError("malformed", f"layer {name!r}: a dense mask of shape {list(layer.mask_shape)} has "
+                                         f"{size} values, got {values.size}")
+        idx = np.flatnonzero(values).astype(np.int64)
+        return idx, values[idx]
+    raw = tensor_from_proto(layer.mask_indices, lifted)
+    if raw.ndim != 1 or raw.size != values.size:
+        raise WireError("malformed", f"layer {name!r}: mask gaps {list(raw.shape)} and values "
+                                     f"{list(values.shape)} must be vectors of one length")
+    if raw.dtype not in _GAP_DTYPES:
+        raise WireError("malformed", f"layer {name!r}: mask gaps must be uint8, uint16 or uint32, got {raw.dtype}")
+    if raw.size and int(raw.sum(dtype=np.uint64)) + raw.size > size:
+        raise WireError("malformed", f"layer {name!r}: mask gaps run past the mask's {size} entries")
+    return np.cumsum(raw.astype(np.int64) + 1) - 1, values
+
+
 def factorized_weights_to_proto(payload: FactorizedWeights, out: pb.FactorizedWeights,
                                 wire_dtype: str | None) -> None:
-    """Fill a FactorizedWeights message, layer by layer (``wire_dtype`` narrows u, v and the mask values)."""
+    """Fill a FactorizedWeights message, layer by layer (``wire_dtype`` narrows u, v and the mask values); each
+    mask travels in its smallest form (``mask_encoding``)."""
     out.num_examples = payload.num_examples
     for layer in payload.layers:
         fl = out.layers.add()
         fl.name = layer.name
         _fill_t(fl.u, layer.u, wire_dtype)
         _fill_t(fl.v, layer.v, wire_dtype)
-        _fill(fl.mask_indices, layer.mask_indices)
-        _fill_t(fl.mask_values, layer.mask_values, wire_dtype)
         fl.mask_shape.extend(layer.mask_shape)
+        _fill_mask(fl, layer, wire_dtype)
 
 
 def factorized_weights_from_proto(f: pb.FactorizedWeights, lifted: list[memoryview] | None) -> FactorizedWeights:
-    """Decode a FactorizedWeights message."""
-    layers = tuple(
-        FactorizedLayer(layer.name, tensor_from_proto(layer.u, lifted), tensor_from_proto(layer.v, lifted),
-                        tensor_from_proto(layer.mask_indices, lifted), tensor_from_proto(layer.mask_values, lifted),
-                        tuple(int(d) for d in layer.mask_shape))
-        for layer in f.layers
-    )
-    return FactorizedWeights(layers, int(f.num_examples))
+    """Decode a FactorizedWeights message; each mask comes back as int64 flat positions and values."""
+    layers = []
+    for layer in f.layers:
+        idx, values = _read_mask(layer, lifted)
+        layers.append(FactorizedLayer(layer.name, tensor_from_proto(layer.u, lifted),
+                                      tensor_from_proto(layer.v, lifted), idx, values,
+                                      tuple(int(d) for d in layer.mask_shape)))
+    return FactorizedWeights(tuple(layers), int(f.num_examples))
 
 
 def criteria_embeddings_to_proto(payload: CriteriaEmbeddings, out: pb.CriteriaEmbeddings,
