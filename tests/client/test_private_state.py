@@ -25,7 +25,7 @@ DIGITS = {"dataset": "digits", "partition": "iid", "num_clients": 2, "client_ind
 SGD = {"batch_size": 16, "local_steps": 3, "lr": 0.05}
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "local": ({**SGD}, DIGITS),
+    "local": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True}, DIGITS),
     "fedavg": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True}, DIGITS),
     "fedavg_head": ({**SGD}, DIGITS),
     "fedavg_body": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True}, DIGITS),
@@ -91,3 +91,22 @@ def test_pack_round_trips_arrays_tensors_and_plain_values() -> None:
     assert isinstance(back["a"], np.ndarray) and back["a"].tolist() == [0, 1, 2]
     assert isinstance(back["tu"], tuple) and back["tu"][0].dtype == np.float32
     assert digest(back) == digest(value)
+
+
+def test_local_keeps_its_momentum_across_rounds_only_when_asked() -> None:
+    kept = make_half("local")
+    work(kept, 1)
+    opt = kept.optimizer()
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in opt.param_groups[0]["params"]]
+    assert kept.optimizer() is opt and all(b.abs().sum() > 0 for b in buffers)  # round 2 starts from them
+    work(kept, 2)
+    assert kept.optimizer() is opt
+    assert any(not torch.equal(b, opt.state[p]["momentum_buffer"])
+               for b, p in zip(buffers, opt.param_groups[0]["params"], strict=True))
+    fields = CASES["local"][0]
+    spec = get_spec("local")
+    config = spec.config(**{**fields, "keep_optimizer_state": False})
+    fresh = client_half_type(spec)(ClientContext("org-0", kept.ctx.model, kept.ctx.data, torch.device("cpu"),
+                                                 config, 5))
+    assert fresh.optimizer() is not fresh.optimizer() and not fresh.optimizer().state
+    assert "optimizer" in kept.private_state() and "optimizer" not in fresh.private_state()
