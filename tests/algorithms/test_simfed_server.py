@@ -13,6 +13,7 @@ from hetfed.aggregator.algorithms.simfed import (
     match,
     personalised_downloads,
     random_similarity_sets,
+    ranked_similarity_sets,
     reflect,
     reflect_factorized,
     reflect_sparse,
@@ -183,3 +184,18 @@ def test_random_matching_sets_are_seeded_and_hold_the_organization() -> None:
     assert all(k in s and s.size == 3 and np.unique(s).size == 3 for k, s in enumerate(sets))
     assert [s.tolist() for s in sets] == [s.tolist() for s in random_similarity_sets(5, 2, seed=(3, 1))]
     assert [s.tolist() for s in random_similarity_sets(2, 4, seed=0)] == [[0, 1], [0, 1]]
+
+
+def test_ranked_sets_by_hand_ties_to_the_lower_index() -> None:
+    sigma = np.array([[1.0, 0.5, 0.5, -0.2],
+                      [0.5, 1.0, 0.9, 0.1],
+                      [0.5, 0.9, 1.0, 0.3],
+                      [-0.2, 0.1, 0.3, 1.0]])
+    top = ranked_similarity_sets(sigma, 1, most_similar=True)
+    bottom = ranked_similarity_sets(sigma, 2, most_similar=False)
+    assert [s.tolist() for s in top] == [[0, 1], [1, 2], [1, 2], [2, 3]]  # row 0: 1 and 2 tie, 1 wins
+    assert [s.tolist() for s in bottom] == [[0, 1, 3], [0, 1, 3], [0, 2, 3], [0, 1, 3]]
+    assert [s.tolist() for s in ranked_similarity_sets(sigma, 0, most_similar=True)] == [[0], [1], [2], [3]]
+    assert [s.tolist() for s in ranked_similarity_sets(sigma[:1, :1], 3, most_similar=False)] == [[0]]
+    with pytest.raises(ValueError, match="partners must be >= 0"):
+        ranked_similarity_sets(sigma, -1, most_similar=True)

@@ -127,16 +127,34 @@ def test_state_round_trips_and_its_size_is_the_held_arrays() -> None:
     server().load_state({})  # a new run's empty state
 
 
-def test_random_matching_weighs_its_members_equally() -> None:
+def test_random_matching_weighs_its_members_as_eq8_or_equally() -> None:
     half = server(matching="random", random_partners=1)
     train_round(half, 1)
+    sigma = dict(zip(ORGS, half.sigma, strict=True))
     for org in ORGS:
         members, weights = half.sets[org]
         assert org in members and len(members) == 2
-        np.testing.assert_array_equal(weights, [0.5, 0.5])
-    again = server(matching="random", random_partners=1)
-    train_round(again, 1)
-    assert {o: again.sets[o][0] for o in ORGS} == {o: half.sets[o][0] for o in ORGS}  # seeded by run and round
+        other = next(m for m in members if m != org)
+        # softmax(α·σ) over {org, other}: exp(α·1) against exp(α·σ_other), in members' order
+        w_other = 1.0 / (1.0 + math.exp(ALPHA_3_TO_1 * (1.0 - sigma[org][ORGS.index(other)])))
+        expected = [w_other if m == other else 1.0 - w_other for m in members]
+        np.testing.assert_allclose(weights, expected, rtol=1e-12)
+    equal = server(matching="random", random_partners=1, match_weights="equal")
+    train_round(equal, 1)
+    for org in ORGS:
+        np.testing.assert_array_equal(equal.sets[org][1], [0.5, 0.5])
+    assert {o: equal.sets[o][0] for o in ORGS} == {o: half.sets[o][0] for o in ORGS}  # seeded by run and round
+
+
+def test_top_and_bottom_matching_take_the_most_and_least_similar_partner() -> None:
+    # σ(a, b) = 0.96, σ(a, c) = 0, σ(b, c) = 0.28
+    top, bottom = server(matching="top", random_partners=1), server(matching="bottom", random_partners=1)
+    for half in (top, bottom):
+        train_round(half, 1)
+    assert {o: top.sets[o][0] for o in ORGS} == {"a": ("a", "b"), "b": ("a", "b"), "c": ("b", "c")}
+    assert {o: bottom.sets[o][0] for o in ORGS} == {"a": ("a", "c"), "b": ("b", "c"), "c": ("a", "c")}
+    # a's top set weighs (1, 0.96) as (3/4, 1/4) under this α, as the similarity matching does
+    np.testing.assert_allclose(top.sets["a"][1], [0.75, 0.25], rtol=1e-6)  # float32 embeddings
 
 
 def test_uploads_that_break_the_run_layout_or_criteria_are_refused() -> None:

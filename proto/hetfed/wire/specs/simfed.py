@@ -66,10 +66,16 @@ class SimFedConfig(TrainConfig):
     keep_optimizer_state: bool = True
     # Number B of criteria inputs x_N ~ N(0, 1) (the paper uses one).
     criteria_inputs: int = 1
-    # "similarity": J_k and softmax weights from σ; "random": k plus random_partners organizations drawn
-    # anew each round with equal weights (the paper's "random matching" ablation, Table 3).
-    matching: Literal["similarity", "random"] = "similarity"
+    # Who is in J_k. "similarity": σ_kj ≥ τ (eq. 3). The ablations and controls take k plus random_partners
+    # others: "random" drawn anew each round (the paper's "random matching", Table 3), "bottom" the least
+    # similar (its "worst matching", "the most dissimilar models"), "top" the most similar (hetfed's control at
+    # the random matching's set size).
+    matching: Literal["similarity", "random", "top", "bottom"] = "similarity"
     random_partners: int = 2
+    # How J_k's members are weighted: "softmax" as eq. 8, softmax(α·σ_kj) over J_k, for every matching (the
+    # paper weights its ablations as its method: the text changes only who is picked); "equal" 1 / |J_k| (the
+    # weights of hetfed's random matching before 2026-12, which measure sharing strength, not who is picked).
+    match_weights: Literal["softmax", "equal"] = "softmax"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,8 +91,10 @@ class SimFedConfig(TrainConfig):
         check(0.0 <= self.mask_init_density <= 1.0,
               f"mask_init_density must lie in [0, 1], got {self.mask_init_density}")
         check(1 <= self.criteria_inputs <= 1024, f"criteria_inputs must lie in [1, 1024], got {self.criteria_inputs}")
-        check(self.matching in ("similarity", "random"),
-              f"matching must be 'similarity' or 'random', got {self.matching!r}")
+        check(self.matching in ("similarity", "random", "top", "bottom"),
+              f"matching must be 'similarity', 'random', 'top' or 'bottom', got {self.matching!r}")
+        check(self.match_weights in ("softmax", "equal"),
+              f"match_weights must be 'softmax' or 'equal', got {self.match_weights!r}")
         check(self.random_partners >= 0, f"random_partners must be >= 0, got {self.random_partners}")
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "match",
     "personalised_downloads",
     "random_similarity_sets",
+    "ranked_similarity_sets",
     "reflect",
     "reflect_factorized",
     "reflect_sparse",
@@ -143,6 +144,20 @@ def random_similarity_sets(
         others = np.array([j for j in range(num_organizations) if j != k], dtype=np.int64)
         picked = rng.choice(others, size=min(partners, others.size), replace=False) if others.size else others
         sets.append(np.sort(np.concatenate([[k], picked]).astype(np.int64)))
+    return sets
+
+
+def ranked_similarity_sets(sigma: np.ndarray, partners: int, *, most_similar: bool) -> list[np.ndarray]:
+    """J_k = {k} plus the ``partners`` others of highest σ_kj (``most_similar``) or of lowest σ_kj (the paper's
+    "worst matching", Table 3), as increasing int64 arrays; ties go to the lower index."""
+    s = _square(sigma)
+    if partners < 0:
+        raise ValueError(f"partners must be >= 0, got {partners}")
+    sets = []
+    for k in range(s.shape[0]):
+        others = np.array([j for j in range(s.shape[0]) if j != k], dtype=np.int64)
+        ranked = others[np.lexsort((others, -s[k, others] if most_similar else s[k, others]))]
+        sets.append(np.sort(np.concatenate([[k], ranked[:partners]]).astype(np.int64)))
     return sets
 
 
@@ -394,15 +409,18 @@ class SimFedServer(ServerHalf[SimFedConfig]):
             self.sigma, self.sets = np.zeros((0, 0)), {}
             return
         self.sigma = cosine_similarity_matrix([self.embeddings[o] for o in self.order])
-        if self.config.matching == "random":
+        matching = self.config.matching
+        if matching == "random":
             sets = random_similarity_sets(len(self.order), self.config.random_partners,
                                           [self.run.seed, RANDOM_MATCHING_STREAM, round_])
+        elif matching in ("top", "bottom"):
+            sets = ranked_similarity_sets(self.sigma, self.config.random_partners, most_similar=matching == "top")
         else:
             sets = similarity_sets(self.sigma, self.config.tau, self.config.min_similarity_set)
         # Factors reflect only between organizations of one layer layout (one architecture): hetfed's own rule
         # for heterogeneous architectures, which the paper (one architecture) never meets.
         sets = [m[[self.layouts[self.order[j]] == self.layouts[self.order[k]] for j in m]] for k, m in enumerate(sets)]
-        if self.config.matching == "random":
+        if self.config.match_weights == "equal":
             weights = [np.full(m.size, 1.0 / m.size) for m in sets]
         else:
             weights = [reflection_weights(self.sigma[k], m, self.config.alpha) for k, m in enumerate(sets)]
