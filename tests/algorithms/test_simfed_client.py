@@ -70,6 +70,10 @@ def test_a_round_uploads_thresholded_factors_embeddings_and_metrics() -> None:
     # The trained mask's density (non-zero entries, sent or not) is reported beside the sent one.
     nonzero = sum(int(torch.count_nonzero(layer.mask)) for _, layer in factorized_layers(c.ctx.model))  # type: ignore[arg-type]
     assert metrics.extra["trained_mask_density"] == nonzero / total > sent / total
+    # The authors' count: what their evaluation keeps, |μ| ≥ λ1.
+    kept = sum(int(torch.count_nonzero(layer.mask.abs() >= CFG.lambda1))  # type: ignore[union-attr]
+               for _, layer in factorized_layers(c.ctx.model))
+    assert metrics.extra["kept_mask_density"] == kept / total and sent / total <= kept / total <= nonzero / total
     assert metrics.extra["evaluated_round"] == 1.0 and fw.num_examples == len(c.ctx.train)
     # The same round from the same state uploads the same bytes (seeded batches, seeded factors).
     again = client().train(1, 11, Received([]))[0]
@@ -148,3 +152,18 @@ def test_the_reflection_of_two_organizations_keeps_each_ones_unsent_entries_by_h
     c = _Tiny([1.0, 2.0, 3.0], [2.0], [0.5, 0.002, -0.25])
     load_factors(c, reflect_factorized(up_a, [up_a, up_b], np.array([0.75, 0.25])))
     np.testing.assert_array_equal(c.layer.mask.detach().numpy().reshape(-1), [0.375, 0.1875, -0.125])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("mask_init", "dense_share", "conv_share"), [
+    ("reference", 0.0, 0.0),  # the authors' encoder: every mask starts at zero
+    ("zero", 0.0, 0.0),
+    ("dense", 1.0, 0.0),  # dense layers' masks drawn in full, convolutions' zero
+])
+def test_masks_start_as_the_named_start_says(mask_init: str, dense_share: float, conv_share: float) -> None:
+    config = SimFedConfig(mask_init=mask_init)  # type: ignore[arg-type]
+    model = SimFedClient.make_model("lenet", (1, 28, 28), 10, seed=0, latent_dim=None, bounded_latent=False,
+                                    config=config)
+    shares = {type(layer).__name__: float(torch.count_nonzero(layer.mask)) / layer.mask.numel()  # type: ignore[union-attr]
+              for _, layer in factorized_layers(model)}
+    assert shares == {"FactorizedConv2d": conv_share, "FactorizedLinear": dense_share}
+    assert SimFedConfig().mask_init == "reference"

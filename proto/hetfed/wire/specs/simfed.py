@@ -53,10 +53,13 @@ class SimFedConfig(TrainConfig):
     # Mask entries with |μ| ≤ mask_threshold are not sent (the rest travel as indices and values); the
     # organization keeps every entry: unsent ones are added back to the mask it receives.
     mask_threshold: float = 3e-3
-    # How masks start (the paper gives no initial values): "reference" as the authors' layers.py (dense
-    # masks drawn in full, convolution masks zero), "sparse" (a share mask_init_density non-zero, every
-    # layer), "zero" (μ = 0 everywhere: every layer starts at rank 1).
-    mask_init: Literal["reference", "sparse", "zero"] = "reference"
+    # How masks start (the paper gives no initial values). "reference": every encoder mask at zero, as the
+    # authors' encoder starts (ResNet-9, only convolutions, whose masks start at zero: Factorized-FL
+    # modules/layers.py:87-89, modules/nets.py:23-44; their one drawn dense mask is their head's, layers.py:29-30,
+    # which hetfed never factorises). "zero" is the same start, named for what it does. "dense": the masks of
+    # dense layers drawn in full (layers.py:29-30 applied to the encoder's dense layers), convolution masks zero
+    # (hetfed's "reference" before December 2026). "sparse": a share mask_init_density non-zero, every layer.
+    mask_init: Literal["reference", "dense", "sparse", "zero"] = "reference"
     # Share of each mask's entries that start non-zero under mask_init = "sparse".
     mask_init_density: float = 0.1
     # False: W = u × v only (the paper's "w/o masks" ablation, Table 4).
@@ -86,8 +89,8 @@ class SimFedConfig(TrainConfig):
         check(self.min_similarity_set >= 1, f"min_similarity_set must be >= 1, got {self.min_similarity_set}")
         check(self.shared_factors in ("u", "uv", "uvm"),
               f"shared_factors must be 'u', 'uv' or 'uvm', got {self.shared_factors!r}")
-        check(self.mask_init in ("reference", "sparse", "zero"),
-              f"mask_init must be 'reference', 'sparse' or 'zero', got {self.mask_init!r}")
+        check(self.mask_init in ("reference", "dense", "sparse", "zero"),
+              f"mask_init must be 'reference', 'dense', 'sparse' or 'zero', got {self.mask_init!r}")
         check(0.0 <= self.mask_init_density <= 1.0,
               f"mask_init_density must lie in [0, 1], got {self.mask_init_density}")
         check(1 <= self.criteria_inputs <= 1024, f"criteria_inputs must lie in [1, 1024], got {self.criteria_inputs}")
@@ -108,7 +111,8 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.FACTORIZED_WEIGHTS}),
     model_private=True,
     shared_label_space=False,  # heads stay local: organizations may count their classes differently
-    figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density")),
+    figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density"),
+             Figure("kept_mask_density", "kept_mask_density")),
     server="hetfed.aggregator.algorithms.simfed:SimFedServer",
     client="hetfed.client.algorithms.simfed:SimFedClient",
 )

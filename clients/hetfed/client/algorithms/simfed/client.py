@@ -73,7 +73,7 @@ class SimFedClient(ClientHalf[SimFedConfig]):
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
                    latent_dim: int | None, bounded_latent: bool, config: SimFedConfig) -> SplitModel:
         """The registered architecture with its encoder's dense and convolution layers factorised (same seed)."""
-        dense, conv = {"reference": (1.0, 0.0), "zero": (0.0, 0.0),
+        dense, conv = {"reference": (0.0, 0.0), "zero": (0.0, 0.0), "dense": (1.0, 0.0),
                        "sparse": (config.mask_init_density, config.mask_init_density)}[config.mask_init]
         return build_factorized_model(name, input_shape, num_classes, latent_dim=latent_dim,
                                       bounded_latent=bounded_latent, seed=seed, masks=config.masks,
@@ -122,6 +122,8 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         self.unsent = unsent_mask(ctx.model, self.config.mask_threshold)
         self.figures["mask_density"] = mask_density(factors)
         self.figures["trained_mask_density"] = trained_mask_density(ctx.model)
+        # The authors' count: what their evaluation keeps, |μ| ≥ λ1 (Factorized-FL modules/layers.py:32-37).
+        self.figures["kept_mask_density"] = trained_mask_density(ctx.model, self.config.lambda1)
         z = criteria_embeddings(ctx.model, self.criteria)
         metrics = ctx.metrics(result.loss, evaluated_round=round_, extra=self.figures)
         return [factors, CriteriaEmbeddings(self.criteria_id, z), metrics]

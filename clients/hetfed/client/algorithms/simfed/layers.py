@@ -414,11 +414,17 @@ def mask_density(weights: FactorizedWeights) -> float:
     return sent / total if total else 0.0
 
 
-def trained_mask_density(model: nn.Module) -> float:
-    """Non-zero mask entries over all mask entries of the model's factorised layers (0 without masks)."""
+def trained_mask_density(model: nn.Module, at_least: float = 0.0) -> float:
+    """Mask entries that count over all mask entries of the model's factorised layers (0 without masks): the
+    non-zero ones, or with ``at_least`` > 0 those with |μ| ≥ ``at_least`` (the authors' evaluation keeps those
+    with |μ| ≥ λ1 and zeroes the rest, Factorized-FL modules/layers.py:32-37)."""
     masks = [layer.mask.detach() for _, layer in factorized_layers(model) if layer.mask is not None]
     total = sum(m.numel() for m in masks)
-    return sum(int(torch.count_nonzero(m)) for m in masks) / total if total else 0.0
+    if not total:
+        return 0.0
+    if at_least > 0.0:
+        return sum(int(torch.count_nonzero(m.abs() >= at_least)) for m in masks) / total
+    return sum(int(torch.count_nonzero(m)) for m in masks) / total
 
 
 def encode_factors(model: nn.Module, threshold: float, num_examples: int = 0,
