@@ -265,6 +265,31 @@ def test_best_rounds_is_the_mean_of_the_n_best_evaluated_rounds_pooled_or_averag
         rp.GridFigure("x", "x", "final_test_accuracy", best_rounds=5)
 
 
+def test_at_lowest_reads_the_figure_where_the_selector_is_lowest_the_later_round_on_ties() -> None:
+    def summary(rows: list[tuple[float, float, int]]) -> dict[str, Any]:
+        """Two organizations; round r reports (target accuracy, own loss of a, evaluated round); b's loss is 1."""
+        rounds: list[dict[str, Any]] = [{"round": 0, "per_organization": {}}]
+        for r, (acc, loss_a, ev) in enumerate(rows, start=1):
+            rounds.append({"round": r, "per_organization": {
+                org: {"target_test_accuracy": acc, "test_loss": loss, "num_test_examples": 10,
+                      "evaluated_round": float(ev)} for org, loss in (("a", loss_a), ("b", 1.0))}})
+        return {"rounds": rounds}
+
+    target = rp.GridFigure("t", "t", "mean:target_test_accuracy", at_lowest="mean:test_loss")
+    # Mean losses by evaluated round: 0 -> 1.5, 10 -> 0.75, 20 -> 1.0, 30 -> 0.75 (a tie with 10: 30 wins).
+    rows = [(0.1, 2.0, 0), (0.6, 0.5, 10), (0.6, 0.5, 10), (0.7, 1.0, 20), (0.8, 0.5, 30), (0.9, 3.0, 40)]
+    assert rp.figure_value(target, summary(rows), Path("."), 0) == 0.8
+    assert rp.figure_value(target, summary(rows[:4]), Path("."), 0) == 0.6
+    assert rp.at_lowest({1: 0.5, 2: 0.25}, {2: 3.0, 3: 1.0}) == 0.25  # only rounds both hold
+    assert rp.at_lowest({1: 0.5}, {2: 1.0}) is None
+    with pytest.raises(ValueError, match="at_lowest needs a 'mean:' or 'pooled:' source"):
+        rp.GridFigure("x", "x", "final_test_accuracy", at_lowest="mean:test_loss")
+    with pytest.raises(ValueError, match="at_lowest must be 'mean:<key>' or 'pooled:<key>'"):
+        rp.GridFigure("x", "x", "mean:target_test_accuracy", at_lowest="test_loss")
+    with pytest.raises(ValueError, match="give one"):
+        rp.GridFigure("x", "x", "mean:target_test_accuracy", best_rounds=5, at_lowest="mean:test_loss")
+
+
 def test_cell_filters_select_the_grid_cells_to_run() -> None:
     grid = rp.load_grid("fedcma")
     cells = rp.select_cells(grid, ["alpha=0.05"])

@@ -598,7 +598,7 @@ def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]
             "bytes_up": rec.bytes(Direction.UP),
             "bytes_down": rec.bytes(Direction.DOWN),
             "per_organization": {
-                org: {"test_accuracy": m.test_accuracy, "train_loss": m.train_loss,
+                org: {"test_accuracy": m.test_accuracy, "test_loss": m.test_loss, "train_loss": m.train_loss,
                       "num_test_examples": m.num_test_examples, **dict(m.extra)}
                 for org, m in sorted(reports.items())
             },

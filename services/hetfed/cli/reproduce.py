@@ -96,12 +96,24 @@ class GridFigure:
     # 0: the final report. N > 0 (``mean:``/``pooled:`` sources): the mean of the N best evaluated rounds, each
     # round's figure taken over the organizations that report it (FedGen's statistic: utils/plot_utils.py, TOP_N = 5).
     best_rounds: int = 0
+    # "" : the final report. ``mean:<key>`` or ``pooled:<key>`` (``mean:``/``pooled:`` sources): the figure at the
+    # evaluated round where that per-organization figure is lowest, the later round on ties (model selection by
+    # source-validation loss: atuannguyen/FedSR src/main.py:113-118 keeps the target accuracy where the summed
+    # source loss is lowest, ``<=``).
+    at_lowest: str = ""
 
     def __post_init__(self) -> None:
         if self.best_rounds < 0:
             raise ValueError(f"figure {self.key!r}: best_rounds must be >= 0, got {self.best_rounds}")
-        if self.best_rounds and self.source.partition(":")[0] not in ("mean", "pooled"):
-            raise ValueError(f"figure {self.key!r}: best_rounds needs a 'mean:' or 'pooled:' source, got {self.source!r}")
+        for name, on in (("best_rounds", bool(self.best_rounds)), ("at_lowest", bool(self.at_lowest))):
+            if on and self.source.partition(":")[0] not in ("mean", "pooled"):
+                raise ValueError(f"figure {self.key!r}: {name} needs a 'mean:' or 'pooled:' source, got {self.source!r}")
+        if self.best_rounds and self.at_lowest:
+            raise ValueError(f"figure {self.key!r}: best_rounds and at_lowest select rounds differently; give one")
+        kind, _, key = self.at_lowest.partition(":")
+        if self.at_lowest and (kind not in ("mean", "pooled") or not key):
+            raise ValueError(f"figure {self.key!r}: at_lowest must be 'mean:<key>' or 'pooled:<key>', "
+                             f"got {self.at_lowest!r}")
 
 
 @dataclass(frozen=True)
@@ -339,6 +351,16 @@ def best_rounds_mean(values: Mapping[int, float], n: int) -> float | None:
     return statistics.fmean(top) if top else None
 
 
+def at_lowest(values: Mapping[int, float], selector: Mapping[int, float]) -> float | None:
+    """``values`` at the round where ``selector`` is lowest among the rounds both hold, the later round on ties;
+    None when no round holds both."""
+    best: int | None = None
+    for r in sorted(set(values) & set(selector)):
+        if best is None or selector[r] <= selector[best]:
+            best = r
+    return None if best is None else values[best]
+
+
 def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, seed: int) -> float | None:
     """One figure of one federation's summary."""
     final = summary["rounds"][-1]["per_organization"]
@@ -353,6 +375,9 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
     if kind in ("mean", "pooled"):
         if fig.best_rounds:
             return best_rounds_mean(per_round(kind, key, summary), fig.best_rounds)
+        if fig.at_lowest:
+            by_kind, _, by_key = fig.at_lowest.partition(":")
+            return at_lowest(per_round(kind, key, summary), per_round(by_kind, by_key, summary))
         return _over_organizations(kind, key, final)
     if kind == "diagnostic":
         from hetfed.client.catalog import diagnostic
