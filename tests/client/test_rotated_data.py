@@ -77,3 +77,17 @@ def test_config_checks() -> None:
         DataConfig(dataset="mnist5k", partition="iid", train_on_public=True)
     with pytest.raises(ValueError, match="not available for dataset 'digits'"):
         DataConfig(dataset="digits", partition="rotated")
+
+
+def test_nearest_rotation_has_its_own_seed_set() -> None:
+    from hetfed.client.data.rotated import rotate_nearest
+
+    default, nearest = load_client_data(cfg(client_index=2)), load_client_data(cfg(client_index=2, rotation="nearest"))
+    assert default.public is not None and nearest.public is not None
+    assert default.public.id == "rotated-mnist5k-d4-a0.1-s0" and nearest.public.id == "rotated-mnist5k-d4-a0.1-s0-nearest"
+    assert default.public.sha256 != nearest.public.sha256 and "M40, nearest" in nearest.name
+    m0 = load_client_data(cfg(client_index=0, rotation="nearest"))
+    np.testing.assert_array_equal(m0.train.x, load_client_data(cfg(client_index=0)).train.x)  # M0 is not rotated
+    stored = np.rint(m0.train.x * 255).astype(np.uint8)
+    # Clockwise by 40° (FedH2L's direction): PIL's rotate by -40.
+    np.testing.assert_array_equal(nearest.train.x, rotate_nearest(stored, -40).astype(np.float32) / np.float32(255.0))

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetfed.client.data import DataConfig, load_client_data
+from hetfed.client.data import ClientData, DataConfig, load_client_data
 from hetfed.client.data.rotated import rotate_clockwise
 from hetfed.client.data.rotated_lodo import TARGET_SET, angle_of, source_domains
 
@@ -96,3 +96,91 @@ def test_snapshots_embed_the_probe_set(tmp_path: Path) -> None:
     assert z.shape == (1000, 3)
     np.testing.assert_array_equal(y, data.extra_eval[TARGET_SET].y)
     assert json.loads((tmp_path / "meta.json").read_text())["probe"] == TARGET_SET
+
+
+# data.rotation = "nearest": PIL's nearest-neighbour rotate, DIRT's loader (mnist_loader.py:62-74).
+
+def test_nearest_rotation_by_hand() -> None:
+    from hetfed.client.data.rotated import rotate_nearest
+
+    img = np.arange(1, 10, dtype=np.uint8).reshape(1, 1, 3, 3)
+    # 45° counter-clockwise: output pixel (y, x) takes the source pixel at its centre offset turned back
+    # clockwise, floor(offset + 1.5): the ring of eight moves one place counter-clockwise, the centre stays.
+    np.testing.assert_array_equal(rotate_nearest(img, 45)[0, 0], [[2, 3, 6], [1, 5, 9], [4, 7, 8]])
+    np.testing.assert_array_equal(rotate_nearest(img, 90)[0, 0], [[3, 6, 9], [2, 5, 8], [1, 4, 7]])
+    np.testing.assert_array_equal(rotate_nearest(img, 0), img)
+    dot = np.zeros((1, 1, 5, 5), dtype=np.uint8)
+    dot[0, 0, 2, 4] = 200  # right of centre
+    assert np.argwhere(rotate_nearest(dot, 90)[0, 0]).tolist() == [[0, 2]]  # counter-clockwise: to the top
+    with pytest.raises(ValueError, match="needs uint8 images"):
+        rotate_nearest(img.astype(np.float64), 15)
+
+
+def test_nearest_rotation_is_pils_per_channel() -> None:
+    from PIL import Image
+
+    from hetfed.client.data.rotated import rotate_nearest
+
+    x = np.random.default_rng(0).integers(0, 256, (2, 3, 7, 6), dtype=np.uint8)
+    out = rotate_nearest(x, 15)
+    assert out.dtype == np.uint8 and out.shape == x.shape
+    for i in range(2):
+        for c in range(3):
+            ref = Image.fromarray(x[i, c], mode="L").rotate(15, resample=Image.Resampling.NEAREST)
+            np.testing.assert_array_equal(out[i, c], np.asarray(ref))
+
+
+@pytest.mark.parametrize("side", [4, 5, 28])
+def test_a_quarter_turn_is_exact_in_both_resamplings(side: int) -> None:
+    from hetfed.client.data.rotated import rotate_stored
+
+    pixels = np.random.default_rng(side).integers(0, 256, (3, 1, side, side)).astype(np.float64)
+    turned = np.rot90(pixels, 1, axes=(2, 3)).astype(np.uint8)  # numpy's rot90 is counter-clockwise
+    np.testing.assert_array_equal(rotate_stored(pixels, 90, "nearest"), turned)
+    np.testing.assert_array_equal(rotate_stored(pixels, 90, "bilinear"), turned)
+
+
+def test_bilinear_stays_the_stored_rounding_of_rotate_clockwise() -> None:
+    from hetfed.client.data.rotated import rotate_stored
+
+    pixels = np.rint(np.random.default_rng(1).random((4, 1, 28, 28)) * 255)
+    for angle in (0, 15, 30, 45, 60, 75, -20, -40):
+        before = np.clip(np.rint(rotate_clockwise(pixels, -angle)), 0, 255).astype(np.uint8)
+        np.testing.assert_array_equal(rotate_stored(pixels, angle, "bilinear"), before)
+    with pytest.raises(ValueError, match="rotation must be 'bilinear' or 'nearest'"):
+        rotate_stored(pixels, 15, "cubic")
+
+
+def test_nearest_domains_are_m0_turned_by_pil() -> None:
+    from hetfed.client.data.rotated import rotate_nearest
+
+    def load(i: int, **kw: object) -> ClientData:
+        return load_client_data(cfg(target_domain=5, client_index=i, **kw))  # organization i holds M(15·i)
+
+    default, bilinear = load(1), load(1, rotation="bilinear")
+    np.testing.assert_array_equal(default.train.x, bilinear.train.x)
+    assert default.name == bilinear.name and "nearest" not in default.name
+    m0, m15 = load(0, rotation="nearest"), load(1, rotation="nearest")
+    np.testing.assert_array_equal(m0.train.x, load(0).train.x)  # M0 is not rotated
+    assert not np.array_equal(m15.train.x, default.train.x)  # the cache keeps the two resamplings apart
+    stored = np.rint(m0.train.x * 255).astype(np.uint8)
+    np.testing.assert_array_equal(m15.train.x, rotate_nearest(stored, 15).astype(np.float32) / np.float32(255.0))
+    # Nearest-neighbour never makes a new grey level: every M15 pixel is 0 or one of its M0 image's values.
+    for a, b in zip(stored[:50], np.rint(m15.train.x[:50] * 255).astype(np.uint8), strict=True):
+        assert set(b.ravel().tolist()) <= set(a.ravel().tolist()) | {0}
+    assert "M15, nearest" in m15.name
+    # The held-out M75 is rotated the same way.
+    target = np.rint(m15.extra_eval[TARGET_SET].x * 255).astype(np.uint8)
+    both = np.rint(np.concatenate([m0.train.x, m0.test.x]) * 255).astype(np.uint8)
+    assert {a.tobytes() for a in target} == {a.tobytes() for a in rotate_nearest(both, 75)}
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"rotation": "cubic"}, r"data\.rotation must be one of 'bilinear', 'nearest', got 'cubic'"),
+    ({"partition": "dirichlet", "rotation": "nearest"},
+     r"data\.rotation applies to partition 'rotated' or 'rotated_lodo' only, got 'nearest' with partition "
+     r"'dirichlet'"),
+])
+def test_bad_rotations_are_refused(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cfg(**kw)

@@ -15,6 +15,8 @@ from hetfed.client.data.registry import DATASETS, PARTITIONS, DatasetName, Parti
 _OPTIONAL_PATH = ("torch",)
 # Built-in image datasets whose pixels (in [0, 1]) data.mean and data.std may normalise, as imagefolder's are.
 NORMALISABLE = ("mnist5k", "fmnist")
+# How partitions "rotated" and "rotated_lodo" resample a rotated image (data.rotation).
+ROTATIONS = ("bilinear", "nearest")
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
@@ -43,6 +45,10 @@ class DataConfig:
     # Partition "rotated_lodo" (leave one domain out, see hetfed.client.data.rotated_lodo): the domain held out
     # of training (rotated by 15° × target_domain, 0 .. num_clients), evaluated by every organization.
     target_domain: int = 0
+    # Partitions "rotated" and "rotated_lodo": how a rotated image is resampled. "bilinear" (hetfed's own, the
+    # default) or "nearest": PIL's nearest-neighbour Image.rotate, what DIRT's loader does through torchvision's
+    # rotate (atuannguyen/DIRT: domain_gen_rotatedmnist/mnist_loader.py:62-74, 161-162).
+    rotation: Literal["bilinear", "nearest"] = "bilinear"
     # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
     # organization's labels go through its own permutation drawn from (seed, client_index).
     permute_labels: bool = False
@@ -137,6 +143,10 @@ class DataConfig:
         elif self.target_domain != 0:
             raise ValueError(f"data.target_domain is only used with partition 'rotated_lodo', got "
                              f"{self.target_domain} with partition {self.partition!r}")
+        check_choice("data.rotation", self.rotation, ROTATIONS)
+        if self.rotation != "bilinear" and self.partition not in ("rotated", "rotated_lodo"):
+            raise ValueError(f"data.rotation applies to partition 'rotated' or 'rotated_lodo' only, got "
+                             f"{self.rotation!r} with partition {self.partition!r}")
         if not isinstance(self.permute_labels, bool):
             raise ValueError(f"data.permute_labels must be true or false, got {self.permute_labels!r}")
         if self.permute_labels and not PARTITIONS[self.partition].permutable:

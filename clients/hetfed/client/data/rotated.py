@@ -8,6 +8,9 @@ domain d. Each base image has one role in every domain, drawn per class: an α f
 
 D_pub is every domain's public part, grouped by domain; organization d teaches on part d. Test sets:
 the own domain's (WDP), the other organizations' domains' (CDP) and all domains' (ACC).
+
+``data.rotation`` picks the resampling: "bilinear" (:func:`rotate_clockwise`, numpy) or "nearest" (PIL's
+nearest-neighbour rotate, :func:`rotate_nearest`, the resampling of DIRT's loader).
 """
 
 from __future__ import annotations
@@ -54,8 +57,40 @@ def rotate_clockwise(images: np.ndarray, degrees: float) -> np.ndarray:
     return out
 
 
+def rotate_nearest(images: np.ndarray, degrees: float) -> np.ndarray:
+    """Rotate (N, C, H, W) 8-bit images counter-clockwise about their centre, nearest-neighbour, zero outside.
+
+    Each channel goes through PIL's ``Image.rotate(degrees, resample=NEAREST)`` as an 8-bit grey image: what
+    torchvision's ``rotate`` does to a PIL image with its defaults (nearest, no expansion, the image's centre,
+    fill 0), and so what DIRT's loader computes (atuannguyen/DIRT: domain_gen_rotatedmnist/mnist_loader.py:62-74).
+    Returns uint8 of the same shape.
+    """
+    from PIL import Image
+
+    x = np.asarray(images)
+    if x.ndim != 4 or x.dtype != np.uint8:
+        raise ValueError(f"rotate_nearest needs uint8 images (N, C, H, W), got {x.dtype} {x.shape}")
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            img = Image.fromarray(np.ascontiguousarray(x[i, c]), mode="L")
+            out[i, c] = np.asarray(img.rotate(float(degrees), resample=Image.Resampling.NEAREST))
+    return out
+
+
+def rotate_stored(pixels: np.ndarray, degrees: float, rotation: str) -> np.ndarray:
+    """Whole 0..255 pixel values (N, C, H, W) rotated counter-clockwise by ``degrees`` and stored as uint8:
+    bilinear (:func:`rotate_clockwise`, rounded back to 8 bits) or nearest (:func:`rotate_nearest`)."""
+    if rotation == "nearest":
+        return rotate_nearest(np.asarray(pixels).astype(np.uint8), degrees)
+    if rotation != "bilinear":
+        raise ValueError(f"rotation must be 'bilinear' or 'nearest', got {rotation!r}")
+    return np.clip(np.rint(rotate_clockwise(pixels, -degrees)), 0, 255).astype(np.uint8)
+
+
 @functools.lru_cache(maxsize=4)
-def _domains(seed: int, num_domains: int, public_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _domains(seed: int, num_domains: int, public_fraction: float,
+             rotation: str = "bilinear") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images uint8 [D, n, 1, 28, 28], labels [n], roles [n]) of every domain; same base image order in each."""
     x, y = load_mnist5k()
     rng = np.random.default_rng((seed, _STREAM_BASE))
@@ -74,10 +109,7 @@ def _domains(seed: int, num_domains: int, public_fraction: float) -> tuple[np.nd
         roles[idx[n_pub : n_pub + n_test]] = _TEST
         roles[idx[n_pub + n_test : n_pub + n_test + n_val]] = _VAL
     pixels = np.rint(x[base] * 255.0)  # MNIST-5k pixels are whole numbers 0..255
-    images = np.stack([
-        np.clip(np.rint(rotate_clockwise(pixels, d * ROTATION_STEP)), 0, 255).astype(np.uint8)
-        for d in range(num_domains)
-    ])
+    images = np.stack([rotate_stored(pixels, -d * ROTATION_STEP, rotation) for d in range(num_domains)])
     for a in (images, roles):
         a.flags.writeable = False
     return images, y[base], roles
@@ -85,12 +117,13 @@ def _domains(seed: int, num_domains: int, public_fraction: float) -> tuple[np.nd
 
 def seed_set_id(cfg: DataConfig) -> str:
     """The id of the seed set a rotated data config derives."""
-    return f"rotated-mnist5k-d{cfg.num_clients}-a{cfg.public_fraction:g}-s{cfg.seed}"
+    nearest = "-nearest" if cfg.rotation == "nearest" else ""
+    return f"rotated-mnist5k-d{cfg.num_clients}-a{cfg.public_fraction:g}-s{cfg.seed}{nearest}"
 
 
 def build_seed_set(cfg: DataConfig) -> SeedSet:
     """D_pub of a rotated data config: every domain's public part, grouped by domain."""
-    images, labels, roles = _domains(cfg.seed, cfg.num_clients, cfg.public_fraction)
+    images, labels, roles = _domains(cfg.seed, cfg.num_clients, cfg.public_fraction, cfg.rotation)
     pub = np.flatnonzero(roles == _PUBLIC)
     d = cfg.num_clients
     return SeedSet(
@@ -120,7 +153,7 @@ def _concat(parts: list[ArrayDataset]) -> ArrayDataset:
 
 def load_rotated(cfg: DataConfig) -> ClientData:
     """Organization ``client_index``'s rotated domain: private train set, test sets per domain, seed set."""
-    images, labels, roles = _domains(cfg.seed, cfg.num_clients, cfg.public_fraction)
+    images, labels, roles = _domains(cfg.seed, cfg.num_clients, cfg.public_fraction, cfg.rotation)
     i = cfg.client_index
     public = load_seed_set(cfg)
     tests = [_part(images, labels, roles, d, _TEST) for d in range(cfg.num_clients)]
@@ -135,7 +168,8 @@ def load_rotated(cfg: DataConfig) -> ClientData:
         global_test=_concat(tests),
         num_classes=int(labels.max()) + 1,
         input_shape=tuple(int(s) for s in images.shape[2:]),
-        name=f"mnist5k[rotated M{angle:g}, alpha={cfg.public_fraction:g}, seed={cfg.seed}, "
+        name=f"mnist5k[rotated M{angle:g}{', nearest' if cfg.rotation == 'nearest' else ''}, "
+             f"alpha={cfg.public_fraction:g}, seed={cfg.seed}, "
              f"client {i} of {cfg.num_clients}{', + seed set' if cfg.train_on_public else ''}]",
         cross_test=_concat(others) if others else None,
         public=public,

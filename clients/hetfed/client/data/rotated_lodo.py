@@ -8,7 +8,9 @@ other domain, in angle order, is one organization's, split 90/10 into train and 
 validation images are the same 10 base images of each class in every source domain, so no validation
 digit is trained on in any rotation. The organization's own test set is its validation split (the source
 validation that settings are chosen on). Every organization computes the same split from the seed: no
-image, label or index crosses the wire.
+image, label or index crosses the wire. ``data.rotation`` picks the resampling: "bilinear" (the default) or
+"nearest", PIL's nearest-neighbour rotate as DIRT's loader does (atuannguyen/DIRT:
+domain_gen_rotatedmnist/mnist_loader.py:62-74, 161-162); nearest keeps every pixel an original 8-bit value.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from hetfed.client.data.config import DataConfig
 from hetfed.client.data.core import ArrayDataset, ClientData
 from hetfed.client.data.images import load_mnist5k
-from hetfed.client.data.rotated import rotate_clockwise
+from hetfed.client.data.rotated import rotate_stored
 
 PER_CLASS = 100
 ROTATION_STEP = 15.0
@@ -41,7 +43,7 @@ def source_domains(cfg: DataConfig) -> list[int]:
 
 
 @functools.lru_cache(maxsize=2)
-def _domains(seed: int, num_domains: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _domains(seed: int, num_domains: int, rotation: str = "bilinear") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images uint8 [D, 1000, 1, 28, 28], labels [1000], validation mask [1000]); same base order in each."""
     x, y = load_mnist5k()
     classes = int(y.max()) + 1
@@ -54,9 +56,8 @@ def _domains(seed: int, num_domains: int) -> tuple[np.ndarray, np.ndarray, np.nd
     for c in range(classes):
         is_val[val_rng.choice(np.flatnonzero(labels == c), VAL_PER_CLASS, replace=False)] = True
     pixels = np.rint(np.asarray(x[base], dtype=np.float64) * 255.0)  # MNIST-5k pixels are whole 0..255
-    # Counter-clockwise (the paper's direction), rounded back to 8-bit like a stored image.
-    images = np.stack([np.clip(np.rint(rotate_clockwise(pixels, -angle_of(d))), 0, 255).astype(np.uint8)
-                       for d in range(num_domains)])
+    # Counter-clockwise (the paper's direction), stored as 8-bit images (bilinear values rounded back).
+    images = np.stack([rotate_stored(pixels, angle_of(d), rotation) for d in range(num_domains)])
     for a in (images, labels, is_val):
         a.flags.writeable = False
     return images, labels, is_val
@@ -70,17 +71,18 @@ def _part(images: np.ndarray, labels: np.ndarray, mask: np.ndarray, domain: int)
 
 def load_rotated_lodo(cfg: DataConfig) -> ClientData:
     """Organization ``client_index``'s source domain (train, validation as its test set) and the held-out target."""
-    images, labels, is_val = _domains(cfg.seed, cfg.num_clients + 1)
+    images, labels, is_val = _domains(cfg.seed, cfg.num_clients + 1, cfg.rotation)
     domain = source_domains(cfg)[cfg.client_index]
     everything = np.ones(labels.size, dtype=bool)
+    nearest = ", nearest" if cfg.rotation == "nearest" else ""
     return ClientData(
         train=_part(images, labels, ~is_val, domain),
         test=_part(images, labels, is_val, domain),
         global_test=None,
         num_classes=int(labels.max()) + 1,
         input_shape=tuple(int(s) for s in images.shape[2:]),
-        name=f"mnist5k[rotated_lodo M{angle_of(domain):g}, target M{angle_of(cfg.target_domain):g} held out, "
-             f"seed={cfg.seed}, client {cfg.client_index} of {cfg.num_clients}]",
+        name=f"mnist5k[rotated_lodo M{angle_of(domain):g}{nearest}, target M{angle_of(cfg.target_domain):g} "
+             f"held out, seed={cfg.seed}, client {cfg.client_index} of {cfg.num_clients}]",
         domain=domain,
         extra_eval={TARGET_SET: _part(images, labels, everything, cfg.target_domain)},
         probe=TARGET_SET,
