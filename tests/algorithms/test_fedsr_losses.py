@@ -19,7 +19,14 @@ from hetfed.client.algorithms.fedsr.losses import (
     l2_norm_penalty,
     predict_proba,
 )
-from hetfed.client.models import encoder_builder, rmnist_cnn, rmnist_cnn_k5, rmnist_trunk
+from hetfed.client.models import (
+    ReLULinear,
+    encoder_builder,
+    rmnist_cnn,
+    rmnist_cnn_k5,
+    rmnist_dirt,
+    rmnist_trunk,
+)
 
 
 def t(x: list) -> torch.Tensor:
@@ -265,3 +272,59 @@ def test_rmnist_networks() -> None:
     assert bounded.shape == (3, 8) and ((bounded > 0) & (bounded < 1)).all()
     with pytest.raises(ValueError, match="at least 1 channel and 10x10"):
         rmnist_cnn((1, 9, 9), 64, False)
+
+
+def test_dirts_network_made_probabilistic_classifies_relu_of_the_sample() -> None:
+    """rmnist_dirt: fc11 becomes Linear(1024, 2·z); the classifier is DIRT's own (Xavier, zero bias) on relu(z)."""
+    state = torch.get_rng_state()
+    model = build_probabilistic_model(rmnist_dirt, (1, 28, 28), 64, 10, seed=4)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.feature_dim == 1024 and (model.to_params.in_features, model.to_params.out_features) == (1024, 128)
+    assert not any(isinstance(m, nn.Linear) for m in model.encoder.modules())
+    assert [c.kernel_size for c in model.encoder.modules() if isinstance(c, nn.Conv2d)] == [(5, 5), (5, 5)]
+    head = model.head
+    assert type(head) is ReLULinear and (head.in_features, head.out_features) == (64, 10)
+    bound = math.sqrt(6 / 74)
+    assert not head.bias.any() and 0.97 * bound < float(head.weight.detach().abs().max()) <= bound
+    x = torch.rand(5, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        out = model.forward_sample(x, torch.Generator().manual_seed(3))
+        mu, sigma = model.distribution(x)
+        noise = torch.randn(mu.shape, generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(out.z, mu + sigma * noise, rtol=0, atol=0)
+        torch.testing.assert_close(out.logits, F.linear(F.relu(out.z), head.weight, head.bias), rtol=0, atol=0)
+        assert (out.z < 0).any()
+        p = predict_proba(model, x, num_samples=4, generator=torch.Generator().manual_seed(5))
+        assert p.shape == (5, 10) and torch.allclose(p.sum(1), torch.ones(5))
+    again = build_probabilistic_model(rmnist_dirt, (1, 28, 28), 64, 10, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                     strict=True))
+
+
+def test_fedsr_client_builds_and_trains_dirts_network() -> None:
+    from hetfed.client.algorithms.fedsr.client import FedSRClient
+    from hetfed.wire.specs import get_spec
+
+    config = get_spec("fedsr").config()
+    model = FedSRClient.make_model("rmnist_dirt", (1, 28, 28), 10, seed=1, latent_dim=None, bounded_latent=False,
+                                   config=config)
+    assert isinstance(model, ProbabilisticSplitModel) and type(model.head) is ReLULinear
+    assert model.latent_dim == 64 and model.to_params.in_features == 1024
+    x, y = torch.rand(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    loss = F.cross_entropy(model.forward_sample(x, torch.Generator().manual_seed(0)).logits, y)
+    loss.backward()
+    assert model.head.weight.grad is not None and model.to_params.weight.grad is not None
+    # The paper's network keeps a fresh plain Linear classifier, as before.
+    plain = FedSRClient.make_model("rmnist_cnn", (1, 28, 28), 10, seed=1, latent_dim=None, bounded_latent=False,
+                                   config=config)
+    assert type(plain.head) is nn.Linear
+
+
+def test_a_whole_models_head_of_the_wrong_size_is_refused() -> None:
+    def whole(shape: tuple[int, ...], dim: int, bounded: bool) -> nn.Module:
+        return rmnist_dirt(shape, dim, bounded, num_classes=3)
+
+    with pytest.raises(ValueError, match=r"head is Linear\(64, 3\), the probabilistic model needs "
+                                         r"Linear\(z_dim=64, num_classes=10\)"):
+        build_probabilistic_model(whole, (1, 28, 28), 64, 10)

@@ -28,12 +28,13 @@ LOCAL_MODELS = ["mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small",
 DEFAULT_DIMS = {"mlp": 64, "mlp1": 256, "lenet": 84, "lenet_wide": 84, "fedgen_cnn": 32, "cnn_small": 60, "cnn": 128,
                 "linear": 20}
 REPO = Path(__file__).resolve().parents[2]
+RMNIST_CNN_SEED0_ABS_SUM = 2102.909990477351  # sum of |state| of build_model("rmnist_cnn", (1, 28, 28), 10, seed=0)
 
 
 def test_available_models() -> None:
     assert available_models() == [
         "mlp", "mlp1", "lenet", "lenet_wide", "fedgen_cnn", "cnn_small", "cnn", "rmnist_cnn", "rmnist_cnn_k5",
-        "linear", "resnet18", "mobilenet_v2",
+        "rmnist_dirt", "linear", "resnet18", "mobilenet_v2",
     ]
 
 
@@ -133,7 +134,7 @@ def test_weights_identical_in_a_fresh_process() -> None:
 
 def test_unknown_model_lists_available_names() -> None:
     with pytest.raises(ValueError, match="unknown model 'vgg'; available: mlp, mlp1, lenet, lenet_wide, fedgen_cnn, "
-                       "cnn_small, cnn, rmnist_cnn, rmnist_cnn_k5, linear, resnet18"):
+                       "cnn_small, cnn, rmnist_cnn, rmnist_cnn_k5, rmnist_dirt, linear, resnet18"):
         build_model("vgg", (1, 28, 28), 10)
 
 
@@ -291,3 +292,71 @@ def test_builtin_datasets_declare_the_input_shape_their_data_has() -> None:
         data = load_client_data(DataConfig(dataset=name, partition=next(iter(entry.partitions)), num_clients=4,
                                            client_index=0, seed=0))
         assert data.input_shape == entry.input_shape, name
+
+
+# DIRT's Rotated MNIST network (atuannguyen/DIRT: domain_gen_rotatedmnist/models/dirt.py 12-25, 35).
+
+def _xavier_bound(w: torch.Tensor) -> float:
+    receptive = w[0][0].numel() if w.dim() > 2 else 1
+    return float(np.sqrt(6.0 / (w.shape[1] * receptive + w.shape[0] * receptive)))
+
+
+def test_rmnist_dirt_is_dirts_network() -> None:
+    from torch.nn import functional as F
+
+    from hetfed.client.models import ReLULinear
+
+    model = build_model("rmnist_dirt", (1, 28, 28), 10, seed=0)
+    enc = model.encoder
+    assert [type(m) for m in enc] == [nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d] * 2 + [nn.Flatten, nn.Linear]
+    convs, fc11, cls = [enc[0], enc[4]], enc[9], model.head
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.bias) for c in convs] == [
+        (1, 32, (5, 5), None), (32, 64, (5, 5), None)]
+    assert (fc11.in_features, fc11.out_features) == (1024, 64) and type(cls) is ReLULinear
+    assert (cls.in_features, cls.out_features) == (64, 10) and model.latent_dim == 64
+    # 800 + 2·32 + 51,200 + 2·64 (BatchNorm) + 1024·64 + 64 (fc11) + 64·10 + 10 (the classifier).
+    assert count_parameters(model) == 118_442
+    # Xavier-uniform weights, |w| <= sqrt(6 / (fan_in + fan_out)), nearly reaching the bound (PyTorch's default
+    # bounds 1/sqrt(fan_in): 0.2, 0.035, 0.031, 0.125 here, are all far from it), and zero biases.
+    for w, bound in ((convs[0].weight, np.sqrt(6 / 825)), (convs[1].weight, 0.05), (fc11.weight, np.sqrt(6 / 1088)),
+                     (cls.weight, np.sqrt(6 / 74))):
+        assert _xavier_bound(w) == pytest.approx(bound, rel=1e-12)
+        assert 0.97 * bound < float(w.detach().abs().max()) <= bound
+    assert not fc11.bias.any() and not cls.bias.any()
+    assert convs[0].weight.is_contiguous(memory_format=torch.channels_last)
+    # logits = cls(relu(fc11(h))): the hand composition of the modules; z = fc11(h) itself has no activation.
+    x = torch.rand(6, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.eval()
+        z = fc11(enc[:9](x))
+        expected = F.linear(F.relu(z), cls.weight, cls.bias)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(model.embed(x), z, rtol=0, atol=0)
+        assert (z < 0).any() and not torch.allclose(model(x), F.linear(z, cls.weight, cls.bias))
+    # The same seed, the same network; the run's class count sizes the classifier.
+    again = build_model("rmnist_dirt", (1, 28, 28), 10, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                     strict=True))
+    assert build_model("rmnist_dirt", (1, 28, 28), 7).head.out_features == 7
+
+
+def test_rmnist_dirt_bounded_latent_makes_the_relu_the_identity() -> None:
+    model = build_model("rmnist_dirt", (1, 28, 28), 10, latent_dim=8, bounded_latent=True, seed=2).eval()
+    assert isinstance(model.encoder[-1], nn.Sigmoid)
+    x = torch.rand(3, 1, 28, 28)
+    with torch.no_grad():
+        z = model.embed(x)
+        assert z.shape == (3, 8) and ((z > 0) & (z < 1)).all()
+        torch.testing.assert_close(model(x), nn.functional.linear(z, model.head.weight, model.head.bias))
+
+
+def test_rmnist_cnn_is_unchanged() -> None:
+    """The paper's 3×3 network keeps its modules and its PyTorch-default initialisation draws (runs depend on it)."""
+    model = build_model("rmnist_cnn", (1, 28, 28), 10, seed=0)
+    assert [type(m) for m in model.encoder] == [nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d] * 2 + [
+        nn.Flatten, nn.Linear]
+    assert type(model.head) is nn.Linear and model.encoder[9].in_features == 1600
+    assert count_parameters(model) == 288 + 64 + 18_432 + 128 + 1600 * 64 + 64 + 650
+    # Fingerprint of the seed-0 weights (equal to the tree before rmnist_dirt was added).
+    sums = [float(np.abs(v.astype(np.float64)).sum()) for v in state_arrays(model).values()]
+    assert sum(sums) == pytest.approx(RMNIST_CNN_SEED0_ABS_SUM, rel=1e-9)

@@ -43,6 +43,9 @@ MODELS: dict[str, ModelEntry] = {
                              "BatchNorm and max-pooling, Linear(1600, d_e), no activation on z", min_image_side=10),
     "rmnist_cnn_k5": ModelEntry("hetfed.client.models:rmnist_cnn_k5", 64,
                                 "rmnist_cnn with DIVA/DIRT's 5x5 convolutions (Linear(1024, d_e))", min_image_side=16),
+    "rmnist_dirt": ModelEntry("hetfed.client.models:rmnist_dirt", 64,
+                              "DIRT's own network: rmnist_cnn_k5 with Xavier initialisation and a ReLU before the "
+                              "classifier (head(relu(z)))", min_image_side=16),
     "linear": ModelEntry("hetfed.client.models:linear", 20,
                          "one Linear(in, d_e), no activation: with the head, the Ditto paper's Synthetic network"),
     "resnet18": ModelEntry("hetfed.client.models:resnet18", 128, "torchvision ResNet-18 (GPU client image)",

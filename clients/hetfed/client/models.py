@@ -19,6 +19,7 @@ __all__ = [
     "OWN_LATENT_DIM",
     "ModelBuilderError",
     "ModelUnavailableError",
+    "ReLULinear",
     "SplitModel",
     "available_models",
     "build_model",
@@ -27,7 +28,9 @@ __all__ = [
     "encoder_builder",
     "is_reference",
     "load_state_arrays",
+    "make_built",
     "make_encoder",
+    "split_whole",
     "state_arrays",
 ]
 
@@ -204,8 +207,10 @@ def cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Modu
 # (atuannguyen/DIRT: domain_gen_rotatedmnist/models/deepall.py) gives the rest: Conv(1→32, bias-free) →
 # BatchNorm → ReLU → MaxPool 2, Conv(32→64, bias-free) → BatchNorm → ReLU → MaxPool 2, then Linear(flat → z)
 # with no activation on z; but its convolutions are 5×5 (flat 1024), not the 3×3 the FedSR text says. The 3×3
-# network is ``rmnist_cnn`` (28 → 26 → 13 → 11 → 5, flat 1600); ``rmnist_cnn_k5`` is DIVA/DIRT's. PyTorch's default
-# initialisation (DIRT uses Xavier's; FedSR does not say).
+# network is ``rmnist_cnn`` (28 → 26 → 13 → 11 → 5, flat 1600); ``rmnist_cnn_k5`` has DIVA/DIRT's 5×5 convolutions.
+# Both take PyTorch's default initialisation (FedSR does not say). ``rmnist_dirt`` is DIRT's network as its code
+# has it (domain_gen_rotatedmnist/models/dirt.py at 2635178): the 5×5 trunk, Xavier-uniform weights and zero
+# biases (lines 18-25), and a ReLU between z and the classifier (line 35: ``self.cls(F.relu(z))``).
 
 
 def rmnist_trunk(input_shape: tuple[int, ...], *, kernel_size: int = 3) -> tuple[nn.Sequential, int]:
@@ -247,6 +252,55 @@ def rmnist_cnn(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> 
 def rmnist_cnn_k5(input_shape: tuple[int, ...], latent_dim: int, bounded: bool) -> nn.Module:
     """Encoder builder: DIVA/DIRT's network (5×5 convolutions), ending in a bare Linear(1024 → latent_dim)."""
     return _rmnist(input_shape, latent_dim, bounded, kernel_size=5)
+
+
+class ReLULinear(nn.Linear):
+    """A linear layer on relu(x): ``F.linear(relu(x), weight, bias)``, DIRT's classifier ``cls(F.relu(z))``.
+
+    An ``nn.Linear`` with the same parameters, so it is exchanged and averaged as a linear head is; only its
+    input is rectified. On a latent in [0, 1] (a Sigmoid-bounded encoder) the ReLU is the identity.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = super().forward(torch.relu(x))
+        return out
+
+
+class _EncoderAndHead(nn.Module):
+    """A builder's whole model: an ``encoder`` and its own linear ``head`` (build_model keeps the head)."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.encoder(x))
+        return logits
+
+
+def rmnist_dirt(input_shape: tuple[int, ...], latent_dim: int, bounded: bool, num_classes: int = 10) -> nn.Module:
+    """Whole-model builder: DIRT's Rotated MNIST network, logits = cls(relu(fc11(trunk(x)))).
+
+    The encoder is the 5×5 trunk and fc11 = Linear(1024 → latent_dim), z = fc11(h) with no activation (a Sigmoid
+    when bounded); the head is :class:`ReLULinear` (latent_dim → num_classes), so the classifier sees relu(z).
+    Xavier-uniform on both convolutions, fc11 and the classifier, zero biases (DIRT's models/dirt.py 18-25).
+    """
+    trunk, flat = rmnist_trunk(input_shape, kernel_size=5)
+    fc11 = nn.Linear(flat, latent_dim)
+    convs = [m for m in trunk if isinstance(m, nn.Conv2d)]
+    for weight in (*(c.weight for c in convs), fc11.weight):
+        nn.init.xavier_uniform_(weight)
+    nn.init.zeros_(fc11.bias)
+    cls = ReLULinear(latent_dim, num_classes)
+    nn.init.xavier_uniform_(cls.weight)
+    nn.init.zeros_(cls.bias)
+    layers: list[nn.Module] = [*trunk, fc11]
+    if bounded:
+        layers.append(nn.Sigmoid())
+    # Channels-last convolution weights, as the other Rotated MNIST builders.
+    encoder = nn.Sequential(*layers).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return _EncoderAndHead(encoder, cls)
 
 
 def _torchvision_models(name: str) -> ModuleType:
@@ -364,19 +418,33 @@ def _call_builder(model: str, builder: EncoderBuilder, shape: tuple[int, ...], d
                                 f"latent_dim {dim}: {' '.join(str(exc).split())}") from None
 
 
-def make_encoder(model: str, input_shape: tuple[int, ...], latent_dim: int, bounded: bool,
-                 num_classes: int) -> nn.Module:
-    """The encoder ``model``'s builder makes, under the caller's RNG state (a whole model's ``encoder``)."""
+def make_built(model: str, input_shape: tuple[int, ...], latent_dim: int, bounded: bool,
+               num_classes: int) -> nn.Module:
+    """The module ``model``'s builder makes, under the caller's RNG state: an encoder, or a whole model (an
+    ``encoder`` and a linear ``head``, see :func:`split_whole`)."""
     built = _call_builder(model, encoder_builder(model), tuple(input_shape), latent_dim, bounded, num_classes)
     if not isinstance(built, nn.Module):
         raise ModelBuilderError(f"model builder {model!r} returned {type(built).__name__}, not a torch.nn.Module")
-    return built.encoder if _is_whole(built) else built  # type: ignore[return-value]
+    return built
+
+
+def make_encoder(model: str, input_shape: tuple[int, ...], latent_dim: int, bounded: bool,
+                 num_classes: int) -> nn.Module:
+    """The encoder ``model``'s builder makes, under the caller's RNG state (a whole model's ``encoder``)."""
+    return split_whole(make_built(model, input_shape, latent_dim, bounded, num_classes))[0]
 
 
 def _is_whole(built: nn.Module) -> bool:
     """Whether a builder returned a whole model (an ``encoder`` module and a linear ``head``)."""
     return isinstance(built, SplitModel) or (hasattr(built, "encoder") and isinstance(getattr(built, "head", None),
                                                                                          nn.Linear))
+
+
+def split_whole(built: nn.Module) -> tuple[nn.Module, nn.Linear | None]:
+    """A builder's module as (encoder, its own head): a whole model's two parts, else (the module, None)."""
+    if _is_whole(built):
+        return built.encoder, built.head  # type: ignore[return-value]
+    return built, None
 
 
 def _probe(model: str, encoder: nn.Module, shape: tuple[int, ...], dim: int, bounded: bool) -> None:

@@ -30,7 +30,7 @@ from hetfed.client.algorithms.fedsr.losses import (
     build_probabilistic_model,
     predict_proba,
 )
-from hetfed.client.models import SplitModel, default_latent_dim, make_encoder
+from hetfed.client.models import SplitModel, default_latent_dim, make_built
 from hetfed.client.training import Batch, Forward, LossTerm, cross_entropy, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
@@ -62,15 +62,15 @@ class FedSRClient(ModelAveragingClient[FedSRConfig]):
     @classmethod
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
                    latent_dim: int | None, bounded_latent: bool, config: FedSRConfig) -> SplitModel:
-        """The registered architecture, made probabilistic (its final projection widened to 2·z) unless the
-        config asks for the deterministic network."""
+        """The registered architecture, made probabilistic (its final projection widened to 2·z; a whole model's
+        own head kept as the classifier on z) unless the config asks for the deterministic network."""
         if not config.probabilistic:
             return super().make_model(name, input_shape, num_classes, seed=seed, latent_dim=latent_dim,
                                       bounded_latent=bounded_latent, config=config)
         z_dim = latent_dim or default_latent_dim(name)
 
         def encoder(shape: tuple[int, ...], dim: int, bounded: bool) -> nn.Module:
-            return make_encoder(name, shape, dim, bounded, num_classes)
+            return make_built(name, shape, dim, bounded, num_classes)
 
         return build_probabilistic_model(encoder, input_shape, z_dim, num_classes, seed=seed,
                                          sigma_eps=config.sigma_eps)

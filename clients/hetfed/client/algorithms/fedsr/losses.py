@@ -10,7 +10,9 @@ reference code's backbones do), drops that projection so that the new ``Linear(d
 place: the probabilistic network then has exactly the deterministic network's depth, the reference
 code's construction (atuannguyen/FedSR: src/methods/base.py widens the backbone's last layer to
 2·z_dim). An encoder that ends in an activation (ReLU or Sigmoid) keeps it, and the new layer is added on
-its latent of width ``latent_dim``.
+its latent of width ``latent_dim``. A builder that returns a whole model (an ``encoder`` and its own linear
+``head``, as ``build_model`` accepts) keeps its head as the classifier on z (``rmnist_dirt``: DIRT's
+classifier on relu(z)); otherwise the classifier is a fresh ``Linear(z_dim, num_classes)``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hetfed.client.models import EncoderBuilder, SplitModel
+from hetfed.client.models import EncoderBuilder, SplitModel, split_whole
 
 __all__ = [
     "DEFAULT_NUM_SAMPLES",
@@ -115,10 +117,16 @@ def build_probabilistic_model(builder: EncoderBuilder, input_shape: tuple[int, .
     shape = tuple(int(s) for s in input_shape)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.default_generator.manual_seed(int(seed))
-        encoder = builder(shape, int(z_dim), False)
+        encoder, head = split_whole(builder(shape, int(z_dim), False))
         dropped = _drop_final_projection(encoder)
         trunk, width = dropped if dropped is not None else (encoder, int(z_dim))
-        return ProbabilisticSplitModel(trunk, width, z_dim, num_classes, sigma_eps=sigma_eps)
+        model = ProbabilisticSplitModel(trunk, width, z_dim, num_classes, sigma_eps=sigma_eps)
+    if head is not None:  # the builder's own classifier on z (drawn before the fresh one it replaces)
+        if (head.in_features, head.out_features) != (int(z_dim), int(num_classes)):
+            raise ValueError(f"the builder's head is Linear({head.in_features}, {head.out_features}), the "
+                             f"probabilistic model needs Linear(z_dim={z_dim}, num_classes={num_classes})")
+        model.head = head
+    return model
 
 
 def predict_proba(model: ProbabilisticSplitModel, x: torch.Tensor, *, num_samples: int = DEFAULT_NUM_SAMPLES,
