@@ -73,4 +73,4 @@ def test_an_unknown_benchmark_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "bench", "nope"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-    assert "unknown benchmark 'nope'; available: ditto, ditto_paper, fedcma, fedcma_fedgen, fedcma_hetero, fedh2l" in proc.stderr
+    assert "unknown benchmark 'nope'; available: ditto, ditto_draws, ditto_paper, fedcma, fedcma_fedgen, fedcma_hetero, fedh2l" in proc.stderr

@@ -97,9 +97,8 @@ class GridFigure:
     # round's figure taken over the organizations that report it (FedGen's statistic: utils/plot_utils.py, TOP_N = 5).
     best_rounds: int = 0
     # "" : the final report. ``mean:<key>`` or ``pooled:<key>`` (``mean:``/``pooled:`` sources): the figure at the
-    # evaluated round where that per-organization figure is lowest, the later round on ties (model selection by
-    # source-validation loss: atuannguyen/FedSR src/main.py:113-118 keeps the target accuracy where the summed
-    # source loss is lowest, ``<=``).
+    # evaluated round where that per-organization figure is lowest, the later round on ties (model selection by a
+    # validation loss, with the ``<=`` of the reference code that does it: docs/benchmarks.md names it).
     at_lowest: str = ""
 
     def __post_init__(self) -> None:
