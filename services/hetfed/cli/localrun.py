@@ -766,6 +766,11 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
                 time.sleep(0.25 if max(s.round for s in status) < 200 else 1.0)
         fed.wait_clients(timeout=60)
         departures(progress)  # those that left after the loop's last look
+        if not all(s.finished for s in status):
+            # The loop also ends once every client has exited: a Status read just before the last round closed
+            # lacks that round's reports (seen at 1,400 rounds). The aggregator still serves: read it again.
+            fed.raise_if_failed()
+            status = fed.status()
         wall = time.monotonic() - started
         results = []
         for s in status:
