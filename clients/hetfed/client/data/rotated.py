@@ -90,7 +90,7 @@ def rotate_stored(pixels: np.ndarray, degrees: float, rotation: str) -> np.ndarr
 
 @functools.lru_cache(maxsize=4)
 def _domains(seed: int, num_domains: int, public_fraction: float,
-             rotation: str = "bilinear") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             rotation: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images uint8 [D, n, 1, 28, 28], labels [n], roles [n]) of every domain; same base image order in each."""
     x, y = load_mnist5k()
     rng = np.random.default_rng((seed, _STREAM_BASE))

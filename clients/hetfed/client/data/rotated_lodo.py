@@ -43,7 +43,7 @@ def source_domains(cfg: DataConfig) -> list[int]:
 
 
 @functools.lru_cache(maxsize=2)
-def _domains(seed: int, num_domains: int, rotation: str = "bilinear") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _domains(seed: int, num_domains: int, rotation: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images uint8 [D, 1000, 1, 28, 28], labels [1000], validation mask [1000]); same base order in each."""
     x, y = load_mnist5k()
     classes = int(y.max()) + 1
