@@ -16,14 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/device-check}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/proto:$PWD/services:$PWD/clients
-else
-  export PYTHONPATH=$PWD/proto:$PWD/services:$PWD/clients
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_env.sh
+. scripts/device_env.sh
 nvidia-smi -L
 python3 -c 'import torch, grpc, google.protobuf as pb
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "grpc", grpc.__version__, "protobuf", pb.__version__)'

@@ -22,14 +22,8 @@ shift
 out=${OUT:-/tmp/device-repro}
 work=${WORKDIR:-/tmp/device-repro-work}
 mkdir -p "$out" "$work"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/proto:$PWD/services:$PWD/clients
-else
-  export PYTHONPATH=$PWD/proto:$PWD/services:$PWD/clients
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_env.sh
+. scripts/device_env.sh
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 git log -1 --format='commit %h %s' 2>/dev/null || true
