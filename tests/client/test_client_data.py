@@ -21,6 +21,7 @@ from hetfed.client.data import (
     load_npz_dir,
     split_like,
     stratified_holdout,
+    stratified_subsample,
 )
 
 
@@ -161,6 +162,11 @@ def test_dirichlet_partition_sampling_ratio_is_checked() -> None:
         ({"mean": (0.5,), "std": (0.5,), "partition": "rotated"}, r"to 'mnist5k' and 'fmnist' under partition 'iid' "
                                                                   r"or 'dirichlet', got dataset 'mnist5k' with "
                                                                   r"partition 'rotated'"),
+        ({"train_size": -1}, r"data.train_size must be >= 0"),
+        ({"train_size": 100, "partition": "rotated"}, r"data.train_size applies to dataset 'mnist5k' or 'fmnist' or "
+                                                      r"'digits' under partition 'iid' or 'dirichlet', got 100 with "
+                                                      r"dataset 'mnist5k' and partition 'rotated'"),
+        ({"train_size": 100, "dataset": "synthetic", "partition": "natural"}, r"got 100 with dataset 'synthetic'"),
         ({"mean": (0.5,), "std": (0.5,), "dataset": "digits"}, r"got dataset 'digits' with partition 'dirichlet'"),
         ({"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}, r"need one value for the grey images of 'mnist5k', got 3"),
     ],
@@ -186,6 +192,46 @@ def test_mnist5k_normalised_and_subsampled_as_fedgen_loads_it() -> None:
     sizes = [len(load_client_data(DataConfig(num_clients=4, client_index=i, alpha=0.5, seed=2,
                                              sampling_ratio=0.5)).train) for i in range(4)]
     assert sum(sizes) == 2000
+
+
+def test_stratified_subsample_keeps_the_class_shares_exactly() -> None:
+    """n · n_c / N of each class, largest remainders: 20 of (60, 30, 10) is (12, 6, 2); 7 of them is (4, 2, 1)."""
+    labels = np.repeat(np.arange(3), [60, 30, 10])
+    picked = stratified_subsample(labels, 20, seed=(4, 6))
+    assert picked.dtype == np.int64 and np.all(np.diff(picked) > 0)  # sorted, no index twice
+    assert class_counts(labels[picked], 3).tolist() == [12, 6, 2]
+    # 7 · (0.6, 0.3, 0.1) = (4.2, 2.1, 0.7) floors to (4, 2, 0); the last one goes to the largest remainder (0.7).
+    assert class_counts(labels[stratified_subsample(labels, 7, seed=0)], 3).tolist() == [4, 2, 1]
+    assert np.array_equal(stratified_subsample(labels, 20, seed=(4, 6)), picked)  # the seed decides
+    assert not np.array_equal(stratified_subsample(labels, 20, seed=(5, 6)), picked)
+    assert stratified_subsample(labels, 100, seed=0).tolist() == list(range(100))  # all of them
+    # 5 · (0.3, 0.3, 0.2, 0.2) = (1.5, 1.5, 1, 1): the leftover one goes to the lower of the tied classes.
+    tied = np.repeat(np.arange(4), [3, 3, 2, 2])
+    assert class_counts(tied[stratified_subsample(tied, 5, seed=0)], 4).tolist() == [2, 1, 1, 1]
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match=r"needs 1 <= n <= 100"):
+            stratified_subsample(labels, bad, seed=0)
+
+
+def test_train_size_subsamples_mnist5k_before_the_split() -> None:
+    """1,000 of MNIST-5k's 4,000 training images, split among 4; the test sets are the full run's."""
+    full = [load_client_data(DataConfig(num_clients=4, client_index=i, alpha=0.5, seed=2)) for i in range(4)]
+    small = [load_client_data(DataConfig(num_clients=4, client_index=i, alpha=0.5, seed=2, train_size=1000))
+             for i in range(4)]
+    assert sum(len(d.train) for d in small) == 1000
+    assert "1000 training images" in small[0].name
+    all_train = np.concatenate([d.train.y for d in full])
+    small_train = np.concatenate([d.train.y for d in small])
+    # Each class keeps a quarter of its training images, to within the one the rounding moves.
+    assert np.abs(class_counts(small_train, 10) - class_counts(all_train, 10) / 4).max() <= 1
+    assert isinstance(small[0].global_test, ArrayDataset) and isinstance(full[0].global_test, ArrayDataset)
+    np.testing.assert_array_equal(small[0].global_test.y, full[0].global_test.y)
+    # Every image an organization trains on is one of the full training set's.
+    whole = np.concatenate([d.train.x.reshape(len(d.train), -1) for d in full])
+    rows = {r.tobytes() for r in whole}
+    assert all(r.tobytes() in rows for d in small for r in d.train.x.reshape(len(d.train), -1))
+    with pytest.raises(ValueError, match=r"data.train_size=4001 is more than the 4000 training examples of 'mnist5k'"):
+        load_client_data(DataConfig(num_clients=4, train_size=4001))
 
 
 def test_class_proportions_exact() -> None:

@@ -124,3 +124,22 @@ def test_hetfed_run_refuses_fmnist_without_the_package_in_one_line(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"install it with: apt-get install dataset-fashion-mnist$"):
         plan(LocalRunOptions(algorithms=("local",), dataset="fmnist"))
     plan(LocalRunOptions(algorithms=("local",)))  # the default dataset never needs it
+
+
+def test_train_size_draws_a_class_balanced_subsample_from_the_data_seed(tiny: Path) -> None:
+    """100 of the 400 training images (40 a class) keep 10 a class, the same images for every organization."""
+    def shares(seed: int) -> list[np.ndarray]:
+        return [load_client_data(DataConfig(dataset="fmnist", partition="iid", num_clients=4, client_index=i,
+                                            seed=seed, train_size=100)).train.x for i in range(4)]
+
+    first = shares(0)
+    assert [len(x) for x in first] == [25] * 4
+    ys = np.concatenate([load_client_data(DataConfig(dataset="fmnist", partition="iid", num_clients=4, client_index=i,
+                                                     seed=0, train_size=100)).train.y for i in range(4)])
+    assert np.bincount(ys, minlength=10).tolist() == [10] * 10
+    rows = {r.tobytes() for r in np.concatenate(first).reshape(100, -1)}
+    assert len(rows) == 100  # no image twice across organizations
+    assert all(np.array_equal(a, b) for a, b in zip(first, shares(0), strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(first, shares(1), strict=True))
+    with pytest.raises(ValueError, match=r"data.train_size=401 is more than the 400 training images of 'fmnist'"):
+        load_client_data(DataConfig(dataset="fmnist", partition="iid", num_clients=4, train_size=401))

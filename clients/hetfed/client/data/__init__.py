@@ -34,6 +34,7 @@ from hetfed.client.data.partitions import (
     iid_partition,
     split_like,
     stratified_holdout,
+    stratified_subsample,
 )
 from hetfed.client.data.permuted import label_permutation, permute_labels, permuted
 from hetfed.client.data.registry import DATASETS, DEFAULT_DATASET, PARTITIONS, resolve
@@ -71,6 +72,7 @@ __all__ = [
     "permuted",
     "split_like",
     "stratified_holdout",
+    "stratified_subsample",
 ]
 
 

@@ -20,12 +20,19 @@ from hetfed.client.data.config import DataConfig
 from hetfed.client.data.core import (
     STREAM_HOLDOUT,
     STREAM_PARTITION,
+    STREAM_SUBSAMPLE,
     STREAM_TEST_SPLIT,
     ArrayDataset,
     ClientData,
     DatasetUnavailableError,
 )
-from hetfed.client.data.partitions import class_proportions, dirichlet_partition, iid_partition, split_like
+from hetfed.client.data.partitions import (
+    class_proportions,
+    dirichlet_partition,
+    iid_partition,
+    split_like,
+    stratified_subsample,
+)
 
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
 # Environment variable naming another directory holding the four files (tests, or a copy elsewhere).
@@ -139,6 +146,12 @@ def load_fmnist(cfg: DataConfig) -> ClientData:
     """This organization's share of Fashion-MNIST under ``cfg``'s partition (``iid`` or ``dirichlet``)."""
     splits = load_fashion_mnist(str(data_dir()))
     (x_train, y_train), (x_test, y_test) = splits["train"], splits["t10k"]
+    if cfg.train_size:
+        if cfg.train_size > y_train.size:
+            raise ValueError(f"data.train_size={cfg.train_size} is more than the {y_train.size} training images of "
+                             "'fmnist'")
+        keep = stratified_subsample(y_train, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE))
+        x_train, y_train = x_train[keep], y_train[keep]
     m = cfg.num_clients
     if cfg.partition == "iid":
         if y_train.size < m * max(cfg.min_per_client, 1):
@@ -153,6 +166,8 @@ def load_fmnist(cfg: DataConfig) -> ClientData:
         props = class_proportions(y_train, parts, NUM_CLASSES)
         test_parts = split_like(y_test, props, (cfg.seed, STREAM_TEST_SPLIT), mode=cfg.test_split)
         detail = f"dirichlet alpha={cfg.alpha:g}" + (f" ratio={cfg.sampling_ratio:g}" if cfg.sampling_ratio < 1 else "")
+    if cfg.train_size:
+        detail += f", {cfg.train_size} training images"
     i = cfg.client_index
     return ClientData(
         train=_images(x_train, parts[i], y_train),

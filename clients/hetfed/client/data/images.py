@@ -17,6 +17,7 @@ from hetfed.client.data.core import (
     HOLDOUT_FRACTION,
     STREAM_HOLDOUT,
     STREAM_PARTITION,
+    STREAM_SUBSAMPLE,
     STREAM_TEST_SPLIT,
     ArrayDataset,
     ClientData,
@@ -28,6 +29,7 @@ from hetfed.client.data.partitions import (
     iid_partition,
     split_like,
     stratified_holdout,
+    stratified_subsample,
 )
 
 _MNIST5K_ROWS = 5000
@@ -86,6 +88,11 @@ def load_pooled(cfg: DataConfig) -> ClientData:
     keep_idx, pool_idx = stratified_holdout(y, HOLDOUT_FRACTION, (cfg.seed, STREAM_HOLDOUT))
     train_all = full.subset(keep_idx)
     pool = full.subset(pool_idx)
+    if cfg.train_size:
+        if cfg.train_size > len(train_all):
+            raise ValueError(f"data.train_size={cfg.train_size} is more than the {len(train_all)} training examples "
+                             f"of {cfg.dataset!r}")
+        train_all = train_all.subset(stratified_subsample(train_all.y, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE)))
     m = cfg.num_clients
     if cfg.partition == "iid":
         if len(train_all) < m * max(cfg.min_per_client, 1):
@@ -103,6 +110,8 @@ def load_pooled(cfg: DataConfig) -> ClientData:
         props = class_proportions(train_all.y, parts, num_classes)
         test_parts = split_like(pool.y, props, (cfg.seed, STREAM_TEST_SPLIT), mode=cfg.test_split)
         detail = f"dirichlet alpha={cfg.alpha:g}" + (f" ratio={cfg.sampling_ratio:g}" if cfg.sampling_ratio < 1 else "")
+    if cfg.train_size:
+        detail += f", {cfg.train_size} training images"
     i = cfg.client_index
     return ClientData(
         train=train_all.subset(parts[i]),

@@ -40,6 +40,22 @@ def stratified_holdout(labels: np.ndarray, fraction: float, seed: Seed) -> tuple
     return sorted_concat(kept), sorted_concat(held)
 
 
+def stratified_subsample(labels: np.ndarray, n: int, seed: Seed) -> np.ndarray:
+    """Sorted indices of ``n`` examples keeping the classes' shares: class c gives floor(n · n_c / N) of its
+    examples, and the examples left over go one each to the largest remainders (ties to the lower class); which
+    examples of a class is drawn at random from the seed."""
+    y = as_labels(labels)
+    if not 1 <= n <= y.size:
+        raise ValueError(f"a subsample of {n} examples needs 1 <= n <= {y.size} (the examples there are)")
+    classes, counts = np.unique(y, return_counts=True)
+    quota = n * counts / y.size
+    take = np.floor(quota).astype(np.int64)
+    take[np.argsort(-(quota - take), kind="stable")[: n - int(take.sum())]] += 1
+    rng = np.random.default_rng(seed)
+    chosen = [rng.permutation(np.flatnonzero(y == c))[: int(k)] for c, k in zip(classes, take, strict=True)]
+    return sorted_concat(chosen)
+
+
 def iid_partition(n: int, num_clients: int, seed: Seed) -> list[np.ndarray]:
     """Shuffle indices 0..n-1 and split them into num_clients near-equal sorted parts."""
     if num_clients < 1:
