@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from hetfed.cli.localrun import LocalRunOptions, aggregator_config, client_config, noise_seed, plan
+from hetfed.cli.localrun import (
+    LocalRunOptions,
+    aggregator_config,
+    client_config,
+    noise_seed,
+    plan,
+    settled_status,
+)
 from hetfed.wire.config import ConfigError
+from hetfed.wire.messages import RunStatus
+from hetfed.wire.phases import Phase
 
 
 def test_the_partition_sets_the_number_of_organizations_unless_the_user_does() -> None:
@@ -177,3 +187,46 @@ def test_an_algorithms_own_training_defaults_are_stated_once_in_its_config() -> 
     assert (avg.batch_size, avg.weight_decay) == (10, 0.001)  # the dataset's, where the config keeps the shared ones
     given = plan(LocalRunOptions(algorithms=("fedsr",), train={"batch_size": 7})).runs[0].train
     assert given.batch_size == 7
+
+
+class _Federation:
+    """What settled_status reads of a local federation: Status replies in turn, departures, failures."""
+
+    def __init__(self, replies: list[list[RunStatus]], left: Sequence[str] = (), fail_at: int = -1) -> None:
+        self.replies, self.left, self.fail_at, self.reads = replies, list(left), fail_at, 0
+
+    def status(self) -> list[RunStatus]:
+        reply = self.replies[min(self.reads, len(self.replies) - 1)]
+        self.reads += 1
+        return reply
+
+    def left_clients(self) -> list[str]:
+        return self.left
+
+    def raise_if_failed(self) -> None:
+        if self.reads == self.fail_at:
+            raise RuntimeError("client-a-org-1 failed")
+
+
+def _run(run_id: str, phase: Phase, rounds: int = 3) -> RunStatus:
+    return RunStatus(run_id=run_id, algorithm="fedavg", phase=phase, round=rounds, total_rounds=rounds,
+                     organizations=("org-0", "org-1"))
+
+
+def test_the_summary_waits_for_the_last_round_to_close_after_the_clients_exit() -> None:
+    """The race of 2026-12-05: the loop's last read came before the final round closed; later reads finish it."""
+    running, done = _run("a", Phase.TRAIN), _run("a", Phase.FINISHED)
+    fed = _Federation([[running], [running], [done]])
+    by_run = {"a": ["client-a-org-0", "client-a-org-1"]}
+    assert settled_status(fed, [running], by_run, poll=0.0) == [done]  # type: ignore[arg-type]
+    assert fed.reads == 3
+    # A finished run is not read again; nor is one whose organizations all left (privacy budgets spent).
+    quiet = _Federation([[running]], left=["client-a-org-0", "client-a-org-1"])
+    assert settled_status(quiet, [done], by_run) == [done]  # type: ignore[arg-type]
+    assert settled_status(quiet, [running], by_run) == [running] and quiet.reads == 0  # type: ignore[arg-type]
+    # A run that never finishes gives its last read at the deadline; a failure on the way is raised.
+    stuck = _Federation([[running]])
+    assert settled_status(stuck, [running], by_run, timeout=0.05, poll=0.01) == [running]  # type: ignore[arg-type]
+    assert stuck.reads >= 1
+    with pytest.raises(RuntimeError, match="client-a-org-1 failed"):
+        settled_status(_Federation([[running]], fail_at=1), [running], by_run, poll=0.0)  # type: ignore[arg-type]

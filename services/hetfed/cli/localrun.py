@@ -707,6 +707,28 @@ def client_metrics(opts: LocalRunOptions, workdir: Path, aggregator_metrics_port
 
 
 # ------------------------------------------------------------------------------------------------ running
+def settled_status(fed: LocalFederation, status: list[RunStatus], by_run: Mapping[str, Sequence[str]],
+                   timeout: float = 30.0, poll: float = 0.1) -> list[RunStatus]:
+    """The Status of every run once it is over, read again after the clients exited.
+
+    The federation loop also ends once every client has exited, and a Status read just before the last round
+    closed lacks that round's reports (seen at 1,400 rounds, where every final figure came back empty). The
+    aggregator still serves: read it until each run is finished or all its organizations left it (privacy
+    budgets spent), at most ``timeout`` seconds; then the last read stands.
+    """
+    def over(runs: list[RunStatus]) -> bool:
+        gone = set(fed.left_clients())
+        return all(s.finished or all(n in gone for n in by_run.get(s.run_id, ())) for s in runs)
+
+    deadline = time.monotonic() + timeout
+    while not over(status) and time.monotonic() < deadline:
+        fed.raise_if_failed()
+        status = fed.status()
+        if not over(status):
+            time.sleep(poll)
+    return status
+
+
 def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
              on_status: Callable[[LocalFederation, list[RunStatus]], None] | None = None) -> list[dict[str, Any]]:
     """Run every algorithm of ``opts`` on one local aggregator; returns each run's summary.
@@ -766,11 +788,7 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
                 time.sleep(0.25 if max(s.round for s in status) < 200 else 1.0)
         fed.wait_clients(timeout=60)
         departures(progress)  # those that left after the loop's last look
-        if not all(s.finished for s in status):
-            # The loop also ends once every client has exited: a Status read just before the last round closed
-            # lacks that round's reports (seen at 1,400 rounds). The aggregator still serves: read it again.
-            fed.raise_if_failed()
-            status = fed.status()
+        status = settled_status(fed, status, by_run)
         wall = time.monotonic() - started
         results = []
         for s in status:
