@@ -31,7 +31,7 @@ from hetfed.client.data.partitions import (
     dirichlet_partition,
     iid_partition,
     split_like,
-    stratified_subsample,
+    train_subsample,
 )
 
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
@@ -147,10 +147,7 @@ def load_fmnist(cfg: DataConfig) -> ClientData:
     splits = load_fashion_mnist(str(data_dir()))
     (x_train, y_train), (x_test, y_test) = splits["train"], splits["t10k"]
     if cfg.train_size:
-        if cfg.train_size > y_train.size:
-            raise ValueError(f"data.train_size={cfg.train_size} is more than the {y_train.size} training images of "
-                             "'fmnist'")
-        keep = stratified_subsample(y_train, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE))
+        keep = train_subsample(y_train, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE), "training images of 'fmnist'")
         x_train, y_train = x_train[keep], y_train[keep]
     m = cfg.num_clients
     if cfg.partition == "iid":

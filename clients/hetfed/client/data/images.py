@@ -29,7 +29,7 @@ from hetfed.client.data.partitions import (
     iid_partition,
     split_like,
     stratified_holdout,
-    stratified_subsample,
+    train_subsample,
 )
 
 _MNIST5K_ROWS = 5000
@@ -89,10 +89,8 @@ def load_pooled(cfg: DataConfig) -> ClientData:
     train_all = full.subset(keep_idx)
     pool = full.subset(pool_idx)
     if cfg.train_size:
-        if cfg.train_size > len(train_all):
-            raise ValueError(f"data.train_size={cfg.train_size} is more than the {len(train_all)} training examples "
-                             f"of {cfg.dataset!r}")
-        train_all = train_all.subset(stratified_subsample(train_all.y, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE)))
+        train_all = train_all.subset(train_subsample(train_all.y, cfg.train_size, (cfg.seed, STREAM_SUBSAMPLE),
+                                                     f"training examples of {cfg.dataset!r}"))
     m = cfg.num_clients
     if cfg.partition == "iid":
         if len(train_all) < m * max(cfg.min_per_client, 1):

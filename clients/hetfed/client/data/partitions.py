@@ -56,6 +56,15 @@ def stratified_subsample(labels: np.ndarray, n: int, seed: Seed) -> np.ndarray:
     return sorted_concat(chosen)
 
 
+def train_subsample(labels: np.ndarray, train_size: int, seed: Seed, what: str) -> np.ndarray:
+    """``data.train_size``'s subsample of a training split (:func:`stratified_subsample`); ``what`` names the split
+    in the error when it holds fewer than ``train_size`` ("training images of 'fmnist'")."""
+    y = as_labels(labels)
+    if train_size > y.size:
+        raise ValueError(f"data.train_size={train_size} is more than the {y.size} {what}")
+    return stratified_subsample(y, train_size, seed)
+
+
 def iid_partition(n: int, num_clients: int, seed: Seed) -> list[np.ndarray]:
     """Shuffle indices 0..n-1 and split them into num_clients near-equal sorted parts."""
     if num_clients < 1:
