@@ -7,7 +7,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_34_x86_64 -d .whl grpcio==1.85.1 grpcio-health-checking==1.85.1 \
 #     grpcio-status==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 cryptography==50.0.2 cffi==2.1.1 \
-#     pycparser==3.12 mlxtend==0.25.0 opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10 attrs==23.2.0
+#     pycparser==3.12 mlxtend==0.25.0 opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10 attrs==23.2.0 blake3==1.0.11
 # then run this script there with .whl carried. Results land in $OUT (or /tmp/device-check):
 #   1. workload B against a plain PyTorch loop on the GPU (round_overhead.py --device cuda --plain);
 #   2. DP-SGD's cost per epoch on the GPU against the plain loop (dp_step_cost.py --device cuda);

@@ -54,8 +54,8 @@ def finish_round_and_check(a: RawClient, b: RawClient) -> None:
         np.testing.assert_array_equal(mw.tensors[k], v * 2.5)
 
 
-def _tamper_sha(parts: list[apb.Chunk]) -> list[apb.Chunk]:
-    parts[-1].sha256 = b"\x00" * 32
+def _tamper_digest(parts: list[apb.Chunk]) -> list[apb.Chunk]:
+    parts[-1].blake3 = b"\x00" * 32
     return parts
 
 
@@ -78,8 +78,8 @@ BAD: dict[str, tuple[Callable[[RawClient], object], grpc.StatusCode, str, str]] 
     "garbage bytes": (lambda a: a.push_bytes(1, b"\xff\xfe not a protobuf"), grpc.StatusCode.INVALID_ARGUMENT,
                       "malformed", "not a valid hetfed.v1.Update"),
     "empty payload oneof": (_empty_payload, grpc.StatusCode.INVALID_ARGUMENT, "malformed", "empty oneof"),
-    "bad checksum": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), tamper=_tamper_sha),
-                     grpc.StatusCode.INVALID_ARGUMENT, "checksum_mismatch", "SHA-256"),
+    "bad checksum": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), tamper=_tamper_digest),
+                     grpc.StatusCode.INVALID_ARGUMENT, "checksum_mismatch", "BLAKE3 digest"),
     "chunks out of order": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_reorder),
                             grpc.StatusCode.INVALID_ARGUMENT, "malformed", "out of order"),
     "stream cut short": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_drop_last),

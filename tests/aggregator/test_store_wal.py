@@ -14,6 +14,7 @@ import threading
 import zlib
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
@@ -92,8 +93,8 @@ def test_a_flipped_byte_in_an_update_discards_that_record_alone(tmp_path: Path,
     with caplog.at_level(logging.ERROR, "hetfed.aggregator"):
         s = opened(tmp_path)
     assert s.updates(1) == [("b", b"b" * 100), ("c", b"c" * 100)]
-    assert f"the record at offset {HEADER} (round 1, organization 'a', 100 bytes) fails its SHA-256: discarded" \
-        in caplog.text
+    assert (f"the record at offset {HEADER} (round 1, organization 'a', 100 bytes) fails its BLAKE3 digest: "
+            "discarded") in caplog.text
     assert "asked for it again" in caplog.text
     # The log was rewritten without the damage: the next start finds nothing wrong.
     s.close()
@@ -118,18 +119,51 @@ def test_a_flipped_byte_in_a_record_header_loses_no_later_record(tmp_path: Path,
     assert f"bytes {HEADER}..{HEADER + REC + 101} hold no valid record" in caplog.text
 
 
-def test_a_record_forged_inside_an_update_is_never_taken_for_a_real_one(tmp_path: Path) -> None:
-    """Resynchronising after a damaged header searches for the next record: an organization that embeds a
-    well-formed record in its update (claiming another organization) must not be able to plant it."""
+@pytest.mark.parametrize("magic", [b"HFR3", b"HFR2"])
+def test_a_record_forged_inside_an_update_is_never_taken_for_a_real_one(tmp_path: Path, magic: bytes) -> None:
+    """Resynchronising after a damaged header searches for the next record (of either format): an organization
+    that embeds a well-formed record in its update (claiming another organization) must not be able to plant it."""
     s = new_run(tmp_path)
     forged_data = b"forged update"
-    signed = struct.pack("<4sqHQ32s", b"HFR2", 1, 1, len(forged_data), hashlib.sha256(forged_data).digest())
+    digest = (blake3.blake3 if magic == b"HFR3" else hashlib.sha256)(forged_data).digest()
+    signed = struct.pack("<4sqHQ32s", magic, 1, 1, len(forged_data), digest)
     forged = signed + hashlib.blake2b(signed + b"b", key=b"\0" * 16, digest_size=16).digest() + b"b" + forged_data
     s.write_update(1, "a", b"x" * 10 + forged + b"y" * 10)
     s.write_update(1, "c", b"honest")
     s.close()
     flip(wal(tmp_path), HEADER + 4)  # a's header
     assert opened(tmp_path).updates(1) == [("c", b"honest")]
+
+
+def _old_record(key: bytes, round_: int, org: bytes, data: bytes) -> bytes:
+    """A record as hetfed wrote it before BLAKE3: magic HFR2 and the update's SHA-256, MAC'd with the file's key."""
+    signed = struct.pack("<4sqHQ32s", b"HFR2", round_, len(org), len(data), hashlib.sha256(data).digest())
+    return signed + hashlib.blake2b(signed + org, key=key, digest_size=16).digest() + org + data
+
+
+def test_records_an_older_hetfed_wrote_are_read_and_checked_by_their_sha256(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An aggregator upgraded in the middle of a round resumes the updates its predecessor logged (SHA-256
+    records), appends BLAKE3 ones after them, and still discards an old record whose bytes changed."""
+    s = new_run(tmp_path)
+    s.write_update(1, "a", b"new format")
+    s.close()
+    blob = wal(tmp_path).read_bytes()
+    key = blob[4:20]
+    old = _old_record(key, 1, b"b", b"b" * 40) + _old_record(key, 1, b"c", b"c" * 40)
+    wal(tmp_path).write_bytes(blob[:HEADER] + old + blob[HEADER:])
+    s = opened(tmp_path)
+    assert s.updates(1) == [("a", b"new format"), ("b", b"b" * 40), ("c", b"c" * 40)]
+    s.write_update(1, "d", b"after the upgrade")
+    s.close()
+    blob = wal(tmp_path).read_bytes()
+    assert blob[HEADER:HEADER + 4] == b"HFR2" and blob.count(b"HFR3") == 2
+    flip(wal(tmp_path), HEADER + REC + 1 + 20)  # inside b's old-format update
+    with caplog.at_level(logging.ERROR, "hetfed.aggregator"):
+        s = opened(tmp_path)
+    assert s.updates(1) == [("a", b"new format"), ("c", b"c" * 40), ("d", b"after the upgrade")]
+    assert f"the record at offset {HEADER} (round 1, organization 'b', 40 bytes) fails its SHA-256 digest" \
+        in caplog.text
 
 
 def test_scan_reports_the_damage_it_skips() -> None:

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,11 +53,12 @@ def test_split_and_reassemble_around_chunk_boundaries(size: int, count: int) -> 
     data = payload(size)
     parts = list(chunks.split(data, C))
     assert len(parts) == count
-    digest = hashlib.sha256(data).digest()
+    digest = blake3.blake3(data).digest()
     for i, c in enumerate(parts):
         assert (c.index, c.count, c.total_bytes) == (i, count, size)
         assert c.data == data[i * C : (i + 1) * C]
-        assert c.sha256 == (digest if i == count - 1 else b"")
+        assert c.blake3 == (digest if i == count - 1 else b"")
+        assert c.sha256 == b""  # the field an older hetfed sent
     assert all(len(c.data) == C for c in parts[:-1])
     assert 0 < len(parts[-1].data) <= C or size == 0
     assert b"".join(c.data for c in parts) == data
@@ -79,13 +81,13 @@ def test_a_short_first_chunk_then_full_ones(size: int, sizes: list[int]) -> None
         next(chunks.split(data, C, first_bytes=0))
 
 
-def test_reassembler_reports_the_sha256_and_returns_the_same_bytes_each_time() -> None:
+def test_reassembler_reports_the_digest_and_returns_the_same_bytes_each_time() -> None:
     data = payload(2500)
     asm = chunks.Reassembler(10_000)
     assert not asm.complete
     for c in chunks.split(data, C):
         asm.add(c)
-    assert asm.sha256 == hashlib.sha256(data).digest()
+    assert asm.digest == blake3.blake3(data).digest()
     first = asm.data()
     assert first == data
     assert asm.data() is first  # no second copy
@@ -215,17 +217,30 @@ def test_more_or_fewer_bytes_than_announced_are_malformed(parts: list[apb.Chunk]
 def test_wrong_checksum_is_a_checksum_mismatch(parts: list[apb.Chunk]) -> None:
     last = apb.Chunk()
     last.CopyFrom(parts[-1])
-    last.sha256 = hashlib.sha256(b"something else").digest()
+    last.blake3 = blake3.blake3(b"something else").digest()
     err = wire_error([*parts[:-1], last], "checksum_mismatch")
     assert err.status == "INVALID_ARGUMENT"
+    assert "BLAKE3 digest of the reassembled message does not match" in err.message
     unsigned = apb.Chunk()
     unsigned.CopyFrom(parts[-1])
-    unsigned.sha256 = b""
+    unsigned.blake3 = b""
     wire_error([*parts[:-1], unsigned], "checksum_mismatch")
     flipped = apb.Chunk()
     flipped.CopyFrom(parts[2])
     flipped.data = bytes([flipped.data[0] ^ 1]) + flipped.data[1:]  # same length, one bit differs
     wire_error([*parts[:2], flipped, *parts[3:]], "checksum_mismatch")
+
+
+def test_a_sha256_from_an_older_sender_is_refused_by_name(parts: list[apb.Chunk]) -> None:
+    # Before BLAKE3, hetfed's last chunk carried the SHA-256 of the message in field 5 and nothing in field 6.
+    data = b"".join(c.data for c in parts)
+    old = apb.Chunk()
+    old.CopyFrom(parts[-1])
+    old.blake3 = b""
+    old.sha256 = hashlib.sha256(data).digest()
+    err = wire_error([*parts[:-1], old], "checksum_mismatch")
+    assert "carries a SHA-256 (Chunk field 5) and no BLAKE3 digest (field 6)" in err.message
+    assert "upgrade it" in err.message
 
 
 def test_oversized_total_is_refused_at_the_first_chunk() -> None:

@@ -29,7 +29,8 @@ def test_the_chunk_is_the_last_field_of_both_chunked_messages() -> None:
                         (apb.PullInstructionsResponse, chunks.PULL_CHUNK_FIELD)):
         assert max(f.number for f in cls.DESCRIPTOR.fields) == number
         assert cls.DESCRIPTOR.fields_by_number[number].message_type is apb.Chunk.DESCRIPTOR
-    assert [f.name for f in apb.Chunk.DESCRIPTOR.fields] == ["index", "count", "total_bytes", "data", "sha256"]
+    assert [f.name for f in apb.Chunk.DESCRIPTOR.fields] == [
+        "index", "count", "total_bytes", "data", "sha256", "blake3"]
 
 
 @pytest.mark.parametrize("n", [0, 1, C - 1, C, C + 1, 5 * C, 5 * C + 7])

@@ -52,18 +52,20 @@ class Envelope(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., payload_kinds: _Optional[_Iterable[_Union[_payloads_pb2.PayloadKind, str]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("index", "count", "total_bytes", "data", "sha256")
+    __slots__ = ("index", "count", "total_bytes", "data", "sha256", "blake3")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
     index: int
     count: int
     total_bytes: int
     data: bytes
     sha256: bytes
-    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    blake3: bytes
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ..., blake3: _Optional[bytes] = ...) -> None: ...
 
 class DeclaredTensor(_message.Message):
     __slots__ = ("payload_kind", "name", "dtype", "shape")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import TypeAlias
 
 import numpy as np
 
 from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import digest as content
 from hetfed.wire import framing
 from hetfed.wire.errors import WireError
 
@@ -23,19 +23,19 @@ Bytes: TypeAlias = bytes | memoryview
 
 def _plan(data: Bytes | bytearray, chunk_bytes: int, first_bytes: int | None) -> tuple[memoryview, list[int], bytes]:
     """``data`` as a byte view, its chunk boundaries (0, ..., total: one chunk, maybe empty, at least) and the
-    SHA-256 of the whole."""
+    digest of the whole (``hetfed.wire.digest``)."""
     if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
         raise ValueError("chunk sizes must be positive")
     view = memoryview(data).cast("B")
     total = view.nbytes
     first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
     bounds = [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
-    return view, bounds, hashlib.sha256(view).digest()
+    return view, bounds, content.digest(view)
 
 
 def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
           first_bytes: int | None = None) -> Iterator[apb.Chunk]:
-    """Chunks 0..n-1 of ``data``; the last carries the SHA-256 of the whole.
+    """Chunks 0..n-1 of ``data``; the last carries the BLAKE3 digest of the whole.
 
     ``first_bytes`` makes the first chunk at most that long (the rest ``chunk_bytes`` each): a receiver that
     reads the first message before it admits the stream then holds little of a stream it makes wait.
@@ -52,7 +52,7 @@ def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             count=count,
             total_bytes=total,
             data=piece,
-            sha256=digest if i == count - 1 else b"",
+            blake3=digest if i == count - 1 else b"",
         )
 
 
@@ -62,7 +62,7 @@ PUSH_CHUNK_FIELD = apb.PushUpdateRequest.CHUNK_FIELD_NUMBER
 PULL_CHUNK_FIELD = apb.PullInstructionsResponse.CHUNK_FIELD_NUMBER
 _DATA = apb.Chunk.DATA_FIELD_NUMBER
 _DATA_TAG = framing.tag(_DATA, framing.WIRE_LEN)
-_SHA_TAG = framing.tag(apb.Chunk.SHA256_FIELD_NUMBER, framing.WIRE_LEN)
+_DIGEST_TAG = framing.tag(apb.Chunk.BLAKE3_FIELD_NUMBER, framing.WIRE_LEN)
 
 
 def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -81,7 +81,7 @@ def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_byt
         lo, hi = bounds[i], bounds[i + 1]
         head = apb.Chunk(index=i, count=count, total_bytes=total).SerializeToString()
         data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
-        tail = _SHA_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
+        tail = _DIGEST_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
         size = len(head) + len(data_head) + (hi - lo) + len(tail)
         out.append(b"".join((envelope, chunk_tag, framing.write_varint(size), head, data_head, view[lo:hi], tail)))
     return out
@@ -124,13 +124,13 @@ class Reassembler:
         self.max_bytes = max_bytes
         self._buffer: np.ndarray | None = None
         self._received = 0
-        self._hash = hashlib.sha256()
+        self._hash = content.hasher()
         self._data: memoryview | None = None
         self._done = False
         self._next = 0
         self._count = 0
         self._total = 0
-        self.sha256 = b""
+        self.digest = b""  # the verified message's BLAKE3 digest, once complete
 
     def add(self, chunk: apb.Chunk, data: Bytes | None = None) -> bool:
         """Add the next chunk (``data``: its bytes, when read apart from the message with ``unframed``);
@@ -168,9 +168,13 @@ class Reassembler:
         if self._received != self._total:
             raise WireError("malformed", f"chunks carry {self._received} of the announced {self._total} bytes")
         digest = self._hash.digest()
-        if digest != chunk.sha256:
-            raise WireError("checksum_mismatch", "SHA-256 of the reassembled message does not match the last chunk")
-        self.sha256 = digest
+        if digest != chunk.blake3:
+            if chunk.sha256 and not chunk.blake3:  # the field an older hetfed sent
+                raise WireError("checksum_mismatch", "the last chunk carries a SHA-256 (Chunk field 5) and no BLAKE3 "
+                                "digest (field 6): the sender runs a hetfed from before BLAKE3 replaced SHA-256 on "
+                                "the wire; upgrade it to this version")
+            raise WireError("checksum_mismatch", "BLAKE3 digest of the reassembled message does not match the last chunk")
+        self.digest = digest
         buffer, self._buffer = self._buffer, None
         self._data = buffer.data.toreadonly()
         self._done = True

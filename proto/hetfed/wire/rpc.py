@@ -127,7 +127,7 @@ class AggregatorHandler(Protocol):
 
     async def push(self, organization: str, run_id: str, round_: int, data: Bytes, digest: bytes,
                    wire_bytes: int, chunks: int) -> PushReply:
-        """Parse, check, persist and fold in a reassembled update (``digest``: its SHA-256); records its traffic.
+        """Parse, check, persist and fold in a reassembled update (``digest``: its BLAKE3 digest); records its traffic.
 
         ``data`` is handed over: the handler should drop it as soon as the update is logged."""
         ...
@@ -336,9 +336,9 @@ class AggregatorServicer:
             await lease.reassembly_slot()
             received = [(first, data, len(raw))]
             del raw, data
-            update, sha256, wire_bytes, n = await self._reassemble(stream, received)
+            update, digest, wire_bytes, n = await self._reassemble(stream, received)
             # Handed over, not kept here: the handler frees the bytes as soon as they are logged.
-            reply = await self.handler.push(org, run_id, first.round, update, sha256, wire_bytes, n)
+            reply = await self.handler.push(org, run_id, first.round, update, digest, wire_bytes, n)
             resp = messages.push_reply_to_proto(reply).SerializeToString()
             accepted = True
         except WireError as err:
@@ -355,7 +355,7 @@ class AggregatorServicer:
     async def _reassemble(self, stream: AsyncIterator[bytes],
                           received: list[tuple[apb.PushUpdateRequest, Bytes | None, int]]) -> tuple[Bytes, bytes, int, int]:
         """The update a push stream carries (its first chunk in ``received``, handed over): the bytes, their
-        SHA-256, the bytes on the wire and the number of chunks. Raises WireError; the partial update lives only
+        BLAKE3 digest, the bytes on the wire and the number of chunks. Raises WireError; the partial update lives only
         in this frame, which a refusal's traceback no longer reaches once ``_detached``."""
         first, data, size = received.pop()
         assembler = chunks.Reassembler(self.handler.max_update_bytes)
@@ -377,7 +377,7 @@ class AggregatorServicer:
             else:
                 (req, data), size = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD), len(raw)
                 del raw
-        return assembler.take(), assembler.sha256, wire_bytes, n
+        return assembler.take(), assembler.digest, wire_bytes, n
 
     async def _next_chunk(self, stream: AsyncIterator[bytes]) -> bytes | None:
         """The stream's next message (None at its end); a stream silent for ``push_idle_seconds`` is refused,

@@ -1,7 +1,10 @@
 """The write-ahead log (``updates.wal``): the open round's accepted updates, durable before acknowledged.
 
-A file header holds a random key; each record is a header (magic, round, lengths, SHA-256 of the update, a MAC
-keyed by the file's key over the header and the organization) followed by the organization and the update. An
+A file header holds a random key; each record is a header (magic, round, lengths, digest of the update, a MAC
+keyed by the file's key over the header and the organization) followed by the organization and the update. The
+digest is BLAKE3 (record magic ``HFR3``, the wire's digest, so a pushed update is hashed once); records an older
+hetfed wrote carry SHA-256 (``HFR2``) and are still read and verified, so an aggregator upgraded mid-round
+resumes its log. An
 update is appended at the end of the last good record; an append that fails is cut back (truncate, fsync) so the
 log is exactly as it was. Appends are written under the run's lock and made durable outside it with group commit
 (``append``, then ``sync``): one fsync covers every record written before it started. A failed fsync leaves every
@@ -9,7 +12,7 @@ record past the last durable point suspect: each is answered with a retryable st
 that point before the next append.
 
 At start-up a record cut short at the end (an interrupted append) is cut off. A record whose header verifies but
-whose update fails its SHA-256 is discarded alone. A record whose header fails its MAC has untrusted lengths: the
+whose update fails its digest is discarded alone. A record whose header fails its MAC has untrusted lengths: the
 log is searched for the next header that verifies, and what lies between is skipped. A damaged file header moves
 the log aside. Damage is logged with offsets, round and organization.
 """
@@ -33,14 +36,17 @@ from pathlib import Path
 
 from hetfed.aggregator.journal.crashpoints import crash_point
 from hetfed.aggregator.journal.disk import Disk, StateError, StorageError, atomic_write, mapped
+from hetfed.wire import digest as content
 
 log = logging.getLogger("hetfed.aggregator")
 
 # updates.wal: a file header, then records.
 _FILE_MAGIC = b"HFW2"
 _FILE_HEADER = struct.Struct("<4s16sI")  # magic, key, CRC-32 of magic and key
-_REC_MAGIC = b"HFR2"
-# magic, round, organization length, update length, SHA-256 of the update, MAC of the header and organization
+_REC_MAGIC = b"HFR3"  # the records written: the update's BLAKE3
+_SHA256_REC_MAGIC = b"HFR2"  # records of an older hetfed, read only: the update's SHA-256
+_RECORD_DIGESTS = {_REC_MAGIC: content.digest, _SHA256_REC_MAGIC: lambda data: hashlib.sha256(data).digest()}
+# magic, round, organization length, update length, digest of the update, MAC of the header and organization
 _REC = struct.Struct("<4sqHQ32s16s")
 _REC_SIGNED = _REC.size - 16  # the header bytes the MAC covers (all but the MAC)
 
@@ -81,12 +87,13 @@ class WalScan:
     tail: str = ""  # a cut-short record or unreadable bytes at the end (an append interrupted by a crash)
 
 
-def _header_at(blob: bytes | mmap.mmap, pos: int, key: bytes) -> tuple[int, str, int, bytes, int] | None:
-    """(round, organization, update length, update SHA-256, update offset) of a verified header at ``pos``."""
+def _header_at(blob: bytes | mmap.mmap, pos: int, key: bytes) -> tuple[int, str, int, bytes, int, bytes] | None:
+    """(round, organization, update length, update digest, update offset, record magic) of a verified header at
+    ``pos``."""
     if pos + _REC.size > len(blob):
         return None
     magic, round_, org_len, data_len, sha, mac = _REC.unpack_from(blob, pos)
-    if magic != _REC_MAGIC:
+    if magic not in _RECORD_DIGESTS:
         return None
     start = pos + _REC.size + org_len
     if start > len(blob):
@@ -94,16 +101,17 @@ def _header_at(blob: bytes | mmap.mmap, pos: int, key: bytes) -> tuple[int, str,
     org = bytes(blob[pos + _REC.size : start])
     if not hmac.compare_digest(_mac(key, blob[pos : pos + _REC_SIGNED], org), mac):
         return None
-    return round_, org.decode(errors="replace"), data_len, sha, start
+    return round_, org.decode(errors="replace"), data_len, sha, start, magic
 
 
 def _next_header(blob: bytes | mmap.mmap, start: int, key: bytes) -> int | None:
-    """The offset of the next verified record header at or after ``start``."""
-    i = blob.find(_REC_MAGIC, start)
-    while i != -1:
+    """The offset of the next verified record header (of either magic) at or after ``start``."""
+    found = [i for i in (blob.find(m, start) for m in _RECORD_DIGESTS) if i != -1]
+    while found:
+        i = min(found)
         if _header_at(blob, i, key) is not None:
             return i
-        i = blob.find(_REC_MAGIC, i + 1)
+        found = [j for j in (blob.find(m, i + 1) for m in _RECORD_DIGESTS) if j != -1]
     return None
 
 
@@ -123,19 +131,19 @@ def scan_wal(blob: bytes | mmap.mmap, key: bytes) -> WalScan:
                                 "an update recorded there is lost")
             pos = nxt
             continue
-        round_, org, data_len, sha, start = header
+        round_, org, data_len, sha, start, magic = header
         stop = start + data_len
         if stop > size:
             out.tail = (f"the record at offset {pos} (round {round_}, organization {org!r}) is cut short: "
                         f"{size - start} of {data_len} bytes")
             break
         data = bytes(blob[start:stop])
-        if hashlib.sha256(data).digest() == sha:
+        if _RECORD_DIGESTS[magic](data) == sha:
             out.records.append(WalRecord(pos, round_, org, data))
             out.end = stop
         else:
             out.problems.append(f"the record at offset {pos} (round {round_}, organization {org!r}, {data_len} "
-                                "bytes) fails its SHA-256: discarded")
+                                f"bytes) fails its {'BLAKE3' if magic == _REC_MAGIC else 'SHA-256'} digest: discarded")
         pos = stop
     return out
 
@@ -236,7 +244,7 @@ class WriteAheadLog:
         buf.write(_FILE_HEADER.pack(_FILE_MAGIC, key, zlib.crc32(_FILE_MAGIC + key)))
         for r in records:
             org = r.organization.encode()
-            buf.write(_record_bytes(key, r.round, org, len(r.data), hashlib.sha256(r.data).digest()))
+            buf.write(_record_bytes(key, r.round, org, len(r.data), content.digest(r.data)))
             buf.write(r.data)
         if self._fd >= 0:
             self._quiesce()
@@ -249,9 +257,9 @@ class WriteAheadLog:
         self._dirty = False
 
     # ------------------------------------------------------------------------------------------ updates
-    def write_update(self, round_: int, organization: str, data: bytes, sha256: bytes | None = None) -> None:
+    def write_update(self, round_: int, organization: str, data: bytes, digest: bytes | None = None) -> None:
         """Log an update durably: ``append_update`` and ``sync`` in one call (for callers without concurrency)."""
-        ticket = self.append(round_, organization, data, sha256)
+        ticket = self.append(round_, organization, data, digest)
         try:
             durable = self.sync(ticket)
         except StorageError as exc:
@@ -277,15 +285,15 @@ class WriteAheadLog:
                       self.path, exc.strerror or exc)
 
     def append(self, round_: int, organization: str, data: bytes | memoryview,
-                      sha256: bytes | None = None) -> WalTicket:
+                      digest: bytes | None = None) -> WalTicket:
         """Write an accepted update's record at the end of the log; call with the run's lock held.
 
-        The record is not durable yet: ``sync`` its ticket before acknowledging it. ``sha256`` is the update's
-        SHA-256 when the caller already has it. On failure the log is cut back to where it was and
+        The record is not durable yet: ``sync`` its ticket before acknowledging it. ``digest`` is the update's
+        BLAKE3 digest when the caller already has it (the wire's, ``hetfed.wire.digest``). On failure the log is cut back to where it was and
         ``StorageError`` is raised: nothing was logged.
         """
         org = organization.encode()
-        head = _record_bytes(self._key, round_, org, len(data), sha256 or hashlib.sha256(data).digest())
+        head = _record_bytes(self._key, round_, org, len(data), digest or content.digest(data))
         try:
             if self._dirty or self._sync_failed:
                 self._cut_back()

@@ -3,7 +3,6 @@ open round's logged updates checked again. The run (``hetfed.aggregator.run.shel
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from hetfed.aggregator.journal.store import Recovered, RunConflictError, StateEr
 from hetfed.aggregator.run import state as rs
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
 from hetfed.wire import contract
+from hetfed.wire import digest as content
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import ParsedUpdate
 from hetfed.wire.payloads import Received
@@ -96,5 +96,5 @@ def logged_updates(logged: Iterable[tuple[str, bytes]], cfg: RunConfig, phase: P
             log.error("run %s: the logged update of %r for round %d is skipped (%s); the organization is asked "
                       "for it again", cfg.id, clip(org, 64), round_, err)
             continue
-        out.append(Logged(org, update, hashlib.sha256(data).digest(), parsed.privacy))
+        out.append(Logged(org, update, content.digest(data), parsed.privacy))
     return out

@@ -286,7 +286,7 @@ class Run:
         (its declaration says budget_spent) is refused ``privacy_budget_spent``: the caller records the refusal
         (``refuse(at_push=True)``), and rounds stop waiting for the organization from the open one on.
 
-        ``digest`` is the SHA-256 of ``update.data``. When the update completes the round, the round's
+        ``digest`` is the BLAKE3 digest of ``update.data``. When the update completes the round, the round's
         checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
         ``commit_pending`` (so the acknowledgement need not wait for it).
 
