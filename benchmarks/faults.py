@@ -482,6 +482,7 @@ DISK_FAULTS: dict[str, DiskFault] = {
     "push: log append ENOSPC": DiskFault("pwrite", "updates.wal", partial=0.5, times=-1),
     "push: log fsync EIO": DiskFault("fsync", "updates.wal", times=-1),
     "close: history append ENOSPC": DiskFault("pwrite", "history.jsonl", partial=0.5, times=-1),
+    "close: history fsync EIO": DiskFault("fsync", "history.jsonl", times=-1),
     "close: checkpoint write ENOSPC": DiskFault("pwrite", "checkpoint.npz", partial=0.5, times=-1),
     "close: checkpoint rename EIO": DiskFault("replace", "checkpoint.npz", times=-1),
 }
@@ -550,7 +551,7 @@ def tmpfs_run(workdir: Path, reference: np.ndarray, rng: random.Random, fills: i
         out.add_logs(logs, reference_weights(workdir / "reference", rounds=12))
         out.errors.append(f"fills: {done_fills}; failures by kind: "
                           f"push {len(re.findall('could not log the update', text))}, "
-                          f"history {len(re.findall('could not append round', text))}, "
+                          f"history {len(re.findall('could not (?:append|make) round', text))}, "
                           f"checkpoint {len(re.findall('could not write .*checkpoint', text))}")
         return out
 
