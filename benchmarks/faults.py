@@ -738,8 +738,11 @@ class Fuzzer:
         if r.random() < 0.3 and parts:
             c = r.choice(parts)
             setattr(c, r.choice(["index", "count", "total_bytes"]), r.choice([0, 1, 2**31, 5]))
-        if r.random() < 0.2 and parts:
-            parts[-1].sha256 = r.randbytes(32)
+        if r.random() < 0.2 and parts:  # a wrong digest, or an older sender's SHA-256 in place of BLAKE3
+            if r.random() < 0.5:
+                parts[-1].blake3 = r.randbytes(32)
+            else:
+                parts[-1].sha256, parts[-1].blake3 = r.randbytes(32), b""
         if r.random() < 0.1:
             r.shuffle(parts)
         run_id, org, round_ = self.run_id(), self.ident(), r.choice([0, 1, 2, 3, -1, 10**9])
