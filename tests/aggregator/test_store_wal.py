@@ -343,35 +343,6 @@ def test_a_failed_history_append_commits_nothing_and_its_retry_adds_one_line(tmp
     assert got is not None and got.history == records(2) and got.meta["history_len"] == 2
 
 
-def test_the_line_is_fsynced_by_the_commit_and_written_again_after_a_failed_fsync(tmp_path: Path) -> None:
-    """append_history only writes the line (the clients are woken without waiting for an fsync); commit_close
-    fsyncs it before the checkpoint that counts it. A failed fsync commits nothing, and its retry writes the
-    line again first: the kernel may have dropped the pages whose write-back failed."""
-    disk = FaultyDisk()
-    s = closed(tmp_path, 1, disk)
-    history = tmp_path / "r" / "history.jsonl"
-    committed = history.stat().st_size
-    syncs = disk.failed
-    disk.add(DiskFault("fsync", "history.jsonl", times=-1))
-    s.append_history({"round": 2})  # no fsync here: the fault is not reached
-    assert disk.failed == syncs and history.stat().st_size > committed
-    with pytest.raises(StorageError, match=r"could not make round 2's record durable in .*history.jsonl"):
-        s.commit_close({"phase": "train", "round": 3}, {"w": np.full(2, 2)})
-    assert disk.failed == syncs + 1
-    shutil.copytree(tmp_path / "r", tmp_path / "copy" / "r")  # a restart now: the old checkpoint, the line uncounted
-    interrupted = RunStore(tmp_path / "copy", "r").recover()
-    assert interrupted is not None and interrupted.history == records(1) and interrupted.meta["round"] == 2
-    with open(history, "r+b") as f:  # the failed write-back lost the line's pages
-        f.seek(committed)
-        f.write(b"\0" * (history.stat().st_size - committed))
-    disk.clear()
-    s.commit_close({"phase": "train", "round": 3}, {"w": np.full(2, 2)})
-    s.close()
-    assert b"\0" not in history.read_bytes()  # written again, not repaired later from the checkpoint's copy
-    got = RunStore(tmp_path, "r").recover()
-    assert got is not None and got.history == records(2) and got.meta["history_len"] == 2
-
-
 def test_a_failed_checkpoint_keeps_the_old_one_and_the_retry_overwrites_the_line(tmp_path: Path) -> None:
     disk = FaultyDisk()
     s = closed(tmp_path, 1, disk)

@@ -1,8 +1,8 @@
 """The checkpoint that commits a round's close, written after the round's clients are woken.
 
-A closing round's history line is written before its clients are woken; the line's fsync and the checkpoint that
-counts it are written afterwards, outside the run's lock (in the worker pool), so the next round's instructions do
-not wait for either. Until both are on disk, joins, refusals and the next round's pushes wait (``await_locked``).
+A closing round's history line is durable before its clients are woken; the checkpoint that counts it is
+written afterwards, outside the run's lock (in the worker pool), so the next round's instructions do not wait
+for it. Until it is on disk, joins, refusals and the next round's pushes wait (``await_locked``).
 """
 
 from __future__ import annotations

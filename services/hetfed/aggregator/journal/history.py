@@ -1,8 +1,7 @@
 """The history (``history.jsonl``): one JSON line per closed round, with the CRC-32 of its content.
 
-A closing round's line is written past the committed lines when the round closes, and fsync'd *before* the
-checkpoint that counts it (``history_len``) is written: ``sync_pending`` runs in the checkpoint's writer, so the
-round's clients are woken without waiting for an fsync. A line beyond that count (a close whose checkpoint never landed) is cut off at start-up and
+A closing round's line is written and fsync'd past the committed lines *before* the checkpoint that counts it
+(``history_len``). A line beyond that count (a close whose checkpoint never landed) is cut off at start-up and
 overwritten by the retried close. The checkpoint keeps a copy of the last committed line, so a torn last line
 is repaired from it. ``RoundRecord`` is the typed record; the file holds its JSON form.
 """
@@ -111,9 +110,6 @@ class HistoryFile:
         self._dirty = False  # bytes past _size may remain (an uncommitted or failed append)
         self.last: dict[str, Any] | None = None  # the last committed record (the checkpoint keeps a copy)
         self._pending: tuple[dict[str, Any], int] | None = None  # (record, bytes) written, not yet counted
-        self._line = b""  # the pending line's bytes
-        self._synced = False  # the pending line is fsync'd
-        self._rewrite = False  # an fsync of the pending line failed: write it again before the next one
 
     def open(self, count: int, last: dict[str, Any] | None) -> list[dict[str, Any]]:
         """The ``count`` committed records; lines past them are cut off, a torn last one repaired from ``last``."""
@@ -169,9 +165,8 @@ class HistoryFile:
         return records
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write a closing round's history line past the committed lines, not yet fsync'd (``sync_pending`` makes
-        it durable, and the checkpoint of ``commit_close`` counts it). A line written before and never counted
-        is replaced."""
+        """Write and fsync a closing round's history line past the committed lines (not yet counted: the
+        checkpoint of ``commit_close`` counts it). A line written before and never counted is replaced."""
         line = _history_line(record)
         self._pending = None
         try:
@@ -180,31 +175,12 @@ class HistoryFile:
             self._dirty = True
             self.disk.pwrite(self._fd, line, self._size)
             crash_point("history.written")
+            self.disk.fsync(self._fd)
+            crash_point("history.synced")
         except OSError as exc:
             raise StorageError(f"could not append round {record.get('round')}'s record to {self.path} "
                                f"({exc.strerror or exc})") from None
         self._pending = (record, len(line))
-        self._line, self._synced, self._rewrite = line, False, False
-
-    def sync_pending(self) -> None:
-        """Make the pending line durable (before the checkpoint that counts it is written); ``StorageError`` when
-        it cannot be. After a failed fsync the line is written again before the next try: the kernel may have
-        dropped the pages whose write-back failed and report the next fsync clean."""
-        if self._pending is None:
-            raise StorageError("no closing round's history line to commit")
-        if self._synced:
-            return
-        record = self._pending[0]
-        try:
-            if self._rewrite:
-                self.disk.pwrite(self._fd, self._line, self._size)
-            self.disk.fsync(self._fd)
-            crash_point("history.synced")
-        except OSError as exc:
-            self._rewrite = True
-            raise StorageError(f"could not make round {record.get('round')}'s record durable in {self.path} "
-                               f"({exc.strerror or exc})") from None
-        self._synced, self._rewrite = True, False
 
     def pending(self) -> dict[str, Any]:
         """The record ``append`` wrote and no checkpoint counts yet; StorageError when there is none."""

@@ -4,7 +4,7 @@ A pushed update is appended to the log under the run's lock (``log_locked``), ma
 concurrent pushes share one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run
 folds it in: nothing is folded, nor acknowledged, before it is on disk. At most one update per organization is
 being made durable at a time. A round's close writes its history line at once (``append_history``) and leaves its
-checkpoint pending (``set_close_locked``) until ``commit_pending``, outside the lock, fsyncs the line and writes it.
+checkpoint pending (``set_close_locked``) until ``commit_pending`` writes it outside the lock.
 
 ``lock`` is the run's lock: methods whose name ends in ``_locked`` are called with it held, the others without.
 """
@@ -72,8 +72,7 @@ class Journal:
         self.store.save_checkpoint(meta.to_json(), arrays)
 
     def append_history(self, record: dict[str, Any]) -> None:
-        """Write a closing round's history line (made durable by ``commit_pending``, before the checkpoint that
-        counts it); ``StorageError`` on failure."""
+        """Make a closing round's history line durable; ``StorageError`` on failure."""
         self.store.append_history(record)
 
     def check_free_locked(self, organization: str, round_: int) -> None:

@@ -4,7 +4,7 @@
   atomically; the commit point of a close, a join and a refusal.
 - ``history.jsonl`` (``hetfed.aggregator.journal.history``): one line per closed round. A closing round's line is
   fsync'd before the checkpoint that counts it; the engine writes the line (``append_history``) before it wakes
-  the round's clients, and fsyncs it and writes the checkpoint that counts it (``commit_close``) after.
+  the round's clients, and the checkpoint that counts it (``commit_close``) after.
 - ``updates.wal`` (``hetfed.aggregator.journal.wal``): the open round's accepted updates, durable before acknowledged.
 
 What is acknowledged is on disk, what failed left no trace. A missing or unreadable checkpoint next to existing
@@ -132,14 +132,13 @@ class RunStore:
         self._write_checkpoint({**meta, "history_len": self.history.count, "last_record": self.history.last}, arrays)
 
     def append_history(self, record: dict[str, Any]) -> None:
-        """Write a closing round's history line past the committed lines (``commit_close`` fsyncs and counts it)."""
+        """Write and fsync a closing round's history line past the committed lines (``commit_close`` counts it)."""
         self.history.append(record)
 
     def commit_close(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        """Fsync the line of ``append_history``, then write the checkpoint that counts it: the close's commit
-        point. On ``StorageError`` the old checkpoint stands and the call may be repeated with the same arguments."""
+        """Write the checkpoint that counts the line of ``append_history``: the close's commit point. On
+        ``StorageError`` the old checkpoint stands and the call may be repeated with the same arguments."""
         record = self.history.pending()
-        self.history.sync_pending()
         self._write_checkpoint({**meta, "history_len": self.history.count + 1, "last_record": record}, arrays)
         self.history.commit()
 

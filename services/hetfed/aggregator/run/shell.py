@@ -455,8 +455,8 @@ class Run:
             self.journal.append_history(record)
         except StorageError as exc:
             self._storage_failed(exc)
-        # The history line is written; commit_pending fsyncs it and writes the checkpoint that counts it (the
-        # commit point) once the lock is released, while clients already fetch the next round. Should the
+        # The history line is durable; the checkpoint that counts it (the commit point) is written by
+        # commit_pending once the lock is released, while clients already fetch the next round. Should the
         # process die first, the restart cuts the uncounted line and closes this round again from the log,
         # whose records stay until the checkpoint is on disk: the same aggregate, since it is deterministic.
         drop = nxt.round + 1 if nxt.phase is Phase.FINISHED else nxt.round
