@@ -34,7 +34,8 @@ def test_page_is_rendered_from_its_measurements(tmp_path: Path, name: str) -> No
 
 
 def test_no_results_page_names_a_path_of_the_machine_it_ran_on() -> None:
-    """Pages say what ran, not where its files went: no work-directory or home paths."""
-    named = [(p.name, word) for p in RESULTS.glob("*.md") for word in p.read_text().split()
+    """Pages and their measurements say what ran, not where its files went: no work-directory or home paths."""
+    named = [(p.name, word) for pattern in ("*.md", "*.json") for p in RESULTS.glob(pattern)
+             for word in p.read_text().split()
              if any(root in word for root in ("/work/", "/home/", "/root/", "/Users/"))]
     assert named == []
