@@ -45,7 +45,9 @@ _FILE_MAGIC = b"HFW2"
 _FILE_HEADER = struct.Struct("<4s16sI")  # magic, key, CRC-32 of magic and key
 _REC_MAGIC = b"HFR3"  # the records written: the update's BLAKE3
 _SHA256_REC_MAGIC = b"HFR2"  # records of an older hetfed, read only: the update's SHA-256
-_RECORD_DIGESTS = {_REC_MAGIC: content.digest, _SHA256_REC_MAGIC: lambda data: hashlib.sha256(data).digest()}
+# Each record magic's digest: its name (for damage reports) and its function.
+_RECORD_DIGESTS = {_REC_MAGIC: ("BLAKE3", content.digest),
+                   _SHA256_REC_MAGIC: ("SHA-256", lambda data: hashlib.sha256(data).digest())}
 # magic, round, organization length, update length, digest of the update, MAC of the header and organization
 _REC = struct.Struct("<4sqHQ32s16s")
 _REC_SIGNED = _REC.size - 16  # the header bytes the MAC covers (all but the MAC)
@@ -138,12 +140,13 @@ def scan_wal(blob: bytes | mmap.mmap, key: bytes) -> WalScan:
                         f"{size - start} of {data_len} bytes")
             break
         data = bytes(blob[start:stop])
-        if _RECORD_DIGESTS[magic](data) == sha:
+        name, digest_of = _RECORD_DIGESTS[magic]
+        if digest_of(data) == sha:
             out.records.append(WalRecord(pos, round_, org, data))
             out.end = stop
         else:
             out.problems.append(f"the record at offset {pos} (round {round_}, organization {org!r}, {data_len} "
-                                f"bytes) fails its {'BLAKE3' if magic == _REC_MAGIC else 'SHA-256'} digest: discarded")
+                                f"bytes) fails its {name} digest: discarded")
         pos = stop
     return out
 
@@ -289,8 +292,8 @@ class WriteAheadLog:
         """Write an accepted update's record at the end of the log; call with the run's lock held.
 
         The record is not durable yet: ``sync`` its ticket before acknowledging it. ``digest`` is the update's
-        BLAKE3 digest when the caller already has it (the wire's, ``hetfed.wire.digest``). On failure the log is cut back to where it was and
-        ``StorageError`` is raised: nothing was logged.
+        BLAKE3 digest when the caller already has it (the wire's, ``hetfed.wire.digest``). On failure the log
+        is cut back to where it was and ``StorageError`` is raised: nothing was logged.
         """
         org = organization.encode()
         head = _record_bytes(self._key, round_, org, len(data), digest or content.digest(data))
