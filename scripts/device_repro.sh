@@ -30,11 +30,39 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 if [ -n "${RESUME_ROWS:-}" ]; then
   cp "$RESUME_ROWS" "$work/rows.json"
 fi
+# Each client process on CUDA holds 0.63-0.91 GiB of GPU memory, whatever its model's size (the CUDA context, the
+# cuBLAS workspace and the allocator's cache: LeNet clients on an H100, torch 2.11, 2026-12-05). Five 20-client
+# federations at once (100 processes) ran an 80 GB card out of memory and their clients failed; so --jobs is
+# capped at what the card's free memory holds, counting GPU_GIB_PER_CLIENT (default 0.95) a client.
+args=("$@")
+if command -v nvidia-smi >/dev/null; then
+  jobs=1
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+      --jobs) jobs=${args[i + 1]:-1} ;;
+      --jobs=*) jobs=${args[i]#--jobs=} ;;
+    esac
+  done
+  free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1)
+  fit=$(python3 -c "from hetfed.cli.reproduce import load_grid
+g = load_grid('$grid'); n = int(g.data.get('clients', 1))
+print(max(1, int($free_mib / 1024 / (n * ${GPU_GIB_PER_CLIENT:-0.95}))))")
+  if [ "$jobs" -gt "$fit" ]; then
+    echo "device_repro: --jobs $jobs would not fit: ${free_mib} MiB free holds $fit federation(s) of this grid's" \
+      "clients at ${GPU_GIB_PER_CLIENT:-0.95} GiB each; running with --jobs $fit" >&2
+    for ((i = 0; i < ${#args[@]}; i++)); do
+      case ${args[i]} in
+        --jobs) args[i + 1]=$fit ;;
+        --jobs=*) args[i]=--jobs=$fit ;;
+      esac
+    done
+  fi
+fi
 rounds=()
 if [ -n "${ROUNDS:-}" ]; then
   rounds=(--rounds "$ROUNDS")
 fi
-python3 -m hetfed.cli bench "$grid" "$@" "${rounds[@]}" --resume --no-bytes --workdir "$work" \
+python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --no-bytes --workdir "$work" \
   --json "$out/$grid.json" --page "$out/$grid.md" 2>&1 | tee "$out/bench.log"
 status=${PIPESTATUS[0]}
 cp "$work/rows.json" "$out/rows.json" 2>/dev/null || true
