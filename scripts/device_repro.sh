@@ -6,9 +6,10 @@
 # for example
 #   scripts/device_repro.sh fedsr_long --seeds 0,1,2 --methods fedavg,fedsr_paper --jobs 6
 # Every federation is the usual aggregator and client processes over loopback; the clients pick CUDA where it is
-# (device = "auto"). Carry a previous run's rows back as $RESUME_ROWS (a rows.json) to skip the federations it
-# measured. What comes back in $OUT (or /tmp/device-repro): rows.json (every federation measured so far, for
-# --resume here), GRID.json and GRID.md (the measurements and the page, as `hetfed bench` writes them), bench.log.
+# (device = "auto"); a federation that fails does not stop the others (--keep-going). Carry a previous run's
+# rows back as $RESUME_ROWS (a rows.json) to skip the federations it measured. What comes back in $OUT (or
+# /tmp/device-repro): rows.json (every federation measured so far, for --resume here), GRID.json and GRID.md (the
+# measurements and the page, as `hetfed bench` writes them), bench.log.
 # Merge here with: cp OUT/rows.json WORKDIR/rows.json && hetfed bench GRID --resume --workdir WORKDIR [same options].
 # ROUNDS=N runs every federation for N rounds instead of the grid's (a check that the command works, not a result).
 set -uo pipefail
@@ -62,7 +63,7 @@ rounds=()
 if [ -n "${ROUNDS:-}" ]; then
   rounds=(--rounds "$ROUNDS")
 fi
-python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --no-bytes --workdir "$work" \
+python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --keep-going --no-bytes --workdir "$work" \
   --json "$out/$grid.json" --page "$out/$grid.md" 2>&1 | tee "$out/bench.log"
 status=${PIPESTATUS[0]}
 cp "$work/rows.json" "$out/rows.json" 2>/dev/null || true

@@ -229,6 +229,45 @@ def test_jobs_run_federations_at_once_and_save_them_in_grid_order(tmp_path: Path
     assert json.loads((tmp_path / "w" / "rows.json").read_text())  # saved as they finished, for --resume
 
 
+def _failing_on_seed(bad: int) -> Any:
+    """A stand-in for run_federation whose federations of seed ``bad`` fail as a client's crash does."""
+    def fake(g: rp.Grid, method: rp.Method, cell: dict[str, Any], seed: int, root: Path,
+             rounds: int | None = None) -> dict[str, Any]:
+        if seed == bad:
+            raise RuntimeError("client-org-3 failed:\n  File ...\ntorch.OutOfMemoryError: CUDA out of memory.")
+        return {"method": method.id, "cell": dict(cell), "seed": seed, "wall_seconds": 0.1, "rounds": 1,
+                "figures": {f.key: 0.5 for f in g.figures}, "throughput": {}}
+    return fake
+
+
+def test_keep_going_reports_a_failed_federation_and_runs_the_others(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(1))
+    work = tmp_path / "w"
+    code = rp.main("fedh2l", ["--seeds", "0,1,2", "--methods", "fedh2l,ind", "--workdir", str(work), "--no-bytes",
+                              "--keep-going", "--page", str(tmp_path / "p.md"), "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAILED fedh2l seed=1: torch.OutOfMemoryError: CUDA out of memory." in out
+    assert "2 of 6 federations failed (run again with --resume to retry them):" in out
+    expected = [("fedh2l", 0), ("ind", 0), ("fedh2l", 2), ("ind", 2)]
+    assert [(r["method"], r["seed"]) for r in json.loads((tmp_path / "m.json").read_text())["rows"]] == expected
+    assert sorted((r["method"], r["seed"]) for r in json.loads((work / "rows.json").read_text())) == sorted(expected)
+    assert sorted(p.name for p in work.iterdir()) == ["rows.json"]  # saved by rename: no temporary file left
+
+
+def test_without_keep_going_the_first_failure_stops_the_grid(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(1))
+    work = tmp_path / "w"
+    with pytest.raises(RuntimeError, match="client-org-3 failed"):
+        rp.main("fedh2l", ["--seeds", "0,1,2", "--methods", "fedh2l", "--workdir", str(work), "--no-bytes",
+                           "--page", str(tmp_path / "p.md"), "--json", str(tmp_path / "m.json")])
+    assert [r["seed"] for r in json.loads((work / "rows.json").read_text())] == [0]  # seed 2 never started
+    assert not (tmp_path / "m.json").exists()
+
+
 def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         rp.main("fedh2l", ["--jobs", "0"])

@@ -732,6 +732,9 @@ def main(name: str, argv: list[str]) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep every federation already measured in the workdir's rows.json (same method, cell and "
                    "seed; any method or seed) and run only the missing ones")
+    p.add_argument("--keep-going", action="store_true",
+                   help="when a federation fails, report it and run the others (exit status 1 at the end); "
+                   "without it the first failure stops the grid")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -757,13 +760,28 @@ def main(name: str, argv: list[str]) -> int:
     pending = [(cell, seed, method) for cell in cells for seed in seeds for method in methods
                if not any(r["method"] == method.id and r["cell"] == cell and r["seed"] == seed for r in rows)]
     lock = threading.Lock()
+    failed: list[str] = []
+    stop = threading.Event()  # set by a failure without --keep-going: queued federations then never start
 
     def one(task: tuple[dict[str, Any], int, Method]) -> None:
         cell, seed, method = task
-        row = run_federation(grid, method, cell, seed, root, args.rounds)
+        if stop.is_set():
+            return
+        try:
+            row = run_federation(grid, method, cell, seed, root, args.rounds)
+        except Exception as exc:
+            if not args.keep_going:
+                stop.set()
+                raise
+            what = f"{method.id}{f' [{_cell_name(cell)}]' if cell else ''} seed={seed}"
+            last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            print(f"  FAILED {what}: {last[0]}", flush=True)
+            with lock:
+                failed.append(f"{what}: {last[0]}")
+            return
         with lock:  # every finished federation is saved at once, so --resume loses none of them
             rows.append(row)
-            saved.write_text(json.dumps(rows, indent=1))
+            _save_rows(saved, rows)
 
     # Each federation is its own aggregator and client processes (its own fork server, ports and workdir), so
     # several can run at once on a machine with cores to spare; the threads here only wait on them.
@@ -772,6 +790,7 @@ def main(name: str, argv: list[str]) -> int:
         for done in [pool.submit(one, t) for t in pending]:
             done.result()
     finally:  # a failed federation or a SIGTERM: start no further one, wait for those running to end
+        stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
     order = {(json.dumps(c, sort_keys=True), s, m.id): i
              for i, (c, s, m) in enumerate((c, s, m) for c in cells for s in seeds for m in methods)}
@@ -797,4 +816,15 @@ def main(name: str, argv: list[str]) -> int:
     for r in results:
         print(f"claim: {r.claim.text} [{_cell_name(r.cell)}]: {r.mean:+.2f} [{r.lower:+.2f}, {r.upper:+.2f}] -> {r.verdict}")
     print(f"wrote {json_path} and {args.page}")
+    if failed:
+        print(f"{len(failed)} of {len(pending)} federations failed (run again with --resume to retry them):",
+              *failed, sep="\n  ")
+        return 1
     return 0
+
+
+def _save_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` written to ``path`` whole or not at all (a run stopped mid-write keeps the previous file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, path)
