@@ -8,3 +8,7 @@ else
   export PYTHONPATH=$PWD/proto:$PWD/services:$PWD/clients
 fi
 export PYTHONUNBUFFERED=1
+# Fashion-MNIST's idx files, carried in .fmnist/ (the machine has no dataset-fashion-mnist package).
+if [ -d .fmnist ]; then
+  export HETFED_FASHION_MNIST_DIR=$PWD/.fmnist
+fi

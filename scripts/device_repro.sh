@@ -12,6 +12,8 @@
 # measurements and the page, as `hetfed bench` writes them), bench.log.
 # Merge here with: cp OUT/rows.json WORKDIR/rows.json && hetfed bench GRID --resume --workdir WORKDIR [same options].
 # ROUNDS=N runs every federation for N rounds instead of the grid's (a check that the command works, not a result).
+# Fashion-MNIST grids: the machine has no dataset-fashion-mnist; copy its four files into .fmnist/ here (ignored by
+# git: `echo /.fmnist/ >> .git/info/exclude; cp /usr/share/datasets/fashion-mnist/* .fmnist/`, 30 MB) and carry it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
@@ -63,8 +65,14 @@ rounds=()
 if [ -n "${ROUNDS:-}" ]; then
   rounds=(--rounds "$ROUNDS")
 fi
-python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --keep-going --no-bytes --workdir "$work" \
-  --json "$out/$grid.json" --page "$out/$grid.md" 2>&1 | tee "$out/bench.log"
+# BUDGET=S stops the grid after S seconds (federations still running are lost; those finished are kept), so
+# the rows come back from a call that would otherwise outlast the machine's per-call limit.
+limit=()
+if [ -n "${BUDGET:-}" ]; then
+  limit=(timeout -s INT -k 20 "$BUDGET")
+fi
+"${limit[@]}" python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --keep-going --no-bytes \
+  --workdir "$work" --json "$out/$grid.json" --page "$out/$grid.md" 2>&1 | tee -a "$out/bench.log"
 status=${PIPESTATUS[0]}
 cp "$work/rows.json" "$out/rows.json" 2>/dev/null || true
 exit "$status"
