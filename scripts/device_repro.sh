@@ -65,11 +65,12 @@ rounds=()
 if [ -n "${ROUNDS:-}" ]; then
   rounds=(--rounds "$ROUNDS")
 fi
-# BUDGET=S stops the grid after S seconds (federations still running are lost; those finished are kept), so
-# the rows come back from a call that would otherwise outlast the machine's per-call limit.
+# BUDGET=S stops the grid after S seconds with SIGTERM, which `hetfed bench` answers by stopping its federations
+# (those still running are lost; those finished are kept), so the rows come back from a call that would
+# otherwise outlast the machine's per-call limit. (SIGINT would not do: a shell's background job ignores it.)
 limit=()
 if [ -n "${BUDGET:-}" ]; then
-  limit=(timeout -s INT -k 20 "$BUDGET")
+  limit=(timeout -k 30 "$BUDGET")
 fi
 "${limit[@]}" python3 -m hetfed.cli bench "$grid" "${args[@]}" "${rounds[@]}" --resume --keep-going --no-bytes \
   --workdir "$work" --json "$out/$grid.json" --page "$out/$grid.md" 2>&1 | tee -a "$out/bench.log"
