@@ -1075,8 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = round(time.monotonic() - t0, 1)
     results["load_average_end"] = os.getloadavg()
     print(report(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if args.json:  # the messages quote files under the work directory: the record names it <workdir>
+        text = json.dumps(results, indent=2, default=str).replace(str(workdir), "<workdir>")
+        args.json.write_text(text + "\n")
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if verdict(results) else 1
