@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from hetfed.cli import reproduce as rp
+from hetfed.cli.localrun import FederationFailedError
 from hetfed.wire.specs import SPECS
 
 
@@ -234,7 +235,7 @@ def _failing_on_seed(bad: int) -> Any:
     def fake(g: rp.Grid, method: rp.Method, cell: dict[str, Any], seed: int, root: Path,
              rounds: int | None = None) -> dict[str, Any]:
         if seed == bad:
-            raise RuntimeError("client-org-3 failed:\n  File ...\ntorch.OutOfMemoryError: CUDA out of memory.")
+            raise FederationFailedError("client-org-3 failed:\n  File ...\ntorch.OutOfMemoryError: CUDA out of memory.")
         return {"method": method.id, "cell": dict(cell), "seed": seed, "wall_seconds": 0.1, "rounds": 1,
                 "figures": {f.key: 0.5 for f in g.figures}, "throughput": {}}
     return fake
@@ -261,11 +262,25 @@ def test_without_keep_going_the_first_failure_stops_the_grid(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rp, "run_federation", _failing_on_seed(1))
     work = tmp_path / "w"
-    with pytest.raises(RuntimeError, match="client-org-3 failed"):
+    with pytest.raises(FederationFailedError, match=r"^fedh2l seed=1: client-org-3 failed:\n"):  # names the federation
         rp.main("fedh2l", ["--seeds", "0,1,2", "--methods", "fedh2l", "--workdir", str(work), "--no-bytes",
                            "--page", str(tmp_path / "p.md"), "--json", str(tmp_path / "m.json")])
     assert [r["seed"] for r in json.loads((work / "rows.json").read_text())] == [0]  # seed 2 never started
     assert not (tmp_path / "m.json").exists()
+
+
+def test_hetfed_bench_prints_a_failed_federation_as_its_error_without_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetfed.cli import build_parser
+
+    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(0))
+    args = build_parser().parse_args(["bench", "fedh2l", "--seeds", "0", "--methods", "fedh2l", "--workdir",
+                                      str(tmp_path / "w"), "--no-bytes", "--page", str(tmp_path / "p.md"),
+                                      "--json", str(tmp_path / "m.json")])
+    code = args.func(args)  # what main calls, without its process-wide signal handler
+    assert code == 1
+    assert capsys.readouterr().err == ("hetfed bench: error: fedh2l seed=0: client-org-3 failed:\n  File ...\n"
+                                       "torch.OutOfMemoryError: CUDA out of memory.\n")
 
 
 def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:

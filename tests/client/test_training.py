@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from hetfed.client.training import (
     DeviceData,
     Forward,
     Objective,
+    TrainingDivergedError,
     cross_entropy,
     epoch_batches,
     eval_mode,
@@ -131,6 +134,32 @@ def test_fit_reports_the_mean_of_the_step_losses_exactly_as_python_sums_them() -
     assert result.steps == steps == 21
     assert result.loss == total / steps  # exact
     assert isinstance(result.loss, float)
+
+
+def huge(n_in: int = 3) -> nn.Module:
+    """Two layers with weights of 1e20: the logits (about 1e41) overflow float32 at the first step."""
+    m = nn.Sequential(nn.Linear(n_in, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(1e20)
+    return m
+
+
+def test_fit_refuses_a_round_whose_loss_overflowed_and_names_the_steps_and_rate() -> None:
+    # The loss is NaN or infinite: fit raises instead of returning a model nothing may be made from.
+    g = torch.Generator().manual_seed(3)
+    d = DeviceData(torch.randn(16, 3, generator=g), torch.randint(0, 2, (16,), generator=g))
+    cfg = TrainConfig(local_epochs=1, batch_size=8)
+    m = huge()
+    with pytest.raises(TrainingDivergedError, match=r"^the mean training loss is (nan|inf) over 2 steps at lr 0.05$"):
+        fit([Objective(m, torch.optim.SGD(m.parameters(), lr=0.05))], epoch_batches(d, cfg, np.random.default_rng(0)))
+    # With two objectives the message names the one that diverged; a finite one alone does not raise.
+    ok, bad = nn.Linear(3, 2), huge()
+    assert math.isfinite(fit([Objective(ok, torch.optim.SGD(ok.parameters(), lr=0.1))],
+                             epoch_batches(d, cfg, np.random.default_rng(0))).loss)
+    with pytest.raises(TrainingDivergedError, match=r"^objective 2 of 2: the mean training loss is (nan|inf) over 2 steps"):
+        fit([Objective(ok, torch.optim.SGD(ok.parameters(), lr=0.1)),
+             Objective(bad, torch.optim.SGD(bad.parameters(), lr=1.0))], epoch_batches(d, cfg, np.random.default_rng(0)))
 
 
 def test_sampled_batches_draw_without_replacement_within_a_batch() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +127,27 @@ def test_a_second_run_into_the_same_output_directory_starts_fresh(tmp_path: Path
     second = hetfed_run(tmp_path, *args)["local"]
     assert [r["round"] for r in second["rounds"]] == [1, 2]  # one training round and the evaluate round, again
     assert second["final_test_accuracy"] == first["final_test_accuracy"]  # and deterministic
+
+
+def test_a_client_whose_training_diverges_stops_in_one_line_and_sends_nothing(tmp_path: Path) -> None:
+    """At lr 1e6 the MLP's weights overflow within round 1: each client exits 2 naming the round, the mean loss
+    and the rate, with no traceback; ``hetfed run`` prints that as its error and exits 1; nothing reached the
+    aggregator, so round 1 never closed."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--clients", "2",
+                           "--rounds", "2", "--dataset", "digits", "--model", "mlp", "--lr", "1e6", "--no-report",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("hetfed run: error: client-fedavg-org-"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    failed = proc.stderr.splitlines()[0].removeprefix("hetfed run: error: ").removesuffix(" failed:")
+    log = (out / f"{failed}.log").read_text()
+    (line,) = [ln for ln in log.splitlines() if ln.startswith("hetfed client:")]
+    assert re.fullmatch(r"hetfed client: org-[01]: local training diverged in round 1: the mean training loss is "
+                        r"(nan|inf) over \d+ steps at lr 1e\+06; its model is no longer finite and nothing was sent\. "
+                        r"A lower learning rate \(lr\) may avoid it", line), line
+    assert "Traceback" not in log and line in proc.stderr
+    assert (out / "state" / "fedavg" / "history.jsonl").read_text() == ""  # the run's journal: no round closed
 
 
 def _descendants(pid: int) -> set[int]:

@@ -284,6 +284,7 @@ class ClientRuntime:
         from hetfed.client.algorithms import ClientContext, client_half_type
         from hetfed.client.artifacts import write_snapshot
         from hetfed.client.models import SplitModel
+        from hetfed.client.training import TrainingDivergedError
 
         cfg = self.config
         if cfg.threads:
@@ -364,7 +365,12 @@ class ClientRuntime:
                     raise PrivacyBudgetSpent(why)
                 privacy.begin_round(round_, ins.round_seed)
             cpu, wall = time.process_time(), time.perf_counter()
-            upload = run_round(half, ins.action, round_, ins.round_seed, received)
+            try:
+                upload = run_round(half, ins.action, round_, ins.round_seed, received)
+            except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
+                raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
+                                  "is no longer finite and nothing was sent. A lower learning rate (lr) may avoid "
+                                  "it", permanent=True) from None
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
             declaration = None

@@ -213,6 +213,11 @@ class Objective:
     kept: bool = False
 
 
+class TrainingDivergedError(ArithmeticError):
+    """Local training diverged: an objective's mean training loss over the round is NaN or infinite, so its
+    model's weights have overflowed and nothing computed from them may be sent."""
+
+
 @dataclass
 class FitResult:
     """Mean objective value of each objective over the steps taken."""
@@ -231,7 +236,8 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
 
     The losses are summed on the training device, in float64, and read once at the end: reading each step's
     loss would make the host wait for the device at every step. The sums are those of Python floats, bit for
-    bit (the same float64 additions in the same order).
+    bit (the same float64 additions in the same order). A mean that is NaN or infinite raises
+    ``TrainingDivergedError``: the weights have overflowed, and the round must not send anything made from them.
     """
     for o in objectives:
         o.model.train()
@@ -253,7 +259,14 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
         if batch.private is not None:
             batch.private.end_batch()
         steps += 1
-    return FitResult([float(t) / max(steps, 1) for t in totals], steps)
+    means = [float(t) / max(steps, 1) for t in totals]
+    for i, (o, mean) in enumerate(zip(objectives, means, strict=True)):
+        if not math.isfinite(mean):  # one check per round, on the value read anyway: no wait per step
+            which = f"objective {i + 1} of {len(objectives)}: " if len(objectives) > 1 else ""
+            lr = o.optimizer.param_groups[0].get("lr") if o.optimizer.param_groups else None
+            at = f" at lr {lr:g}" if isinstance(lr, (int, float)) else ""
+            raise TrainingDivergedError(f"{which}the mean training loss is {mean} over {steps} steps{at}")
+    return FitResult(means, steps)
 
 
 def summed(terms: Sequence[LossTerm], batch: Batch, out: Forward) -> torch.Tensor:

@@ -192,9 +192,18 @@ def run_options(args: argparse.Namespace) -> LocalRunOptions:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from hetfed.cli.localrun import run_local
+    from hetfed.cli.localrun import FederationFailedError, run_local
 
-    return run_local(run_options(args))
+    try:
+        return run_local(run_options(args))
+    except FederationFailedError as exc:
+        return _federation_failed(args.command, exc)
+
+
+def _federation_failed(command: str, exc: Exception) -> int:
+    """Print a federation's failure (the process, its log's last lines) as the command's error; exit status 1."""
+    print(f"hetfed {command}: error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
@@ -215,10 +224,14 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from hetfed.cli.bench import list_benchmarks, run_benchmark
+    from hetfed.cli.localrun import FederationFailedError
 
     if args.list or not args.name:
         return list_benchmarks()
-    return run_benchmark(args.name, args.args)
+    try:
+        return run_benchmark(args.name, args.args)
+    except FederationFailedError as exc:
+        return _federation_failed(args.command, exc)
 
 
 # ------------------------------------------------------------------------------------------------ parser

@@ -398,6 +398,12 @@ def stop_all() -> None:
         fed.stop()
 
 
+class FederationFailedError(RuntimeError):
+    """A process of a local federation exited with an error while its run was in progress. The message names
+    the process and ends with the last lines of its log; ``hetfed run`` and ``hetfed bench`` print it as their
+    error, without a traceback of their own."""
+
+
 class LocalFederation:
     """Starts, watches and stops an aggregator process and its client processes.
 
@@ -440,7 +446,8 @@ class LocalFederation:
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.aggregator.poll() is not None:
-                raise RuntimeError(f"the aggregator exited with {self.aggregator.returncode}:\n{self.log_tail('aggregator')}")
+                raise FederationFailedError(f"the aggregator exited with {self.aggregator.returncode}:\n"
+                                       f"{self.log_tail('aggregator')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the aggregator did not start within {timeout}s")
             time.sleep(0.05)
@@ -482,9 +489,9 @@ class LocalFederation:
         """Raise with the log's tail if a client failed or the aggregator exited while a run is in progress."""
         bad = self.failed_client()
         if bad:
-            raise RuntimeError(f"{bad} failed:\n{self.log_tail(bad)}")
+            raise FederationFailedError(f"{bad} failed:\n{self.log_tail(bad)}")
         if self.aggregator is not None and self.aggregator.poll() is not None:
-            raise RuntimeError(f"the aggregator exited:\n{self.log_tail('aggregator')}")
+            raise FederationFailedError(f"the aggregator exited:\n{self.log_tail('aggregator')}")
 
     def status(self, timeout: float = 10.0) -> list[RunStatus]:
         """The aggregator's Status of every run."""

@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hetfed.cli.localrun import LocalFederation, LocalRunOptions, federate
+from hetfed.cli.localrun import FederationFailedError, LocalFederation, LocalRunOptions, federate
 from hetfed.wire.config import from_mapping, to_mapping
 from hetfed.wire.messages import RunStatus
 from hetfed.wire.phases import Phase
@@ -770,10 +770,12 @@ def main(name: str, argv: list[str]) -> int:
         try:
             row = run_federation(grid, method, cell, seed, root, args.rounds)
         except Exception as exc:
+            what = f"{method.id}{f' [{_cell_name(cell)}]' if cell else ''} seed={seed}"
             if not args.keep_going:
                 stop.set()
+                if isinstance(exc, FederationFailedError):  # name the federation; the process's log follows
+                    raise FederationFailedError(f"{what}: {exc}") from None
                 raise
-            what = f"{method.id}{f' [{_cell_name(cell)}]' if cell else ''} seed={seed}"
             last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
             print(f"  FAILED {what}: {last[0]}", flush=True)
             with lock:
