@@ -447,7 +447,7 @@ class LocalFederation:
         while not ready.exists():
             if self.aggregator.poll() is not None:
                 raise FederationFailedError(f"the aggregator exited with {self.aggregator.returncode}:\n"
-                                       f"{self.log_tail('aggregator')}")
+                                            f"{self.log_tail('aggregator')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the aggregator did not start within {timeout}s")
             time.sleep(0.05)
