@@ -219,3 +219,59 @@ def test_fit_steps_every_optimiser_of_the_config_at_its_base_rate_times_the_roun
         torch.testing.assert_close(model.weight, ref.weight - 0.125 * ref.weight.grad, rtol=0, atol=1e-15)
     fit([Objective(model, opt)], [])
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def two_layers() -> nn.Sequential:
+    """A float64 net of two layers with fixed weights (a gradient over two parameter tensors and a bias)."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False)).double()
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            p.copy_(torch.linspace(-1.0, 1.0, p.numel(), dtype=torch.float64).reshape(p.shape) * (k + 1))
+    return m
+
+
+def test_a_gradient_cap_scales_the_step_to_the_cap_over_every_parameter_together() -> None:
+    """max_grad_norm: one plain SGD step at lr 0.5 on the gradient scaled by cap / ||g|| (the norm over all three
+    tensors together), by hand in float64; a cap above ||g|| and no cap take the plain step."""
+    d = data()
+    batch = Batch(d.x, d.y)
+    ref = two_layers()
+    nn.functional.cross_entropy(ref(batch.x), batch.y).backward()
+    grads = [p.grad.detach().clone() for p in ref.parameters()]  # type: ignore[union-attr]
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+    assert norm > 0.1  # the cap below binds
+    for cap, scale in ((0.1, 0.1 / norm), (norm * 2, 1.0), (0.0, 1.0)):
+        m = two_layers()
+        fit([Objective(m, make_optimizer(list(m.parameters()), TrainConfig(lr=0.5, max_grad_norm=cap)))], [batch])
+        with torch.no_grad():
+            for p, p0, g in zip(m.parameters(), ref.parameters(), grads, strict=True):
+                # torch divides by ||g|| + 1e-6: relative 1e-6 / ||g|| from the exact scale
+                torch.testing.assert_close(p, p0 - 0.5 * scale * g, rtol=0, atol=1e-6)
+        step = math.sqrt(sum(float(((p0 - p).detach() ** 2).sum()) for p, p0 in zip(m.parameters(), ref.parameters(),
+                                                                                    strict=True)))
+        assert step == pytest.approx(0.5 * min(norm, cap or norm), rel=1e-5)
+
+
+def test_the_cap_applies_to_the_configs_optimisers_after_before_step_and_is_checked() -> None:
+    d = data()
+    batch = Batch(d.x, d.y)
+    # An optimiser built elsewhere has no cap: its step is the plain one.
+    m, ref = linear(0.1), linear(0.1)
+    fit([Objective(m, torch.optim.SGD(m.parameters(), lr=0.5))], [batch])
+    nn.functional.cross_entropy(ref(batch.x), batch.y).backward()
+    with torch.no_grad():
+        torch.testing.assert_close(m.weight, ref.weight - 0.5 * ref.weight.grad, rtol=0, atol=1e-15)
+    # The cap sees the gradient before_step left: a hook that scales it by 1000 is capped back to the cap.
+    m = linear(0.1)
+    before = m.weight.detach().clone()
+
+    def inflate() -> None:
+        assert m.weight.grad is not None
+        m.weight.grad.mul_(1000.0)
+
+    fit([Objective(m, make_optimizer([m.weight], TrainConfig(lr=1.0, max_grad_norm=0.25)), before_step=inflate)],
+        [batch])
+    assert float((m.weight.detach() - before).norm()) == pytest.approx(0.25, rel=1e-5)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_grad_norm must be a finite number >= 0"):
+            TrainConfig(max_grad_norm=bad)

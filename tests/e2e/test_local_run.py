@@ -145,7 +145,8 @@ def test_a_client_whose_training_diverges_stops_in_one_line_and_sends_nothing(tm
     (line,) = [ln for ln in log.splitlines() if ln.startswith("hetfed client:")]
     assert re.fullmatch(r"hetfed client: org-[01]: local training diverged in round 1: the mean training loss is "
                         r"(nan|inf) over \d+ steps at lr 1e\+06; its model is no longer finite and nothing was sent\. "
-                        r"A lower learning rate \(lr\) may avoid it", line), line
+                        r"A lower learning rate \(lr\), or a cap on the gradient's norm \(max_grad_norm\), may "
+                        r"avoid it", line), line
     assert "Traceback" not in log and line in proc.stderr
     assert (out / "state" / "fedavg" / "history.jsonl").read_text() == ""  # the run's journal: no round closed
 

@@ -369,8 +369,8 @@ class ClientRuntime:
                 upload = run_round(half, ins.action, round_, ins.round_seed, received)
             except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
                 raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
-                                  "is no longer finite and nothing was sent. A lower learning rate (lr) may avoid "
-                                  "it", permanent=True) from None
+                                  "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
+                                  "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
             declaration = None

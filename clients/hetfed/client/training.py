@@ -238,10 +238,13 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
     loss would make the host wait for the device at every step. The sums are those of Python floats, bit for
     bit (the same float64 additions in the same order). A mean that is NaN or infinite raises
     ``TrainingDivergedError``: the weights have overflowed, and the round must not send anything made from them.
+    An optimiser from ``make_optimizer`` with a ``max_grad_norm`` steps on the gradient scaled to at most that
+    norm (over all its parameters, after ``before_step``).
     """
     for o in objectives:
         o.model.train()
         apply_lr_factor(o.optimizer)
+    caps = [_capped(o.optimizer) for o in objectives]
     totals: list[float | torch.Tensor] = [0.0] * len(objectives)
     steps = 0
     for batch in batches:
@@ -254,6 +257,9 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
                 loss.backward()
             if o.before_step is not None:
                 o.before_step()
+            params, cap = caps[i]
+            if cap:  # the gradient the step uses, after any change before_step made (no host sync: torch scales)
+                nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], cap)
             o.optimizer.step()
             totals[i] = totals[i] + loss.detach().to(torch.float64)
         if batch.private is not None:
@@ -359,7 +365,19 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     for group in opt.param_groups:
         group["base_lr"] = group["lr"]
+        group["max_grad_norm"] = float(cfg.max_grad_norm)
     return opt
+
+
+def _capped(optimizer: torch.optim.Optimizer) -> tuple[list[nn.Parameter], float]:
+    """The parameters whose gradient ``fit`` caps before each step of ``optimizer``, and the cap (0.0: none): the
+    groups ``make_optimizer`` built with a ``max_grad_norm``, whose norm is taken over all of them together."""
+    caps = {float(g.get("max_grad_norm", 0.0)) for g in optimizer.param_groups} - {0.0}
+    if not caps:
+        return [], 0.0
+    if len(caps) > 1:
+        raise ValueError(f"one optimiser with several gradient caps {sorted(caps)}")
+    return [p for g in optimizer.param_groups if g.get("max_grad_norm", 0.0) for p in g["params"]], caps.pop()
 
 
 # The training round's factor on every base learning rate (TrainConfig.lr_factor). The round loop sets it around

@@ -10,6 +10,7 @@ and reproduction grids are the experiment side's (``hetfed.cli.experiments``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -42,6 +43,9 @@ class TrainConfig:
     # from round 3 (rounds 1 and 2 at lr).
     lr_decay: float = 1.0
     lr_decay_from: int = 2
+    # A cap on the L2 norm of each step's gradient, over every parameter an optimiser built from this config
+    # steps (torch's clip_grad_norm_ before the step). 0.0: no cap, as every paper here trains.
+    max_grad_norm: float = 0.0
 
     def lr_factor(self, round_: int) -> float:
         """The factor on every base learning rate in training round ``round_`` (1-based)."""
@@ -56,6 +60,8 @@ class TrainConfig:
         check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         check(0 < self.lr_decay <= 1, f"lr_decay must be in (0, 1], got {self.lr_decay}")
         check(self.lr_decay_from >= 1, f"lr_decay_from must be >= 1, got {self.lr_decay_from}")
+        check(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm),
+              f"max_grad_norm must be a finite number >= 0 (0: no cap), got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True)
