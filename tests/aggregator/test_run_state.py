@@ -19,7 +19,7 @@ from hetfed.aggregator.run.state import (
     Stranger,
 )
 from hetfed.wire.contract import TensorDecl
-from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON, WireError
+from hetfed.wire.errors import LEAVE_REASONS, ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError
 from hetfed.wire.payloads import PayloadKind
 from hetfed.wire.phases import Phase
 
@@ -142,12 +142,14 @@ def test_a_refusal_at_a_push_releases_the_rounds_after_it_until_the_member_retur
     assert rejoin.effects == (Persist(), RefusalChanged("c", None, entry)) and rejoin.state.refused == {}
 
 
-def test_a_leave_notice_releases_its_own_round_too_and_survives_the_checkpoint() -> None:
-    """Refused at a push with privacy_budget_spent, a member is given up in that very round: it sent its last
-    update already. Every other reason at a push holds that round (above)."""
+@pytest.mark.parametrize("reason", [PRIVACY_BUDGET_SPENT_REASON, ORGANIZATION_LEFT_REASON])
+def test_a_leave_notice_releases_its_own_round_too_and_survives_the_checkpoint(reason: str) -> None:
+    """Refused at a push with privacy_budget_spent or organization_left (a leave notice), a member is given up in
+    that very round: it sent its last update already. Every other reason at a push holds that round (above)."""
+    assert {PRIVACY_BUDGET_SPENT_REASON, ORGANIZATION_LEFT_REASON} == LEAVE_REASONS
     state = joined("a", "b", "c", pushed={"a": b"1"})
-    step = rs.refuse(state, RULES, "c", PRIVACY_BUDGET_SPENT_REASON, "leaves", at_push=True)
-    entry = Refused("privacy_budget_spent", "leaves", at_push=True, round=1)
+    step = rs.refuse(state, RULES, "c", reason, "leaves", at_push=True)
+    entry = Refused(reason, "leaves", at_push=True, round=1)
     assert step.effects == (Persist(), RefusalChanged("c", entry, None))
     assert step.state.given_up("c", RULES) and not rs.due(step.state, RULES, overdue=False)
     pushed = rs.accept(step.state, RULES, "b", 1, b"2").state
@@ -156,7 +158,7 @@ def test_a_leave_notice_releases_its_own_round_too_and_survives_the_checkpoint()
     back = RunState.from_json(step.state.to_json(), RULES, closed=0)
     assert back.refused == {"c": entry} and back.given_up("c", RULES)
     # The same reason at Join (not at a push) releases nothing of an admitted member.
-    at_join = rs.refuse(state, RULES, "c", PRIVACY_BUDGET_SPENT_REASON, "leaves", at_push=False).state
+    at_join = rs.refuse(state, RULES, "c", reason, "leaves", at_push=False).state
     assert not at_join.given_up("c", RULES)
     # A refusal at a push in a later round than the open one (none can be) does not release it early.
     assert not replace(state, refused={"c": replace(entry, round=2)}).given_up("c", RULES)

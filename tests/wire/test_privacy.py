@@ -132,8 +132,9 @@ def test_an_envelope_mismatch_is_reported_before_the_declaration() -> None:
 
 def test_push_takes_privacy_as_an_optional_keyword() -> None:
     sig = inspect.signature(AggregatorClient.push)
-    assert list(sig.parameters) == ["self", "round_", "payloads", "wire_dtype", "privacy"]
+    assert list(sig.parameters) == ["self", "round_", "payloads", "wire_dtype", "privacy", "leave_reason"]
     assert sig.parameters["privacy"].default is None and sig.parameters["wire_dtype"].default is None
+    assert sig.parameters["leave_reason"].default == ""
 
 
 def test_status_carries_each_organizations_declared_epsilon() -> None:

@@ -251,6 +251,26 @@ class ClientRuntime:
             return
         log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
 
+    def _leave_for(self, round_: int, reason: str) -> None:
+        """Tell the aggregator this organization leaves the run for ``reason`` (a leave notice: no payload), so no
+        round waits for it until its deadline; the aggregator answers with the refusal ``organization_left``. A
+        notice that does not get through is logged: the rounds then wait for the deadline, as for a stopped client."""
+        from hetfed.wire.errors import ORGANIZATION_LEFT_REASON
+
+        try:
+            self.client.push(round_, [], leave_reason=reason)
+        except RemoteError as err:
+            if err.reason == ORGANIZATION_LEFT_REASON:
+                log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
+                return
+            why = f"{err.code.name}: {err.details}"
+        except Exception as exc:  # never let the notice hide why the client stops
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            why = "it was accepted as an update"
+        log.warning("%s: the aggregator did not take the leave notice (%s); rounds wait for this organization until "
+                    "their deadline", self.config.organization, why)
+
     def _plan_privacy(self, half: ClientHalf, privacy: PrivacySession, rounds: int) -> None:  # type: ignore[type-arg]
         """Check that ``half`` can send under DP as configured and fix σ for the run's planned rounds."""
         from hetfed.client.privacy.mechanisms import PrivacyError
@@ -368,6 +388,7 @@ class ClientRuntime:
             try:
                 upload = run_round(half, ins.action, round_, ins.round_seed, received)
             except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
+                self._leave_for(round_, f"its local training diverged in round {round_} ({exc})")
                 raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
                                   "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
                                   "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None

@@ -176,14 +176,16 @@ class PrivacyDeclaration(_message.Message):
     def __init__(self, mechanism: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., budget_spent: _Optional[bool] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("envelope", "payloads", "privacy")
+    __slots__ = ("envelope", "payloads", "privacy", "leave_reason")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_REASON_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     payloads: _containers.RepeatedCompositeFieldContainer[_payloads_pb2.Payload]
     privacy: PrivacyDeclaration
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., privacy: _Optional[_Union[PrivacyDeclaration, _Mapping]] = ...) -> None: ...
+    leave_reason: str
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., privacy: _Optional[_Union[PrivacyDeclaration, _Mapping]] = ..., leave_reason: _Optional[str] = ...) -> None: ...
 
 class PushUpdateRequest(_message.Message):
     __slots__ = ("run_id", "round", "organization_id", "chunk")

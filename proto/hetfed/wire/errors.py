@@ -9,6 +9,14 @@ from typing import NamedTuple
 # The reason a client's leave notice is refused with: its organization's privacy budget would be exceeded by its next
 # round, so it leaves the run (docs/privacy.md). The aggregator stops waiting for it in the open round at once.
 PRIVACY_BUDGET_SPENT_REASON = "privacy_budget_spent"
+# The reason any other leave notice is refused with: the organization leaves for the reason its notice gives (its
+# local training diverged, for example). The aggregator stops waiting for it in the open round at once too.
+ORGANIZATION_LEFT_REASON = "organization_left"
+# The refusals of a leave notice: they release the open round as well as the later ones.
+LEAVE_REASONS = frozenset({PRIVACY_BUDGET_SPENT_REASON, ORGANIZATION_LEFT_REASON})
+# The longest leave reason the aggregator keeps (characters; the rest is cut), so that its refusal, which quotes
+# it with the organization and run ids (63 characters at most each), fits in a reply's 512 characters.
+MAX_LEAVE_REASON_CHARS = 256
 
 
 class Reason(NamedTuple):
@@ -45,6 +53,8 @@ REASONS: dict[str, Reason] = {
     "privacy_required": Reason("FAILED_PRECONDITION", False),
     # A leave notice: the update's declaration says budget_spent (no payload; its organization leaves the run).
     PRIVACY_BUDGET_SPENT_REASON: Reason("FAILED_PRECONDITION", False),
+    # A leave notice for another reason (Update.leave_reason: no payload; its organization leaves the run).
+    ORGANIZATION_LEFT_REASON: Reason("FAILED_PRECONDITION", False),
     # The organization's model and data are built for another label count or input shape than the run's (which
     # the first organization to declare them fixed): joining again with the same data cannot succeed.
     "data_mismatch": Reason("FAILED_PRECONDITION", False),

@@ -19,7 +19,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec, contract, framing
 from hetfed.wire.chunks import Bytes
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.privacy import PrivacyDeclaration
@@ -240,6 +240,9 @@ class Update:
     payloads: Sequence[Payload]
     # The differential privacy protecting the payloads (docs/privacy.md); None: the client declares none.
     privacy: PrivacyDeclaration | None = None
+    # Set: a leave notice (no payloads). The organization leaves the run for this reason, such as its local
+    # training having diverged; the aggregator refuses it ``organization_left`` and stops waiting for it.
+    leave_reason: str = ""
 
 
 def privacy_to_proto(d: PrivacyDeclaration, out: apb.PrivacyDeclaration | None = None) -> apb.PrivacyDeclaration:
@@ -260,9 +263,16 @@ def privacy_from_proto(msg: apb.PrivacyDeclaration) -> PrivacyDeclaration:
 def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
     """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats). A privacy
     declaration out of its domain is WireError ``invalid_privacy`` before anything is sent. A leave notice (a
-    declaration with ``budget_spent``) has no payloads."""
+    declaration with ``budget_spent``, or a ``leave_reason``) has no payloads: ``ValueError`` when it has some, or
+    when its reason is empty of text or longer than ``MAX_LEAVE_REASON_CHARS``."""
     msg = apb.Update(envelope=apb.Envelope(run_id=update.run_id, round=update.round,
                                            organization_id=update.organization))
+    if update.leave_reason:
+        if update.payloads:
+            raise ValueError("a leave notice carries no payloads")
+        if not update.leave_reason.strip() or len(update.leave_reason) > MAX_LEAVE_REASON_CHARS:
+            raise ValueError(f"a leave reason must be 1 to {MAX_LEAVE_REASON_CHARS} characters of text")
+        msg.leave_reason = update.leave_reason
     if update.privacy is not None:
         privacy_to_proto(update.privacy.check(), msg.privacy)
     for p in update.payloads:
@@ -289,6 +299,9 @@ class ParsedUpdate:
         """Bytes, messages and elements per payload kind (the envelope not included)."""
         self.privacy = privacy_from_proto(msg.privacy) if msg.HasField("privacy") else None
         """The privacy the update declares (None: none); ``check`` validates it (``invalid_privacy``)."""
+        self.leave_reason = " ".join(msg.leave_reason.split())[:MAX_LEAVE_REASON_CHARS]
+        """Why its organization leaves the run, as one line ("" unless this is such a leave notice)."""
+        self._payload_count = len(msg.payloads)
 
     @property
     def data(self) -> Bytes:
@@ -303,8 +316,16 @@ class ParsedUpdate:
 
     @property
     def leaving(self) -> bool:
-        """Whether this is a leave notice: its declaration says the organization's privacy budget is spent."""
-        return self.privacy is not None and self.privacy.budget_spent
+        """Whether this is a leave notice: its declaration says the organization's privacy budget is spent, or it
+        gives a reason to leave (``leave_reason``, sent non-empty)."""
+        return bool(self.leave_reason) or (self.privacy is not None and self.privacy.budget_spent)
+
+    def check_leave(self, run_id: str, round_: int, organization: str) -> None:
+        """A leave notice's envelope and declaration (``check_envelope``), and that it carries no payload
+        (``malformed``)."""
+        self.check_envelope(run_id, round_, organization)
+        if self._payload_count:
+            raise WireError("malformed", f"a leave notice carries no payload; this one carries {self._payload_count}")
 
     def check_envelope(self, run_id: str, round_: int, organization: str) -> None:
         """The envelope against the stream's addressing and its payloads, the privacy declaration against its

@@ -580,11 +580,12 @@ class AggregatorClient:
         return ins
 
     def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None,
-             privacy: PrivacyDeclaration | None = None) -> PushReply:
+             privacy: PrivacyDeclaration | None = None, leave_reason: str = "") -> PushReply:
         """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry); ``privacy``:
-        what protects its payloads (docs/privacy.md), None when the client declares none."""
-        encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy),
-                                         wire_dtype)
+        what protects its payloads (docs/privacy.md), None when the client declares none; ``leave_reason``: a leave
+        notice instead (no payloads), which the aggregator refuses ``organization_left`` (a ``RemoteError``)."""
+        encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy,
+                                                         leave_reason), wire_dtype)
         envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,

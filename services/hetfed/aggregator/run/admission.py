@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from hetfed.aggregator.config import RunConfig
-from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON, WireError
+from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError
 from hetfed.wire.messages import JoinRequest
 from hetfed.wire.payloads import (
     EvalMetrics,
@@ -145,10 +145,15 @@ def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaratio
                                              "privacy ledger was lost; keep the client's state_dir")
 
 
-def refuse_leave(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None) -> NoReturn:
-    """Refuse a leave notice (``declared.budget_spent``): the organization's privacy budget would be exceeded by its
-    next round, so it leaves the run. Recorded as a refusal at its push, it is given up at once (``run_state``)."""
-    assert declared is not None and declared.budget_spent
+def refuse_leave(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None,
+                 reason: str = "") -> NoReturn:
+    """Refuse a leave notice: ``privacy_budget_spent`` when its declaration says budget_spent (the organization's
+    privacy budget would be exceeded by its next round), else ``organization_left`` with the ``reason`` it gave.
+    Recorded as a refusal at its push, it is given up at once (``run_state``)."""
+    if declared is None or not declared.budget_spent:
+        assert reason
+        raise WireError(ORGANIZATION_LEFT_REASON,
+                        f"organization {organization!r} leaves run {cfg.id!r}: {reason}; the run goes on without it")
     raise WireError(PRIVACY_BUDGET_SPENT_REASON,
                     f"organization {organization!r} leaves run {cfg.id!r}: its privacy budget is spent "
                     f"(ε={declared.epsilon:.4g} at δ={declared.delta:.3g}); the run goes on without it")

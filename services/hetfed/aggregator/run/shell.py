@@ -283,8 +283,9 @@ class Run:
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
              up: TrafficBreakdown, defer_commit: bool = False) -> PushReply:
         """Check, log durably and fold in an update; idempotent by (run, round, organization). A leave notice
-        (its declaration says budget_spent) is refused ``privacy_budget_spent``: the caller records the refusal
-        (``refuse(at_push=True)``), and rounds stop waiting for the organization from the open one on.
+        (its declaration says budget_spent, or it gives a leave reason) is refused ``privacy_budget_spent`` or
+        ``organization_left``: the caller records the refusal (``refuse(at_push=True)``), and rounds stop waiting for
+        the organization from the open one on.
 
         ``digest`` is the BLAKE3 digest of ``update.data``. When the update completes the round, the round's
         checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
@@ -300,8 +301,8 @@ class Run:
             self._fresh_locked()
             phase, half = self.phase, self.keeper.half
         if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
-            update.check_envelope(self.cfg.id, round_, organization)
-            admission.refuse_leave(self.cfg, organization, update.privacy)
+            update.check_leave(self.cfg.id, round_, organization)
+            admission.refuse_leave(self.cfg, organization, update.privacy, update.leave_reason)
         received = update.check(self.spec, phase, self.schema, self.limits.max_tensor_elements, self.cfg.id, round_,
                                 organization)
         admission.check_update(self.cfg, self.limits, self.max_examples, organization,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hetfed.wire import contract
-from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON, WireError
+from hetfed.wire.errors import LEAVE_REASONS, WireError
 from hetfed.wire.phases import Phase
 from hetfed.wire.rpc import clip
 
@@ -37,8 +37,8 @@ class Rules:
 class Refused:
     """A member refused for a reason no retry can fix. ``at_push``: its own admitted client was refused while
     pushing in ``round`` (a hetfed client then exits): rounds after that one stop waiting for it, and that one too
-    when the push was a leave notice (``privacy_budget_spent``), until it joins again or an update of its is
-    accepted. A refusal at Join of an admitted member leaves its admission standing."""
+    when the push was a leave notice (``privacy_budget_spent``, ``organization_left``), until it joins again or an
+    update of its is accepted. A refusal at Join of an admitted member leaves its admission standing."""
 
     reason: str
     message: str
@@ -133,14 +133,14 @@ class RunState:
 
     def given_up(self, org: str, rules: Rules) -> bool:
         """Refused for good and no longer expected: never admitted, or its own client refused at a push in an
-        earlier round, or in this one when the push was its leave notice (``privacy_budget_spent``: it sent its
+        earlier round, or in this one when the push was its leave notice (``LEAVE_REASONS``: it sent its
         last update already, so the open round need not wait for it either)."""
         r = self.refused.get(org)
         if r is None:
             return False
         if not self.admitted(org, rules):
             return True
-        left = r.reason == PRIVACY_BUDGET_SPENT_REASON
+        left = r.reason in LEAVE_REASONS
         return r.at_push and (self.round > r.round or (left and self.round == r.round))
 
 
