@@ -255,10 +255,10 @@ class ClientRuntime:
         """Tell the aggregator this organization leaves the run for ``reason`` (a leave notice: no payload), so no
         round waits for it until its deadline; the aggregator answers with the refusal ``organization_left``. A
         notice that does not get through is logged: the rounds then wait for the deadline, as for a stopped client."""
-        from hetfed.wire.errors import ORGANIZATION_LEFT_REASON
+        from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, ORGANIZATION_LEFT_REASON
 
         try:
-            self.client.push(round_, [], leave_reason=reason)
+            self.client.push(round_, [], leave_reason=reason[:MAX_LEAVE_REASON_CHARS])
         except RemoteError as err:
             if err.reason == ORGANIZATION_LEFT_REASON:
                 log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
