@@ -258,8 +258,10 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
             if o.before_step is not None:
                 o.before_step()
             params, cap = caps[i]
-            if cap:  # the gradient the step uses, after any change before_step made (no host sync: torch scales)
-                nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], cap)
+            # The gradient the step uses, after any change before_step made; torch skips parameters without a
+            # gradient and scales on the device (no host sync).
+            if cap:
+                nn.utils.clip_grad_norm_(params, cap)
             o.optimizer.step()
             totals[i] = totals[i] + loss.detach().to(torch.float64)
         if batch.private is not None:

@@ -301,7 +301,6 @@ class ParsedUpdate:
         """The privacy the update declares (None: none); ``check`` validates it (``invalid_privacy``)."""
         self.leave_reason = " ".join(msg.leave_reason.split())[:MAX_LEAVE_REASON_CHARS]
         """Why its organization leaves the run, as one line ("" unless this is such a leave notice)."""
-        self._payload_count = len(msg.payloads)
 
     @property
     def data(self) -> Bytes:
@@ -324,8 +323,9 @@ class ParsedUpdate:
         """A leave notice's envelope and declaration (``check_envelope``), and that it carries no payload
         (``malformed``)."""
         self.check_envelope(run_id, round_, organization)
-        if self._payload_count:
-            raise WireError("malformed", f"a leave notice carries no payload; this one carries {self._payload_count}")
+        assert self._msg is not None  # check_envelope refuses a checked update
+        if self._msg.payloads:
+            raise WireError("malformed", f"a leave notice carries no payload; this one carries {len(self._msg.payloads)}")
 
     def check_envelope(self, run_id: str, round_: int, organization: str) -> None:
         """The envelope against the stream's addressing and its payloads, the privacy declaration against its
