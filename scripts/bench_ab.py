@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,8 +91,7 @@ def print_ratios(top: list[list[dict[str, float]]], bottom: list[list[dict[str, 
     return ratios
 
 
-def save(args: argparse.Namespace, runs: dict[str, list[list[dict[str, float]]]],
-         ratios: dict[str, dict[str, list[float]]]) -> None:
+def save(args: argparse.Namespace, runs: dict[str, list[list[dict[str, float]]]], ratios: Mapping[str, object]) -> None:
     """Write the arguments, every run and the ratios to ``args.json``, when it is set."""
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,

@@ -8,6 +8,10 @@ with torch 2.13.0 and flwr, as that script's docstring says) once each for every
 first. Printed: every run's figures, then hetfed/Flower for the round period (hetfed's close to close, as
 Flower's round is timed), every process's CPU per round and the server's peak RSS, as the median ratio over the
 pairs and its range. A ratio of 0.5 on the period is the performance issue's goal: half of Flower's round.
+
+``--floor`` adds ``benchmarks/grpc_round_floor.py`` to every pair (the same workload over hetfed's transport with
+nothing but the bytes and the step; this interpreter), rotating the three runs' order, and prints floor/Flower
+and hetfed/floor too: how far below Flower any round over grpcio can go here, and how far hetfed is above that.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--clients", default="4", help="comma-separated N (default 4)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=3, help="alternating pairs of runs (default 3)")
+    ap.add_argument("--floor", action="store_true", help="also run grpc_round_floor.py in every pair")
     ap.add_argument("--json", type=Path, help="also write every run and the ratios here")
     args = ap.parse_args()
     paths = os.pathsep.join(str(REPO / d) for d in ("proto", "services", "clients"))
@@ -53,11 +58,17 @@ def main() -> int:
         "flower": ([args.flower_python, "benchmarks/flower_round.py", "--clients", args.clients,
                     "--rounds", str(args.rounds)], flower_env),
     }
+    if args.floor:
+        sides["floor"] = ([sys.executable, "benchmarks/grpc_round_floor.py", "--clients", args.clients,
+                           "--rounds", str(args.rounds)], hetfed_env)
     print(f"workload A, N = {args.clients}, {args.rounds} rounds, {args.pairs} pairs; load {os.getloadavg()[0]:.2f}",
           flush=True)
-    runs: dict[str, list[list[dict[str, float]]]] = {"hetfed": [], "flower": []}
+    runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in sides}
+    names = list(sides)
     for i in range(args.pairs):
-        for name in ("hetfed", "flower") if i % 2 == 0 else ("flower", "hetfed"):
+        # Alternate the order: reversed every other pair (with the floor, also rotated).
+        order = names[i % len(names):] + names[:i % len(names)] if args.floor else names
+        for name in order if args.floor or i % 2 == 0 else order[::-1]:
             rows = run(*sides[name])
             runs[name].append(rows)
             key = "period_median_s" if name == "hetfed" else "round_median_s"
@@ -65,8 +76,16 @@ def main() -> int:
                 f"N={r['clients']} period {r[key]:.4f} s, all CPU {r['cpu_s_per_round']:.4f} s, server RSS "
                 f"{r['aggregator_peak_rss_mb' if name == 'hetfed' else 'server_peak_rss_mb']:.0f} MB"
                 for r in rows), flush=True)
+    clients = args.clients.split(",")
     print("\nhetfed / Flower, median of the pairs (range):")
-    save(args, runs, print_ratios(runs["hetfed"], runs["flower"], args.clients.split(","), list(FIGURES)))
+    ratios = {"hetfed/flower": print_ratios(runs["hetfed"], runs["flower"], clients, list(FIGURES))}
+    if args.floor:
+        print("\nfloor / Flower:")
+        ratios["floor/flower"] = print_ratios(runs["floor"], runs["flower"], clients,
+                                              [(b, b, name) for _, b, name in FIGURES])
+        print("\nhetfed / floor:")
+        ratios["hetfed/floor"] = print_ratios(runs["hetfed"], runs["floor"], clients, list(FIGURES))
+    save(args, runs, ratios)
     return 0
 
 
