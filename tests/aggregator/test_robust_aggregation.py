@@ -189,3 +189,52 @@ def test_the_blocked_distance_matches_float64_over_several_blocks() -> None:
     # Hand-computed: (4, 5, 1) − (1, 1, 1) = (3, 4, 0), norm 5, in float64 and float32 alike.
     for dtype in (np.float64, np.float32):
         assert distance({"w": np.array([4.0, 5.0, 1.0], dtype)}, {"w": np.ones(3, dtype)}) == 5.0
+
+
+def test_max_abs_weight_holds_where_the_distance_cannot_settle_it() -> None:
+    """The value bound is scanned for only when max|global| + distance could exceed it. Global (9, 0, 0), bound 10,
+    ratio 0.5 (radius 4.5): (10.5, 0, 0) is 1.5 away, within the radius, but its 10.5 is over the bound (9 + 1.5 >
+    10: scanned, refused for the value); (9.5, 0, 0) is 0.5 away, 9 + 0.5 < 10: passes without a scan."""
+    half = FedAvgServer(FedAvgConfig(max_abs_weight=10.0, max_update_norm_ratio=0.5), RunInfo(0, ("a",)))
+    half.load_state({"w": np.array([9.0, 0.0, 0.0], np.float32)})
+    with pytest.raises(WireError) as err:
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([10.5, 0.0, 0.0], np.float32)}, 1)]))
+    assert err.value.message == "w holds a value of magnitude 10.5; at most 10 (max_abs_weight)"
+    half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([9.5, 0.0, 0.0], np.float32)}, 1)]))
+    # Both bounds broken: the value is named first, as before. A tensor the global model lacks counts from 0.
+    with pytest.raises(WireError) as err:
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([9.0, 0.0, 0.0], np.float32),
+                                                                "b": np.array([-11.0], np.float32)}, 1)]))
+    assert err.value.message == "b holds a value of magnitude 11; at most 10 (max_abs_weight)"
+    with pytest.raises(WireError) as err:
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([9.0, 6.0, 0.0], np.float32)}, 1)]))
+    assert err.value.message.startswith("the update is 6 from the global model, whose norm is 9; at most 0.5")
+
+
+class _NoScan(np.ndarray):
+    """An array whose max and min may not be read: the value bound must be settled without them."""
+
+    def max(self, *args: object, **kwargs: object) -> np.ndarray:  # type: ignore[override]
+        raise AssertionError("scanned for max_abs_weight")
+
+    def min(self, *args: object, **kwargs: object) -> np.ndarray:  # type: ignore[override]
+        raise AssertionError("scanned for max_abs_weight")
+
+
+def test_a_plausible_update_is_not_scanned_for_the_value_bound_again() -> None:
+    """Under both default bounds an update close to the global model passes on its distance alone; the global
+    model's own largest magnitude is taken once per global model, not once per update."""
+    half = FedAvgServer(FedAvgConfig(), RunInfo(0, ("a", "b")))
+    half.load_state({"w": np.array([3.0, 4.0, 0.0], np.float32)})
+    for _ in range(2):
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights(
+            {"w": np.array([3.0, 4.5, 0.0], np.float32).view(_NoScan)}, 1)]))
+    half.load_state({"w": np.array([3.0, 4.0, 0.0], np.float32).view(_NoScan)})  # a new global model: read again
+    with pytest.raises(AssertionError, match="scanned"):
+        half.validate(Phase.TRAIN, "a", Received([ModelWeights({"w": np.array([3.0, 4.5, 0.0], np.float32)}, 1)]))
+    # Without the distance bound the values are scanned, as before.
+    plain = FedAvgServer(FedAvgConfig(max_update_norm_ratio=0), RunInfo(0, ("a",)))
+    plain.load_state({"w": np.array([3.0, 4.0, 0.0], np.float32)})
+    with pytest.raises(AssertionError, match="scanned"):
+        plain.validate(Phase.TRAIN, "a", Received([ModelWeights(
+            {"w": np.array([3.0, 4.5, 0.0], np.float32).view(_NoScan)}, 1)]))

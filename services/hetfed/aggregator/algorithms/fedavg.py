@@ -11,6 +11,7 @@ from hetfed.aggregator.algorithms.aggregators import (
     TrimmedMean,
     WeightedMean,
     clip_to_ball,
+    distance,
     global_norm,
 )
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
@@ -20,6 +21,9 @@ from hetfed.wire.phases import Phase
 from hetfed.wire.specs.fedavg import AveragingConfig, FedAvgConfig
 
 A = TypeVar("A", bound=AveragingConfig)
+# Relative slack of the distance's shortcut past ``max_abs_weight``: far above the distance's rounding (about 10⁻⁸,
+# float32 differences summed in float64), so a value the shortcut passes is within the bound exactly.
+_SLACK = 1e-6
 
 
 class AveragingServer(ServerHalf[A], Generic[A]):
@@ -34,6 +38,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         super().__init__(config, run)
         self.global_: dict[str, np.ndarray] | None = None
         self._global_norm: float | None = None
+        self._global_max_abs: float | None = None
         self._acc: WeightedMean | TrimmedMean | CoordinateMedian = (
             TrimmedMean(config.trim) if config.aggregation == "trimmed_mean"
             else CoordinateMedian() if config.aggregation == "median" else WeightedMean())
@@ -71,24 +76,34 @@ class AveragingServer(ServerHalf[A], Generic[A]):
 
     def check_plausible(self, arrays: dict[str, np.ndarray]) -> None:
         """WireError ``implausible_update`` for a value beyond ``max_abs_weight``, or (policy "refuse") an update
-        farther from the global model than ``max_update_norm_ratio`` times its norm."""
+        farther from the global model than ``max_update_norm_ratio`` times its norm.
+
+        Under both bounds the distance is taken first (one pass), and the values are scanned for ``max_abs_weight``
+        only when the distance leaves it in doubt: every value is within max|global| + distance of 0, since
+        |aᵢ| ≤ |gᵢ| + |aᵢ − gᵢ| ≤ max|g| + ||a − g||₂ (a tensor missing from the global model counts from 0)."""
         bound = self.config.max_abs_weight
-        if bound:
+        radius = self._radius()
+        refuse = bool(radius) and self.config.update_norm_policy == "refuse"
+        dist = distance(arrays, self.global_) if refuse and self.global_ is not None else None
+        if bound and not (dist is not None and (self._max_abs_global() + dist) * (1 + _SLACK) < bound):
             for name, a in arrays.items():
                 if a.dtype.kind == "f" and a.size:
                     largest = max(abs(float(a.max())), abs(float(a.min())))
                     if largest > bound:
                         raise WireError("implausible_update", f"{name} holds a value of magnitude {largest:.3g}; "
                                                               f"at most {bound:g} (max_abs_weight)")
-        radius = self._radius()
-        if radius and self.config.update_norm_policy == "refuse":
-            assert self.global_ is not None
-            _, distance = clip_to_ball(arrays, self.global_, radius)
-            if distance > radius:
-                raise WireError("implausible_update", f"the update is {distance:.4g} from the global model, whose "
-                                                      f"norm is {self._global_norm:.4g}; at most "
-                                                      f"{self.config.max_update_norm_ratio:g} times that "
-                                                      "(max_update_norm_ratio)")
+        if dist is not None and dist > radius:
+            raise WireError("implausible_update", f"the update is {dist:.4g} from the global model, whose "
+                                                  f"norm is {self._global_norm:.4g}; at most "
+                                                  f"{self.config.max_update_norm_ratio:g} times that "
+                                                  "(max_update_norm_ratio)")
+
+    def _max_abs_global(self) -> float:
+        """The largest magnitude in the global model (0 before the first aggregation), once per global model."""
+        if self._global_max_abs is None:
+            self._global_max_abs = max((max(abs(float(a.max())), abs(float(a.min())))
+                                        for a in (self.global_ or {}).values() if a.size), default=0.0)
+        return self._global_max_abs
 
     def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Add n_i · w_i to the running sum (or w_i to the trimmed mean's or median's state), clipped first
@@ -106,7 +121,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median)."""
         if self._acc.count:
             self.global_ = self._acc.mean(np.float32)
-            self._global_norm = None
+            self._global_norm = self._global_max_abs = None
         self._acc.reset()
 
     def state(self) -> dict[str, np.ndarray]:
@@ -116,7 +131,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Restore the global arrays."""
         self.global_ = dict(arrays) or None
-        self._global_norm = None
+        self._global_norm = self._global_max_abs = None
 
 
 class FedAvgServer(AveragingServer[FedAvgConfig]):
