@@ -164,3 +164,38 @@ def test_encoding_a_leave_notice_checks_it_before_anything_is_sent() -> None:
     assert parsed.leaving and parsed.leave_reason == "why"
     plain = messages.ParsedUpdate(messages.encode_update(messages.Update("r", 1, "a", good())).data)
     assert not plain.leaving and plain.leave_reason == ""
+
+
+def test_a_notice_that_misses_its_round_is_sent_again_for_the_current_one(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    """Round 1 closes before c's notice for it arrives (c trained past it): refused late, the typed client reads the
+    current round from Status and sends the notice for round 2, which the aggregator takes. Round 2 then closes when
+    a and b have pushed, without waiting for c."""
+    agg, (a, b, c) = started(aggregator, raw_client, "abc", rounds=4)
+    run = agg.service.runs["r"]
+    for client in (a, b, c):
+        push(client, 1)
+    assert run.round == 2
+    with AggregatorClient(f"127.0.0.1:{agg.port}", None, "c", "r") as client:
+        err = client.leave(1, leave_reason="its local training diverged in round 1")
+    assert err is not None and (err.reason, err.code) == ("organization_left", grpc.StatusCode.FAILED_PRECONDITION)
+    assert run.state.given_up("c", run.rules)
+    assert sample(agg, "hetfed_rejected_messages_total", reason="late") == 1
+    push(a, 2)
+    push(b, 2)
+    assert run.round == 3
+
+
+def test_a_notice_for_a_round_not_yet_open_is_resent_only_when_attempts_allow(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    """A notice for a round that has not opened is refused late. With one attempt it is not resent: the refusal
+    comes back and nothing is recorded. With the default attempts it is resent for round 1, the current one."""
+    agg, _ = started(aggregator, raw_client, "ab", rounds=4)
+    run = agg.service.runs["r"]
+    with AggregatorClient(f"127.0.0.1:{agg.port}", None, "a", "r") as client:
+        err = client.leave(5, leave_reason="diverged", attempts=1)
+        assert err is not None and err.reason == "late" and "round 5 has not started" in err.details
+        assert not run.state.given_up("a", run.rules)
+        taken = client.leave(5, leave_reason="diverged")  # resent for round 1, the current one
+    assert taken is not None and taken.reason == "organization_left"
+    assert run.state.given_up("a", run.rules)

@@ -242,14 +242,12 @@ class ClientRuntime:
         round waits for it; the aggregator answers with the refusal ``privacy_budget_spent``."""
         from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON
 
-        try:
-            self.client.push(round_, [], wire_dtype, privacy=privacy.declaration(budget_spent=True))
-        except RemoteError as err:
-            if err.reason not in (PRIVACY_BUDGET_SPENT_REASON, "late"):
-                log.warning("%s: the aggregator did not take the leave notice (%s: %s); rounds wait for this "
-                            "organization until their deadline", self.config.organization, err.code.name, err.details)
-            return
-        log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
+        err = self.client.leave(round_, privacy=privacy.declaration(budget_spent=True), wire_dtype=wire_dtype)
+        if err is None:
+            log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
+        elif err.reason != PRIVACY_BUDGET_SPENT_REASON:
+            log.warning("%s: the aggregator did not take the leave notice (%s: %s); rounds wait for this "
+                        "organization until their deadline", self.config.organization, err.code.name, err.details)
 
     def _leave_for(self, round_: int, reason: str) -> None:
         """Tell the aggregator this organization leaves the run for ``reason`` (a leave notice: no payload), so no
@@ -258,16 +256,14 @@ class ClientRuntime:
         from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, ORGANIZATION_LEFT_REASON
 
         try:
-            self.client.push(round_, [], leave_reason=reason[:MAX_LEAVE_REASON_CHARS])
-        except RemoteError as err:
-            if err.reason == ORGANIZATION_LEFT_REASON:
-                log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
-                return
-            why = f"{err.code.name}: {err.details}"
+            err = self.client.leave(round_, leave_reason=reason[:MAX_LEAVE_REASON_CHARS])
         except Exception as exc:  # never let the notice hide why the client stops
             why = f"{type(exc).__name__}: {exc}"
         else:
-            why = "it was accepted as an update"
+            if err is not None and err.reason == ORGANIZATION_LEFT_REASON:
+                log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
+                return
+            why = "it was accepted as an update" if err is None else f"{err.code.name}: {err.details}"
         log.warning("%s: the aggregator did not take the leave notice (%s); rounds wait for this organization until "
                     "their deadline", self.config.organization, why)
 

@@ -597,6 +597,34 @@ class AggregatorClient:
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
+    def leave(self, round_: int, leave_reason: str = "", privacy: PrivacyDeclaration | None = None,
+              wire_dtype: str | None = None, attempts: int = 3) -> RemoteError | None:
+        """Send a leave notice for ``round_`` (a ``leave_reason``, or a ``privacy`` declaration with budget_spent) and
+        return the aggregator's refusal of it, which is how it takes one (None: it was accepted as an update).
+
+        A notice refused ``late`` (its round closed before it arrived, or had not opened) would leave every later
+        round waiting for this organization until its deadline, so it is sent again for the run's current round, as
+        Status gives it, up to ``attempts`` times in all. The last refusal is returned when Status fails, the run has
+        finished, or the round does not move."""
+        last: RemoteError | None = None
+        for _ in range(attempts):
+            try:
+                self.push(round_, [], wire_dtype, privacy=privacy, leave_reason=leave_reason)
+            except RemoteError as err:
+                if err.reason != "late":
+                    return err
+                last = err
+            else:
+                return None
+            try:
+                runs = self.status(self.run_id)
+            except RemoteError:
+                return last
+            if not runs or runs[0].finished or runs[0].round == round_:
+                return last
+            round_ = runs[0].round
+        return last
+
     def status(self, run_id: str = "") -> list[RunStatus]:
         """The Status of one run (or every run the caller may see)."""
         resp = self._call("Status", lambda: self._stub.Status(apb.StatusRequest(run_id=run_id),
