@@ -53,9 +53,12 @@ from flower_round import (
     MOMENTUM,
     _child_env,
     _cpu_seconds,
+    _spawn,
+    _tail,
     _vm_hwm,
     build_mlp1,
     client_data,
+    stop_children,
     write_initial,
 )
 
@@ -190,50 +193,37 @@ def measure(clients: int, rounds: int, workdir: Path, timeout: float) -> dict[st
     script = str(Path(__file__).resolve())
     initial, port_file, server_out = workdir / "initial.npz", workdir / "port", workdir / "server.json"
     write_initial(initial)
-    procs: list[subprocess.Popen[bytes]] = []
+    logs = [workdir / "server.log", *(workdir / f"client-{i}.log" for i in range(clients))]
 
-    def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-        with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, script, *cmd], stdout=f, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env)
-        procs.append(p)
-        return p
-
-    def tail(log: Path) -> str:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
+    def check(procs: list[subprocess.Popen[bytes]]) -> None:
+        for p, log in zip(procs, logs, strict=True):
+            if p.poll() not in (None, 0):
+                raise RuntimeError(f"{log.stem} exited with {p.returncode}:\n{_tail(log)}")
 
     try:
-        server = spawn(["_server", "--clients", str(clients), "--rounds", str(rounds), "--initial", str(initial),
-                        "--port-file", str(port_file), "--out", str(server_out)], workdir / "server.log")
+        server = _spawn([sys.executable, script, "_server", "--clients", str(clients), "--rounds", str(rounds),
+                         "--initial", str(initial), "--port-file", str(port_file), "--out", str(server_out)],
+                        logs[0], env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not port_file.exists():
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the floor server did not start:\n{tail(workdir / 'server.log')}")
+                raise RuntimeError(f"the floor server did not start:\n{_tail(logs[0])}")
             time.sleep(0.05)
         port = port_file.read_text()
-        for i in range(clients):
-            spawn(["_client", "--port", port, "--index", str(i), "--rounds", str(rounds),
-                   "--out", str(workdir / f"client-{i}.json")], workdir / f"client-{i}.log")
+        procs = [server, *(_spawn([sys.executable, script, "_client", "--port", port, "--index", str(i), "--rounds",
+                                   str(rounds), "--out", str(workdir / f"client-{i}.json")], logs[i + 1], env)
+                           for i in range(clients))]
         server_hwm = 0
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             server_hwm = max(server_hwm, _vm_hwm(server.pid))
-            for p, log in zip(procs, [workdir / "server.log", *(workdir / f"client-{i}.log" for i in range(clients))],
-                              strict=True):
-                if p.poll() not in (None, 0):
-                    raise RuntimeError(f"{log.stem} exited with {p.returncode}:\n{tail(log)}")
+            check(procs)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the federation of {clients} did not finish within {timeout:.0f} s")
             time.sleep(POLL_SECONDS)
-        for p, log in zip(procs, [workdir / "server.log", *(workdir / f"client-{i}.log" for i in range(clients))],
-                          strict=True):
-            if p.returncode != 0:
-                raise RuntimeError(f"{log.stem} exited with {p.returncode}:\n{tail(log)}")
+        check(procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_children()
     s = json.loads(server_out.read_text())
     cl = [json.loads((workdir / f"client-{i}.json").read_text()) for i in range(clients)]
     closes, cpu_close = s["close"], s["cpu_close"]

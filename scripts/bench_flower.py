@@ -66,9 +66,8 @@ def main() -> int:
     runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in sides}
     names = list(sides)
     for i in range(args.pairs):
-        # Alternate the order: reversed every other pair (with the floor, also rotated).
-        order = names[i % len(names):] + names[:i % len(names)] if args.floor else names
-        for name in order if args.floor or i % 2 == 0 else order[::-1]:
+        # Rotate the order by one each pair (with two sides: reversed every other pair).
+        for name in names[i % len(names):] + names[:i % len(names)]:
             rows = run(*sides[name])
             runs[name].append(rows)
             key = "period_median_s" if name == "hetfed" else "round_median_s"
