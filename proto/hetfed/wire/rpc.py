@@ -606,24 +606,23 @@ class AggregatorClient:
         round waiting for this organization until its deadline, so it is sent again for the run's current round, as
         Status gives it, up to ``attempts`` times in all. The last refusal is returned when Status fails, the run has
         finished, or the round does not move."""
-        last: RemoteError | None = None
-        for _ in range(attempts):
+        for attempt in range(1, attempts + 1):
             try:
                 self.push(round_, [], wire_dtype, privacy=privacy, leave_reason=leave_reason)
             except RemoteError as err:
-                if err.reason != "late":
-                    return err
-                last = err
+                refused = err
             else:
                 return None
+            if refused.reason != "late" or attempt == attempts:
+                return refused
             try:
                 runs = self.status(self.run_id)
             except RemoteError:
-                return last
+                return refused
             if not runs or runs[0].finished or runs[0].round == round_:
-                return last
+                return refused
             round_ = runs[0].round
-        return last
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
 
     def status(self, run_id: str = "") -> list[RunStatus]:
         """The Status of one run (or every run the caller may see)."""
