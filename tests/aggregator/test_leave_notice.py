@@ -199,3 +199,8 @@ def test_a_notice_for_a_round_not_yet_open_is_resent_only_when_attempts_allow(
         taken = client.leave(5, leave_reason="diverged")  # resent for round 1, the current one
     assert taken is not None and taken.reason == "organization_left"
     assert run.state.given_up("a", run.rules)
+
+
+def test_leave_needs_at_least_one_attempt() -> None:
+    with AggregatorClient("127.0.0.1:1", None, "a", "r") as client, pytest.raises(ValueError, match="attempts"):
+        client.leave(1, leave_reason="diverged", attempts=0)
