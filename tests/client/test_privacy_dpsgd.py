@@ -23,7 +23,9 @@ from hetfed.client.privacy.session import sigma_multiple
 from hetfed.client.training import (
     Batch,
     DeviceData,
+    Forward,
     Objective,
+    PerExample,
     cross_entropy,
     data_free,
     epoch_batches,
@@ -153,12 +155,31 @@ def test_data_free_term_is_added_unclipped_after_privatisation() -> None:
 
 
 def test_a_term_on_a_parameter_outside_its_forward_is_refused() -> None:
-    """``model[0].weight.sum()`` not marked data_free: its gradient is no sum of per-example gradients, and the
-    decomposition check stops the step (naming the parameter) instead of releasing it unclipped."""
+    """``model[0].weight.sum()`` given to every example, not marked data_free: its gradient is no sum of
+    per-example gradients, and the decomposition check stops the step (naming the parameter) instead of releasing
+    it unclipped."""
     model = tiny_model()
+    term = PerExample(lambda b, o: weight(model).sum().expand(b.y.shape[0]))
     with pytest.raises(PrivacyError, match=r"parameter '0\.weight'.*do not add up"):
-        private_grads(model, [cross_entropy, lambda b, o: weight(model).sum()],
+        private_grads(model, [cross_entropy, term],
                       PrivateStep(1.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), ledger()), five())
+
+
+def test_a_term_without_a_per_example_form_is_refused_naming_it() -> None:
+    """A plain scalar term (a batch mean) under DP-SGD: one line naming it, before any gradient is taken."""
+    def batch_mean_square(b: Batch, o: Forward) -> torch.Tensor:
+        return o.logits.mean() ** 2
+
+    model = tiny_model()
+    step = PrivateStep(1.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), ledger())
+    with pytest.raises(PrivacyError, match=r"loss term '.*batch_mean_square' has no per-example form.*mark it "
+                                           r"data_free or give it a per-example form") as err:
+        private_grads(model, [cross_entropy, batch_mean_square], step, five())
+    assert "\n" not in str(err.value)
+    assert weight(model).grad is None
+    # A per-example form of the wrong shape (one value for the batch) is refused too.
+    with pytest.raises(PrivacyError, match=r"gave per-example values of shape \(\) on a batch of 5"):
+        private_grads(model, [PerExample(lambda b, o: o.logits.mean())], step, five())
 
 
 def test_a_parameter_outside_the_model_in_the_optimiser_is_refused() -> None:
@@ -167,7 +188,7 @@ def test_a_parameter_outside_the_model_in_the_optimiser_is_refused() -> None:
     extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
     opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
     step = PrivateStep(1.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), ledger())
-    term = lambda b, o: cross_entropy(b, o) + (o.logits * extra).mean()  # noqa: E731
+    term = PerExample(lambda b, o: cross_entropy.per_example(b, o) + (o.logits * extra).sum(1))
     b = five()
     with pytest.raises(PrivacyError, match="did not split by example"):
         fit([Objective(model, opt, [term])], [Batch(b.x, b.y, private=step)])
@@ -325,3 +346,4 @@ def test_rmnist_cnn_left_channels_last_is_caught_by_the_decomposition_check() ->
     batch = Batch(torch.rand(8, 1, 28, 28, generator=g), torch.arange(8) % 10, private=step)
     with pytest.raises(PrivacyError, match=r"'encoder\.\d\.weight'.*do not add up"):
         fit([Objective(model, torch.optim.SGD(model.parameters(), lr=0.05))], [batch])
+

@@ -187,9 +187,37 @@ def data_free(term: Callable[[Batch, Forward], torch.Tensor]) -> LossTerm:
     return term  # type: ignore[return-value]
 
 
-def cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
-    """The classification loss: cross-entropy of the logits against the labels."""
+class PerExample:
+    """A loss term given per example: ``values(batch, out)`` is a tensor [n], one value per example of the batch.
+
+    On a batch the term's value is ``value(batch, out)`` when given (the mean of the values, computed as the plain
+    path always has), else the mean of the values. Under DP-SGD the step backpropagates the sum of the values,
+    so each example's gradient is that of its own value, whatever else the batch holds: its objective is one
+    example's share of the mean objective over the N training examples (a weight over N/n_k for a class term).
+    """
+
+    def __init__(self, values: Callable[[Batch, Forward], torch.Tensor],
+                 value: Callable[[Batch, Forward], torch.Tensor] | None = None, name: str | None = None) -> None:
+        self.values = values
+        self.value = value
+        self.__qualname__ = self.__name__ = name or getattr(value or values, "__qualname__", type(self).__name__)
+
+    def __call__(self, batch: Batch, out: Forward) -> torch.Tensor:
+        """The term's value on the batch."""
+        return self.value(batch, out) if self.value is not None else self.values(batch, out).mean()
+
+    def per_example(self, batch: Batch, out: Forward) -> torch.Tensor:
+        """Each example's value, a tensor [n]."""
+        return self.values(batch, out)
+
+
+def _mean_cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
     return F.cross_entropy(out.logits, batch.y)
+
+
+cross_entropy = PerExample(lambda batch, out: F.cross_entropy(out.logits, batch.y, reduction="none"),
+                           _mean_cross_entropy, "cross_entropy")
+"""The classification loss: cross-entropy of the logits against the labels (per example under DP-SGD)."""
 
 
 def plain_forward(model: nn.Module, batch: Batch) -> Forward:
@@ -286,10 +314,13 @@ def summed(terms: Sequence[LossTerm], batch: Batch, out: Forward) -> torch.Tenso
 
 
 def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor:
-    """One objective's DP-SGD step on a Poisson-sampled batch: its example terms' gradient privatised, then
-    its data-free terms' gradient added; returns the objective's value."""
+    """One objective's DP-SGD step on a Poisson-sampled batch: the gradient of the sum of its terms' per-example
+    values privatised, then its data-free terms' gradient added; returns the objective's value (the mean of the
+    per-example values plus the data-free terms)."""
     params = [p for group in o.optimizer.param_groups for p in group["params"] if p.requires_grad]
     size = int(batch.y.shape[0])
+    example_terms = [t for t in o.terms if not getattr(t, "data_free", False)]
+    free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
     step.begin(o.model)
     try:
         if size == 0:  # an empty Poisson sample: the step is noise alone
@@ -297,9 +328,9 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
             step.backward(o.model, params, loss, 0)
             return loss
         out = o.forward(o.model, batch)
-        free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
-        loss = summed([t for t in o.terms if not getattr(t, "data_free", False)], batch, out)
-        step.backward(o.model, params, loss, size)
+        values = _per_example_values(example_terms, batch, out, size)
+        step.backward(o.model, params, values.sum(), size)
+        loss = values.detach().mean()
         if free_terms:
             free = summed(free_terms, batch, out)
             for p, g in zip(params, torch.autograd.grad(free, params, allow_unused=True), strict=True):
@@ -309,6 +340,30 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
         return loss
     finally:
         step.end(o.model)
+
+
+def _per_example_values(terms: Sequence[LossTerm], batch: Batch, out: Forward, size: int) -> torch.Tensor:
+    """Σ over ``terms`` of each example's value, a tensor [n]; a term without a per-example form is refused (a
+    term over the whole batch would let one example change the gradient of every other)."""
+    total: torch.Tensor | None = None
+    for term in terms:
+        values_of = getattr(term, "per_example", None)
+        name = getattr(term, "__qualname__", None) or type(term).__name__
+        if values_of is None:
+            from hetfed.client.privacy.mechanisms import PrivacyError
+
+            raise PrivacyError(f"loss term {name!r} has no per-example form, so DP-SGD cannot bound one example's "
+                               "influence on it: mark it data_free or give it a per-example form (PerExample)")
+        values = values_of(batch, out)
+        if tuple(values.shape) != (size,):
+            from hetfed.client.privacy.mechanisms import PrivacyError
+
+            raise PrivacyError(f"loss term {name!r} gave per-example values of shape {tuple(values.shape)} on a batch "
+                               f"of {size}; its per-example form must give one value per example")
+        total = values if total is None else total + values
+    if total is None:
+        raise ValueError("an objective under DP-SGD needs a term that depends on the examples")
+    return total
 
 
 def steps_per_round(n: int, cfg: TrainConfig) -> int:

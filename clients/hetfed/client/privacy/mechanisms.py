@@ -2,8 +2,10 @@
 
 * **DP-SGD** (Abadi et al. 2016) for every model trained on private examples: batches drawn by Poisson sampling
   at rate q = B/N, each example's gradient clipped to norm C, Gaussian noise of standard deviation σ·C added to
-  their sum, divided by the expected batch size qN. Opacus computes the per-example gradients (its hooks,
-  ``GradSampleHooks``); hetfed clips and adds the noise itself, so that gradients of data-free terms (a proximal
+  their sum, divided by the expected batch size qN. Every term of a private objective gives one value per
+  example, and the step backpropagates their sum, so example i's gradient is that of its own terms alone,
+  whatever else the sample holds. Opacus computes the per-example gradients (its hooks, ``GradSampleHooks``,
+  at sum reduction); hetfed clips and adds the noise itself, so that gradients of data-free terms (a proximal
   or consensus penalty added after the step's gradient) stay outside the clipped sum, and so that a parameter
   whose gradient Opacus did not decompose per example stops the step instead of leaking. What a DP-trained model
   then computes (weights, heads, factors, posteriors, embeddings) is post-processing.
@@ -95,7 +97,10 @@ class PrivateStep:
         key = id(model)
         if key not in self._hooks:
             try:
-                hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+                # Sum reduction: the loss is a sum of per-example values, and each example's gradient is that of
+                # its own value. Mean reduction multiplies every one by the realised batch size, so adding an
+                # example would change the others' gradients too.
+                hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
             except (NotImplementedError, ValueError) as exc:
                 raise PrivacyError(f"Opacus cannot give this model per-example gradients: "
                                    f"{' '.join(str(exc).split())}") from None
@@ -115,8 +120,9 @@ class PrivateStep:
             p.grad_sample = None  # type: ignore[attr-defined]
 
     def backward(self, model: nn.Module, params: Sequence[nn.Parameter], loss: torch.Tensor, size: int) -> None:
-        """Set each parameter's ``grad`` to the DP-SGD estimate of ``loss``'s gradient (a mean over the batch's
-        ``size`` examples): per-example gradients clipped to C, summed, plus N(0, σ²C²), over qN."""
+        """Set each parameter's ``grad`` to the DP-SGD estimate of the objective's gradient. ``loss`` is the sum
+        over the batch's ``size`` examples of each one's value: their gradients clipped to C, summed, plus
+        N(0, σ²C²), over qN."""
         for p in params:
             p.grad = None
             p.grad_sample = None  # type: ignore[attr-defined]
@@ -150,7 +156,7 @@ class PrivateStep:
                 raise PrivacyError(f"parameter {names.get(id(p), '?')!r} got a gradient that Opacus did not split by "
                                    "example (it is used outside its module's forward); DP-SGD cannot bound it")
             if p.grad is not None:
-                err = float((gs.mean(0) - p.grad).norm())
+                err = float((gs.sum(0) - p.grad).norm())
                 err2, norm2 = err2 + err**2, norm2 + float(p.grad.norm()) ** 2
                 worst = max(worst, (names.get(id(p), "?"), err), key=lambda w: w[1])
             out.append(gs.detach())

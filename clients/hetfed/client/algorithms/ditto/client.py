@@ -34,6 +34,7 @@ from hetfed.client.training import (
     Forward,
     LossTerm,
     Objective,
+    PerExample,
     cross_entropy,
     epoch_batches,
     eval_mode,
@@ -53,9 +54,14 @@ _REFIT_STREAM = 0xD177
 _KERNEL_STREAM = 0xD1770
 
 
-def softmax_cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
-    """CrossEntropy(softmax(logits)): the reference code's model ends in a Softmax and trains with CrossEntropyLoss."""
+def _mean_softmax_cross_entropy(batch: Batch, out: Forward) -> torch.Tensor:
     return F.cross_entropy(torch.softmax(out.logits, dim=1), batch.y)
+
+
+softmax_cross_entropy = PerExample(
+    lambda batch, out: F.cross_entropy(torch.softmax(out.logits, dim=1), batch.y, reduction="none"),
+    _mean_softmax_cross_entropy, "softmax_cross_entropy")
+"""CrossEntropy(softmax(logits)): the reference code's model ends in a Softmax and trains with CrossEntropyLoss."""
 
 
 class LayerDrift:

@@ -33,6 +33,7 @@ from hetfed.client.training import (
     Forward,
     LossTerm,
     Objective,
+    PerExample,
     cross_entropy,
     data_free,
     epoch_batches,
@@ -212,21 +213,23 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         return terms
 
     def _private_alignment(self, p_class: np.ndarray) -> LossTerm:
-        """The alignment under DP-SGD, one term per example of the step's Poisson sample (a term over the fixed
-        batches B_i^k, or divided by the batch's own class counts, would mix examples): each example x of class k
-        weighs what it weighs in expectation, its class's weight over the expected q·n_i^k examples of k."""
+        """The alignment under DP-SGD, one value per example of the step's Poisson sample (a term over the fixed
+        batches B_i^k, or divided by the batch's own class counts, would mix examples). Example x of class k
+        carries its share of the alignment over the N training examples: N times its class's weight over the
+        n_i^k examples of k. DP-SGD divides the sum over the sample by qN, so the step's gradient estimates the
+        alignment's, and no example's value depends on the others."""
         assert self.global_means is not None and self.global_present is not None
         privacy, net = self.ctx.privacy, self.ctx.model
         assert privacy is not None
-        expected = np.maximum(privacy.q * self.counts.astype(np.float64), 1e-12)
-        if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², b_i^k the expected count
-            weight, lam = p_class / expected, self.cfg.lambda2
+        share = privacy.num_train / np.maximum(self.counts.astype(np.float64), 1e-12)
+        if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², over all n_i^k examples of k
+            weight, lam = p_class * share, self.cfg.lambda2
         else:  # the reference code's λ2·mean over class k's examples and dimensions of (g(x) − ē^k)²
-            weight, lam = 1.0 / (expected * self.cfg.latent_dim), 2 * self.cfg.lambda2
+            weight, lam = share / self.cfg.latent_dim, 2 * self.cfg.lambda2
         align = ClassMeanAlignment(lam, self.global_means,
                                    torch.as_tensor(weight, dtype=torch.float32, device=self.ctx.device),
                                    self.global_present)
-        return lambda batch, out: align(net.embed(batch.x), batch.y)
+        return PerExample(lambda batch, out: align.per_example(net.embed(batch.x), batch.y), name="private_alignment")
 
     @torch.no_grad()
     def private_class_means(self) -> ClassMeanEmbeddings:

@@ -45,6 +45,11 @@ class ClassMeanAlignment(nn.Module):
         sq = (z - self.centers[labels]).pow(2).sum(dim=1)
         return 0.5 * self.lambda2 * (self.class_weight[labels].to(sq.dtype) * sq).sum()
 
+    def per_example(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each latent's share of ``forward``'s sum, (λ2/2)·class_weight[y]·||g(x) - ē^y||², a tensor [n]."""
+        sq = (z - self.centers[labels]).pow(2).sum(dim=1)
+        return 0.5 * self.lambda2 * self.class_weight[labels].to(sq.dtype) * sq
+
 
 class BatchMeanSquaredAlignment(nn.Module):
     """The reference code's alignment: λ2·Σ_{k in the batch, ē^k set} mean_{x of class k, dims} (g(x) - ē^k)².

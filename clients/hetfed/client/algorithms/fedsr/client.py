@@ -31,7 +31,7 @@ from hetfed.client.algorithms.fedsr.losses import (
     predict_proba,
 )
 from hetfed.client.models import SplitModel, default_latent_dim, make_built
-from hetfed.client.training import Batch, Forward, LossTerm, cross_entropy, trainable
+from hetfed.client.training import Batch, Forward, LossTerm, PerExample, cross_entropy, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
 from hetfed.wire.specs.fedsr import FedSRConfig
@@ -136,7 +136,8 @@ class FedSRClient(ModelAveragingClient[FedSRConfig]):
         terms: list[LossTerm] = [cross_entropy]
         l2r, cmi = self.l2r, self.cmi
         if l2r is not None:
-            terms.append(lambda batch, out: l2r(out["z"]))
+            terms.append(PerExample(lambda batch, out: l2r.per_example(out["z"]), lambda batch, out: l2r(out["z"]),
+                                    "l2r"))
         if cmi is not None:
             terms.append(lambda batch, out: cmi(out["mu"], out["sigma"], batch.y))
         return terms

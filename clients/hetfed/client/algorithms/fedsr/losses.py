@@ -166,6 +166,13 @@ class L2RTerm(nn.Module):
         """The weighted penalty of a batch of representations (samples z, or a deterministic encoder's output)."""
         return self.alpha * l2_norm_penalty(z, squared=self.squared)
 
+    def per_example(self, z: torch.Tensor) -> torch.Tensor:
+        """Each representation's penalty α·‖z_b‖² (or α·‖z_b‖), a tensor [n] whose mean is ``forward``'s value."""
+        if z.dim() != 2:
+            raise ValueError(f"z must have shape (batch, z_dim), got {tuple(z.shape)}")
+        sq = z.pow(2).sum(dim=1)
+        return self.alpha * (sq if self.squared else sq.sqrt())
+
 
 def gaussian_kl(mu_q: torch.Tensor, sigma_q: torch.Tensor, mu_p: torch.Tensor,
                 sigma_p: torch.Tensor) -> torch.Tensor:
