@@ -347,3 +347,36 @@ def test_rmnist_cnn_left_channels_last_is_caught_by_the_decomposition_check() ->
     with pytest.raises(PrivacyError, match=r"'encoder\.\d\.weight'.*do not add up"):
         fit([Objective(model, torch.optim.SGD(model.parameters(), lr=0.05))], [batch])
 
+
+# ---------------------------------------------------------------------------------------------- empty samples
+def test_a_kept_objective_takes_no_step_on_an_empty_poisson_sample() -> None:
+    """Ditto's personal model beside a private one: on an empty sample it is not stepped (a mean over no example
+    is NaN), and its loss is the mean over the samples it stepped on; the private objective steps on both."""
+    led = ledger()
+    step = PrivateStep(0.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), led)
+    private, kept = tiny_model(0), tiny_model(1)
+    ref = copy.deepcopy(kept)
+    b = five()
+    batches = [Batch(b.x, b.y, private=step), Batch(b.x[:0], b.y[:0], private=step)]
+    result = fit([Objective(private, torch.optim.SGD(private.parameters(), lr=0.1)),
+                  Objective(kept, torch.optim.SGD(kept.parameters(), lr=0.1), kept=True)], batches)
+    plain = F.cross_entropy(ref(b.x), b.y)
+    assert result.losses[1] == pytest.approx(float(plain.detach()), abs=1e-12)
+    plain.backward()
+    assert torch.allclose(weight(kept), weight(ref) - 0.1 * grad(weight(ref)), rtol=0, atol=1e-12)
+    assert result.steps == 2 and led.pending == [Release(Q, 0.0, 2)]
+
+
+def test_data_free_terms_step_on_an_empty_poisson_sample_too() -> None:
+    """An empty sample: the privatised gradient is the noise alone (σ = 0 here), the proximal term's is added as
+    on any other sample, and the reported loss is its value."""
+    model = tiny_model()
+    w0 = weight(model).detach().clone()
+    prox = data_free(lambda b, o: 5.0 * (weight(model) ** 2).sum())
+    step = PrivateStep(0.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), ledger())
+    b = five()
+    grads, loss = private_grads(model, [cross_entropy, prox], step, Batch(b.x[:0], b.y[:0]))
+    assert torch.equal(grads[0], 10 * w0)
+    assert torch.equal(grads[1], torch.zeros(3, dtype=torch.float64))
+    assert loss == pytest.approx(float(5.0 * (w0**2).sum()), abs=1e-12)
+

@@ -111,3 +111,34 @@ def test_a_subset_streams_its_own_rows() -> None:
     assert torch.equal(StreamData(part, CPU).take(np.array([0])).x[0], torch.from_numpy(ds.x[3]))
     with pytest.raises(ValueError, match=r"StreamedDataset.y must have shape \(37,\)"):
         StreamedDataset(Rows(ds.x, ds.y), ds.y[:5], ds.input_shape)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_poisson_sample_streams_as_an_empty_batch(workers: int) -> None:
+    """At q = 0.02 over 37 examples about half the Poisson samples are empty: each comes back as a batch of no
+    example, of the inputs' shape, read from no file; the others equal the resident set's, and DP-SGD steps on
+    them all."""
+    from hetfed.client.privacy.ledger import Ledger, Release
+    from hetfed.client.privacy.mechanisms import PrivateData, PrivateStep
+
+    def private(data: DeviceData | StreamData) -> PrivateData:
+        step = PrivateStep(1.0, 1.0, 0.02, 0.74, torch.Generator().manual_seed(9),
+                           Ledger("run", "org", 1e-5, "rdp", 1.0, 1.0))
+        return PrivateData(data, step)
+
+    ds = arrays()
+    rows = Rows(ds.x, ds.y)
+    stream = private(StreamData(StreamedDataset(rows, ds.y, ds.input_shape), CPU, num_workers=workers))
+    resident = list(private(DeviceData.of(ds, CPU)).poisson_batches(12))
+    streamed_batches = list(stream.poisson_batches(12))
+    sizes = [len(b.y) for b in streamed_batches]
+    assert sizes == [len(b.y) for b in resident] and 0 in sizes and max(sizes) > 0
+    for a, b in zip(resident, streamed_batches, strict=True):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and b.private is stream.step
+        assert b.x.shape[1:] == (1, 6, 6) and b.x.dtype == torch.float32 and b.y.dtype == torch.int64
+    if workers == 0:
+        assert rows.reads == sum(sizes)
+    model = build_model("mlp", (1, 6, 6), 3, seed=0)
+    result = fit([Objective(model, make_optimizer(list(model.parameters()), TrainConfig(lr=0.1)))],
+                 stream.poisson_batches(12))
+    assert result.steps == 12 and stream.step.ledger.pending == [Release(0.02, 1.0, 12)]

@@ -117,22 +117,33 @@ class StreamData:
         """The examples at ``idx`` as one batch on the device (read now)."""
         rows = [int(i) for i in np.asarray(idx).reshape(-1)]
         if not rows:
-            return Batch(torch.zeros((0, *self.ds.input_shape), device=self._device),
-                         torch.zeros(0, dtype=torch.int64, device=self._device))
+            return self._empty()
         x, y = torch.utils.data.default_collate([self.ds.dataset[i] for i in rows])
         return self._to_device(torch.as_tensor(x), torch.as_tensor(y))
+
+    def _empty(self) -> Batch:
+        """A batch of no example, of the inputs' shape (collating nothing fails)."""
+        return Batch(torch.zeros((0, *self.ds.input_shape), device=self._device),
+                     torch.zeros(0, dtype=torch.int64, device=self._device))
 
     def take_at(self, idx: torch.Tensor) -> Batch:
         """The examples at ``idx`` (an index tensor) as one batch."""
         return self.take(idx.cpu().numpy())
 
     def batches(self, indices: Iterable[torch.Tensor | slice]) -> Iterator[Batch]:
-        """One batch per element of ``indices`` (index tensors or slices), streamed through the DataLoader."""
+        """One batch per element of ``indices`` (index tensors or slices), streamed through the DataLoader; an
+        empty element (a Poisson sample of no example) gives an empty batch without a read."""
         n = len(self)
-        self._order.batches = [list(range(*i.indices(n))) if isinstance(i, slice) else i.cpu().tolist()
-                               for i in indices]
-        for x, y in self._loader:
-            yield self._to_device(x, y)
+        order = [list(range(*i.indices(n))) if isinstance(i, slice) else i.cpu().tolist() for i in indices]
+        self._order.batches = [rows for rows in order if rows]
+        loaded = iter(self._loader)
+        for rows in order:
+            if rows:
+                x, y = next(loaded)
+                yield self._to_device(x, y)
+            else:
+                yield self._empty()
+        next(loaded, None)  # ends the loader's pass
 
 
 DataSource = Union[DeviceData, StreamData, "PrivateData"]
@@ -274,11 +285,14 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
         apply_lr_factor(o.optimizer)
     caps = [_capped(o.optimizer) for o in objectives]
     totals: list[float | torch.Tensor] = [0.0] * len(objectives)
+    taken = [0] * len(objectives)
     steps = 0
     for batch in batches:
         for i, o in enumerate(objectives):
             if batch.private is not None and not o.kept:
                 loss = _private_step(o, batch, batch.private)
+            elif batch.private is not None and batch.y.shape[0] == 0:
+                continue  # a kept model's step on an empty Poisson sample: no example, no step (a mean of none is NaN)
             else:
                 loss = summed(o.terms, batch, o.forward(o.model, batch))
                 o.optimizer.zero_grad(set_to_none=True)
@@ -292,10 +306,11 @@ def fit(objectives: Sequence[Objective], batches: Iterable[Batch]) -> FitResult:
                 nn.utils.clip_grad_norm_(params, cap)
             o.optimizer.step()
             totals[i] = totals[i] + loss.detach().to(torch.float64)
+            taken[i] += 1
         if batch.private is not None:
             batch.private.end_batch()
         steps += 1
-    means = [float(t) / max(steps, 1) for t in totals]
+    means = [float(t) / max(n, 1) for t, n in zip(totals, taken, strict=True)]
     for i, (o, mean) in enumerate(zip(objectives, means, strict=True)):
         if not math.isfinite(mean):  # one check per round, on the value read anyway: no wait per step
             which = f"objective {i + 1} of {len(objectives)}: " if len(objectives) > 1 else ""
@@ -323,15 +338,16 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
     free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
     step.begin(o.model)
     try:
-        if size == 0:  # an empty Poisson sample: the step is noise alone
+        if size == 0:  # an empty Poisson sample: the privatised gradient is noise alone (no forward pass)
+            out = Forward(batch.x.new_zeros((0, 0)))
             loss = torch.zeros((), device=batch.y.device)
             step.backward(o.model, params, loss, 0)
-            return loss
-        out = o.forward(o.model, batch)
-        values = _per_example_values(example_terms, batch, out, size)
-        step.backward(o.model, params, values.sum(), size)
-        loss = values.detach().mean()
-        if free_terms:
+        else:
+            out = o.forward(o.model, batch)
+            values = _per_example_values(example_terms, batch, out, size)
+            step.backward(o.model, params, values.sum(), size)
+            loss = values.detach().mean()
+        if free_terms:  # on every sample, the empty one too: they depend on no example
             free = summed(free_terms, batch, out)
             for p, g in zip(params, torch.autograd.grad(free, params, allow_unused=True), strict=True):
                 if g is not None:
