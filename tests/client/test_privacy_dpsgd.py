@@ -380,3 +380,45 @@ def test_data_free_terms_step_on_an_empty_poisson_sample_too() -> None:
     assert torch.equal(grads[1], torch.zeros(3, dtype=torch.float64))
     assert loss == pytest.approx(float(5.0 * (w0**2).sum()), abs=1e-12)
 
+
+# ---------------------------------------------------------------------------------------------- buffers
+class RunningMean(nn.Module):
+    """A linear layer with a float buffer: the running mean of its inputs in training (when ``tracks``), and a
+    constant scale."""
+
+    def __init__(self, tracks: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3).double()
+        self.tracks = tracks
+        self.register_buffer("running_mean", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.seen += 1  # an integer count of steps: no example's values in it
+                if self.tracks:
+                    self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return cast(torch.Tensor, self.lin(x * self.scale))
+
+
+def test_a_float_buffer_a_private_step_changes_is_refused_naming_it() -> None:
+    """The running mean would leave with the model without clipping or noise: one line naming it. A constant
+    float buffer and an integer count are fine; without DP the same model trains."""
+    b = five()
+    tracking = RunningMean(tracks=True)
+    step = PrivateStep(1.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), ledger())
+    with pytest.raises(PrivacyError, match=r"buffer 'running_mean' changed in a private step: a buffer a private "
+                                           r"step changes would leave unnoised") as err:
+        fit([Objective(tracking, torch.optim.SGD(tracking.parameters(), lr=0.1))], [Batch(b.x, b.y, private=step)])
+    assert "\n" not in str(err.value)
+    still = RunningMean(tracks=False)
+    led = ledger()
+    step = PrivateStep(1.0, 1.0, Q, EXPECTED, torch.Generator().manual_seed(0), led)
+    fit([Objective(still, torch.optim.SGD(still.parameters(), lr=0.1))], [Batch(b.x, b.y, private=step)])
+    assert int(still.seen) == 1 and led.pending == [Release(Q, 1.0, 1)]
+    plain = RunningMean(tracks=True)
+    fit([Objective(plain, torch.optim.SGD(plain.parameters(), lr=0.1))], [Batch(b.x, b.y)])
+    assert torch.allclose(plain.running_mean, 0.1 * b.x.mean(0), rtol=0, atol=1e-15)

@@ -353,6 +353,7 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
                 if g is not None:
                     p.grad = p.grad + g if p.grad is not None else g
             loss = loss + free.detach()
+        step.check_buffers(o.model)
         return loss
     finally:
         step.end(o.model)

@@ -90,6 +90,8 @@ class PrivateStep:
         # Objectives privatised on the batch being stepped (k objectives on one sample: one release of
         # sensitivity √k·C, accounted as noise multiplier σ/√k).
         self._on_batch = 0
+        # The stepped model's floating-point buffers before the step's forward pass (see check_buffers).
+        self._buffers: list[tuple[str, torch.Tensor]] = []
 
     def _hooks_for(self, model: nn.Module) -> object:
         from opacus.grad_sample import GradSampleHooks
@@ -109,11 +111,25 @@ class PrivateStep:
         return self._hooks[key][1]
 
     def begin(self, model: nn.Module) -> None:
-        """Before the forward pass of a private step: capture activations for per-example gradients."""
+        """Before the forward pass of a private step: capture activations for per-example gradients, and keep
+        the model's floating-point buffers to check after the step."""
         self._hooks_for(model).enable_hooks()  # type: ignore[attr-defined]
+        self._buffers = [(name, b.detach().clone()) for name, b in model.named_buffers() if b.is_floating_point()]
+
+    def check_buffers(self, model: nn.Module) -> None:
+        """After the step: a floating-point buffer the step changed (a running mean of the batch) is computed from
+        the examples without clipping or noise, and would leave with the model; refused."""
+        if not self._buffers:
+            return
+        now = dict(model.named_buffers())
+        for name, before in self._buffers:
+            if not torch.equal(now[name], before):
+                raise PrivacyError(f"buffer {name!r} changed in a private step: a buffer a private step changes "
+                                   "would leave unnoised; keep it constant in training (or out of the model)")
 
     def end(self, model: nn.Module) -> None:
         """After the step: stop capturing (evaluation and public-data steps keep no activations)."""
+        self._buffers = []
         hooks = self._hooks_for(model)
         hooks.disable_hooks()  # type: ignore[attr-defined]
         for p in model.parameters():
