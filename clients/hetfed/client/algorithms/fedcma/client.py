@@ -222,7 +222,7 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         privacy, net = self.ctx.privacy, self.ctx.model
         assert privacy is not None
         share = privacy.num_train / np.maximum(self.counts.astype(np.float64), 1e-12)
-        if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², over all n_i^k examples of k
+        if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², b_i^k = n_i^k here
             weight, lam = p_class * share, self.cfg.lambda2
         else:  # the reference code's λ2·mean over class k's examples and dimensions of (g(x) − ē^k)²
             weight, lam = share / self.cfg.latent_dim, 2 * self.cfg.lambda2
