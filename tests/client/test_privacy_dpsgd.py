@@ -386,6 +386,10 @@ class RunningMean(nn.Module):
     """A linear layer with a float buffer: the running mean of its inputs in training (when ``tracks``), and a
     constant scale."""
 
+    running_mean: torch.Tensor
+    scale: torch.Tensor
+    seen: torch.Tensor
+
     def __init__(self, tracks: bool) -> None:
         super().__init__()
         torch.manual_seed(0)

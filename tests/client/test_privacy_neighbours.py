@@ -26,7 +26,7 @@ from hetfed.client.data.seedset import SeedSet
 from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.client.privacy.mechanisms import PrivateData, PrivateStep, prepare_model
 from hetfed.client.privacy.session import PrivacySession
-from hetfed.client.training import Batch, DeviceData, Forward, trainable
+from hetfed.client.training import Batch, DeviceData, Forward, PerExample, trainable
 from hetfed.wire.payloads import ClassMeanEmbeddings, EvalMetrics, HeadWeights, Received
 from hetfed.wire.specs import get_spec
 
@@ -199,12 +199,13 @@ def test_fedcma_alignment_gradient_does_not_scale_with_the_realised_batch() -> N
     x, y = examples(1, 6, [2])
     x = x * 3.0
     half = private_half("fedcma_paper", x, y)
+    assert isinstance(half, FedCMAClient)
     half.setup(7)
     half.counts = COUNTS.copy()
-    assert isinstance(half, FedCMAClient)
     half._receive(Received([ClassMeanEmbeddings(np.arange(K), MEANS, TOTALS, np.ones(K, dtype=bool)),
                             HeadWeights(np.full((K, 2), 0.2, np.float32), np.zeros(K, np.float32))]))
     ce, _, align = half.terms()
+    assert isinstance(align, PerExample)
     model = half.ctx.model
     params = trainable(model)
     one = Batch(x, y)
@@ -247,6 +248,7 @@ def test_the_reported_loss_is_the_batch_mean_of_the_per_example_objective() -> N
     with torch.no_grad():
         model.head.weight.fill_(0.1)  # away from v̄, so the consensus is not zero
     _, consensus, align = half.terms()
+    assert isinstance(align, PerExample)
     batch = Batch(*BASE)
     with torch.no_grad():
         out = Forward(model(BASE[0]))
