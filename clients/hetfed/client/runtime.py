@@ -210,11 +210,13 @@ class ClientRuntime:
         if not cfg.privacy.enabled:  # before the imports: dp-accounting (and scipy) cost a client without DP 65 MB
             return None
         from hetfed.client.privacy.ledger import LedgerError
+        from hetfed.client.privacy.mechanisms import PrivacyError
         from hetfed.client.privacy.session import PrivacySession
 
         try:
-            session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device)
-        except LedgerError as exc:
+            session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device,
+                                     groups=data.train.groups)
+        except (LedgerError, PrivacyError) as exc:
             raise ClientError(str(exc), permanent=True) from None
         budget, spent = cfg.privacy.epsilon_budget, session.spent()
         if budget is not None and spent >= budget:

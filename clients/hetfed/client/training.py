@@ -156,6 +156,9 @@ class Batch:
     y: torch.Tensor
     # Set on batches of private examples under DP (hetfed.client.privacy): every step on them is DP-SGD's.
     private: PrivateStep | None = None
+    # Under group-level DP (privacy.unit = "group"): each example's group in the batch, 0 .. g-1, whose summed
+    # gradient DP-SGD clips as one.
+    groups: torch.Tensor | None = None
 
 
 @dataclass
@@ -299,7 +302,7 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
         out = o.forward(o.model, batch)
         free_terms = [t for t in o.terms if getattr(t, "data_free", False)]
         loss = summed([t for t in o.terms if not getattr(t, "data_free", False)], batch, out)
-        step.backward(o.model, params, loss, size)
+        step.backward(o.model, params, loss, size, batch.groups)
         if free_terms:
             free = summed(free_terms, batch, out)
             for p, g in zip(params, torch.autograd.grad(free, params, allow_unused=True), strict=True):

@@ -15,7 +15,7 @@ from hetfed.wire.config import check
 
 @dataclass(frozen=True)
 class PrivacyConfig:
-    """Sample-level (ε, δ) differential privacy of everything this organization sends.
+    """(ε, δ) differential privacy of everything this organization sends, per record or per group (``unit``).
 
     DP is on when any of ``epsilon_budget``, ``target_epsilon`` and ``noise_multiplier`` is set. The noise
     multiplier σ is given, or solved so that the run's planned rounds spend ``target_epsilon`` (the budget when
@@ -44,6 +44,16 @@ class PrivacyConfig:
     # Seed of the noise and of the Poisson batch sampling; -1: fresh OS entropy at every start (the secure choice:
     # whoever knows the seed can subtract the noise). A fixed seed makes experiments repeatable.
     noise_seed: int = -1
+    # What one neighbour is: "record" (one training example) or "group" (every example of one group id the data
+    # gives: a patient, a device, a site). "group" samples whole groups, clips each group's summed gradient to C
+    # and accounts at the group sampling rate (user-level DP-SGD, McMahan et al. 2018).
+    unit: Literal["record", "group"] = "record"
+    # Under unit = "group": a sampled group contributes at most this many examples (a seeded choice from the
+    # secret generator), which bounds a step's memory; the clipping bounds the privacy whatever the size.
+    max_examples_per_group: int = 64
+    # Noise and Poisson samples from a cryptographically secure generator (a ChaCha20 keystream keyed from
+    # os.urandom) with the floating-point guard of Opacus' secure mode; excludes a fixed noise_seed.
+    secure_mode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("epsilon_budget", "target_epsilon", "noise_multiplier", "delta"):
@@ -60,6 +70,11 @@ class PrivacyConfig:
         check(self.epsilon_budget is None or self.target_epsilon is None or self.target_epsilon <= self.epsilon_budget,
               f"target_epsilon ({self.target_epsilon}) exceeds epsilon_budget ({self.epsilon_budget})")
         check(self.noise_seed >= -1, f"noise_seed must be >= 0, or -1 for OS entropy, got {self.noise_seed}")
+        check(not (self.secure_mode and self.noise_seed >= 0),
+              f"secure_mode refuses a fixed noise_seed ({self.noise_seed}): the noise must be unpredictable; "
+              "leave noise_seed at -1")
+        check(self.max_examples_per_group >= 1,
+              f"max_examples_per_group must be >= 1, got {self.max_examples_per_group}")
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +89,8 @@ class PrivacyConfig:
         return self.target_epsilon if self.target_epsilon is not None else self.epsilon_budget
 
     def delta_for(self, num_examples: int) -> float:
-        """δ for an organization with ``num_examples`` training examples: the configured one, else 1/N²."""
+        """δ for an organization with ``num_examples`` training examples (its number of groups under
+        ``unit = "group"``): the configured one, else 1/N²."""
         if self.delta is not None:
             return self.delta
         return 1.0 / max(int(num_examples), 2) ** 2

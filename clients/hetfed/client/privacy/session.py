@@ -8,12 +8,19 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.client.privacy.ledger import Ledger, Release, solve_noise_multiplier
-from hetfed.client.privacy.mechanisms import PrivateData, PrivateStep, secret_generator
+from hetfed.client.privacy.mechanisms import (
+    NoiseSource,
+    PrivacyError,
+    PrivateData,
+    PrivateStep,
+    secret_generator,
+)
 from hetfed.wire.privacy import PrivacyDeclaration
 
 if TYPE_CHECKING:
@@ -30,11 +37,20 @@ class PrivacySession:
     """The privacy of one organization in one run, from join to its last upload."""
 
     def __init__(self, cfg: PrivacyConfig, run: str, organization: str, state_dir: str | None, num_train: int,
-                 device: torch.device) -> None:
+                 device: torch.device, groups: np.ndarray | None = None) -> None:
         self.cfg = cfg
         self.organization = organization
         self.num_train = int(num_train)
-        self.delta = cfg.delta_for(num_train)
+        # Under unit = "group": every training example's group id; the unit of privacy is the group.
+        self.groups: np.ndarray | None = None
+        if cfg.unit == "group":
+            if groups is None:
+                raise PrivacyError(f"{organization}: privacy.unit = \"group\" needs a group id per training example, "
+                                   "and this organization's data gives none (docs/data.md: group ids)")
+            self.groups = np.asarray(groups)
+        # G: the units one neighbour adds or removes (training examples, or groups).
+        self.units = self.num_train if self.groups is None else int(np.unique(self.groups).size)
+        self.delta = cfg.delta_for(self.units)
         self.q = 0.0
         self.device = device
         self.ledger = Ledger.open(state_dir, run, organization, delta=self.delta, accountant=cfg.accountant,
@@ -48,7 +64,9 @@ class PrivacySession:
         self.hooked: dict[int, tuple[nn.Module, object]] = {}
 
     def set_batch_size(self, batch_size: int) -> None:
-        """Poisson sampling at rate q = B/N: the expected batch is the run's batch size."""
+        """Poisson sampling at rate q = B/N: the expected batch is the run's batch size. Under unit = "group" the
+        same q samples groups: the expected batch is B_g = qG = B/(N/G) groups, the batch size over the mean
+        group size (about B examples, fewer where ``max_examples_per_group`` caps a group)."""
         self.q = min(1.0, batch_size / max(self.num_train, 1))
 
     @property
@@ -73,6 +91,9 @@ class PrivacySession:
     def plan(self, mechanism: str, setup: Sequence[Release], per_round: Sequence[Release], rounds: int) -> float:
         """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the setup releases
         and ``rounds`` rounds of ``per_round`` spend the target ε (their ``sigma`` are multiples of σ)."""
+        if self.cfg.unit == "group" and mechanism != "dp-sgd":
+            raise PrivacyError(f"privacy.unit = \"group\" serves DP-SGD alone, and {mechanism} also releases "
+                               "class sums and counts computed per record; use unit = \"record\"")
         self.mechanism = mechanism
         self._setup, self._per_round = list(setup), list(per_round)
         if self.ledger.noise_multiplier <= 0:
@@ -105,28 +126,31 @@ class PrivacySession:
 
     def wrap(self, train: DataSource) -> PrivateData:
         """The training set as the training loop reads it under DP-SGD (its step set per round)."""
-        self._data = PrivateData(train, self.step_for(0, 0))
+        self._data = PrivateData(train, self.step_for(0, 0), self.groups, self.cfg.max_examples_per_group)
         return self._data
 
-    def generator(self, round_: int, round_seed: int) -> torch.Generator:
+    def generator(self, round_: int, round_seed: int) -> NoiseSource:
         """This round's secret generator; a redone round (after a restart) draws other noise, since the ledger
-        kept the first attempt's releases."""
+        kept the first attempt's releases. In secure mode a ChaCha20 keystream under a fresh key."""
         return secret_generator(self.cfg.noise_seed, [round_, round_seed, self.organization,
-                                                      sum(r.count for r in self.ledger.releases)], self.device)
+                                                      sum(r.count for r in self.ledger.releases)], self.device,
+                                secure=self.cfg.secure_mode)
 
     def step_for(self, round_: int, round_seed: int) -> PrivateStep:
-        """This round's DP-SGD step (its noise and Poisson samples from the round's secret generator)."""
-        return PrivateStep(self.sigma, self.clip_norm, self.q, self.q * self.num_train,
-                           self.generator(round_, round_seed), self.ledger, self.hooked)
+        """This round's DP-SGD step (its noise and Poisson samples from the round's secret generator), over the
+        expected batch qG (G examples, or groups)."""
+        return PrivateStep(self.sigma, self.clip_norm, self.q, self.q * self.units,
+                           self.generator(round_, round_seed), self.ledger, self.hooked,
+                           grouped=self.groups is not None)
 
-    def begin_round(self, round_: int, round_seed: int) -> torch.Generator:
+    def begin_round(self, round_: int, round_seed: int) -> NoiseSource:
         """Set up a round's private step; returns its generator for the algorithm's own releases."""
         assert self._data is not None
         self._data.step = self.step_for(round_, round_seed)
         return self._data.step.generator
 
     @property
-    def generator_now(self) -> torch.Generator:
+    def generator_now(self) -> NoiseSource:
         """The current round's secret generator (for an algorithm's own releases)."""
         assert self._data is not None
         return self._data.step.generator
