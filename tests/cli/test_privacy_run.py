@@ -94,6 +94,13 @@ def test_the_noise_seed_follows_the_runs_seed_unless_given() -> None:
     assert lr.client_config(p, "fedavg", 2, 1)["privacy"] == {"noise_multiplier": 1.1, "noise_seed": -1}
 
 
+def test_secure_mode_gets_no_noise_seed_from_the_runs_seed() -> None:
+    """A local run fixes no noise seed under secure_mode, which refuses one: the clients draw fresh keys."""
+    p = lr.plan(options("--seed", "7", "--set", "privacy.noise_multiplier=1.1", "--set", "privacy.secure_mode=true"))
+    cfg = lr.client_config(p, "fedavg", 0, 1)["privacy"]
+    assert cfg == {"noise_multiplier": 1.1, "secure_mode": True, "noise_seed": -1}
+
+
 def test_without_privacy_nothing_changes(tmp_path: Path) -> None:
     p = lr.plan(lr.LocalRunOptions(algorithms=("fedavg",)))
     assert "privacy" not in lr.client_config(p, "fedavg", 0, 1)

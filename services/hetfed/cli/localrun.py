@@ -355,7 +355,8 @@ def _client_of(opts: LocalRunOptions, run_id: str, data: DataConfig, model: str,
                privacy: PrivacyConfig, artifacts: bool) -> ClientConfig:
     """An organization's client config in run ``run_id``, but for the aggregator's address and its certificate."""
     organization = f"org-{data.client_index}"
-    if privacy.enabled and "noise_seed" not in opts.privacy:
+    # Secure mode draws its noise from a fresh key, never a seed, so a local run does not fix one for it.
+    if privacy.enabled and not privacy.secure_mode and "noise_seed" not in opts.privacy:
         privacy = dataclasses.replace(privacy, noise_seed=noise_seed(opts.seed, data.client_index))
     return ClientConfig(
         organization=organization, run=run_id, threads=CLIENT_THREADS, data=data,
