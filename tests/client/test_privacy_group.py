@@ -196,6 +196,34 @@ def test_group_sampler_draws_whole_groups_from_the_generators_sequence() -> None
     assert sum(sizes) > 0 and len(sizes) == steps
 
 
+class Rows(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Example i is ((i, i), i mod 10), read one at a time as a factory's dataset is."""
+
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(i), float(i)]), i % 10
+
+
+def test_group_batches_of_a_streamed_set_keep_each_rows_group() -> None:
+    """A streamed set reads every draw before its batches: each batch still gets its own group index, the same
+    rows and groups as the resident set gives from the same seed."""
+    from hetfed.client.data.core import StreamedDataset
+    from hetfed.client.training import StreamData
+
+    ids = patients()
+    streamed = StreamData(StreamedDataset(Rows(), np.arange(300) % 10, (2,), groups=ids), CPU)
+
+    def batches(data: DeviceData | StreamData) -> list[tuple[list[int], list[int]]]:
+        step = PrivateStep(1.0, 1.0, 0.2, 10.2, torch.Generator().manual_seed(9), ledger(), grouped=True)
+        return [(b.x[:, 0].long().tolist(), b.groups.tolist())  # type: ignore[union-attr]
+                for b in PrivateData(data, step, ids, 8).poisson_batches(12)]
+
+    got = batches(streamed)
+    assert got == batches(indexed(300)) and sum(len(rows) for rows, _ in got) > 0
+
+
 def test_group_sampler_rate_is_q_per_group() -> None:
     """Over 2,000 seeded steps each of the 51 groups is in a batch at rate q = 0.1: the pooled rate is within 5
     standard errors √(q(1−q)/(51·2000)), and the number of groups per batch has variance Gq(1−q) (a binomial,
@@ -285,3 +313,23 @@ def test_the_planner_solves_sigma_at_the_group_rate_and_delta() -> None:
     sigma = s.plan("dp-sgd", [], [Release(s.q, 1.0, 10)], 5)
     assert sigma == solve_noise_multiplier([Release(s.q, 1.0, 50)], 2.0, 1 / 51**2)
     assert sigma != solve_noise_multiplier([Release(s.q, 1.0, 50)], 2.0, 1 / 300**2)
+
+
+def test_the_client_hands_its_training_sets_group_ids_to_the_session() -> None:
+    """The client's runtime gives the session the training set's group ids (3 patients: δ = 1/9), and stops for
+    good, in one line, before joining when ``unit = "group"`` meets data without them."""
+    from hetfed.client.config import ClientConfig
+    from hetfed.client.data.core import ArrayDataset, ClientData
+    from hetfed.client.runtime import ClientError, ClientRuntime
+
+    def data(groups: np.ndarray | None) -> ClientData:
+        train = ArrayDataset(np.zeros((6, 2)), np.zeros(6), groups=groups)
+        return ClientData(train=train, test=train, global_test=None, num_classes=2, input_shape=(2,), name="t")
+
+    runtime = ClientRuntime(ClientConfig(organization="org", run="r",
+                                         privacy=PrivacyConfig(noise_multiplier=1.0, unit="group")))
+    s = runtime._privacy_session(data(np.array([4, 4, 5, 5, 5, 9])), CPU)
+    assert s is not None and s.units == 3 and s.delta == 1 / 9
+    with pytest.raises(ClientError, match=r"^org: privacy\.unit = \"group\" needs a group id") as err:
+        runtime._privacy_session(data(None), CPU)
+    assert err.value.permanent and "\n" not in str(err.value)
