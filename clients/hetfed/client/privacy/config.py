@@ -48,7 +48,7 @@ class PrivacyConfig:
     # gives: a patient, a device, a site). "group" samples whole groups, clips each group's summed gradient to C
     # and accounts at the group sampling rate (user-level DP-SGD, McMahan et al. 2018).
     unit: Literal["record", "group"] = "record"
-    # Under unit = "group": a sampled group contributes at most this many examples (a seeded choice from the
+    # Under unit = "group": a sampled group contributes at most this many examples (a random choice from the
     # secret generator), which bounds a step's memory; the clipping bounds the privacy whatever the size.
     max_examples_per_group: int = 64
     # Noise and Poisson samples from a cryptographically secure generator (a ChaCha20 keystream keyed from
