@@ -393,4 +393,4 @@ def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_say
         export(tmp_path / "hooked")
     session.release()
     card = json.loads(export(tmp_path / "model").read_text())
-    assert card["privacy"] == figures and figures["epsilon"] > 0
+    assert card["privacy"] == {**figures, "differentially_private": True} and figures["epsilon"] > 0

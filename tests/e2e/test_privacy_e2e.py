@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -425,7 +426,45 @@ def test_hetfed_run_with_a_budget_keeps_every_organization_within_it(tmp_path: P
         per_round = [r["per_organization"][org]["privacy_epsilon"] for r in run["rounds"]]
         assert per_round == sorted(per_round) and per_round[-1] == figures["epsilon"]
     assert 0 < privacy["epsilon_max"] <= 3
+    # Nothing computed from private data reached the aggregator: every figure is "withheld", never 0 or a mean.
+    assert run["final_test_accuracy"] == "withheld" and run["final_withheld_by"] == ["org-0", "org-1"]
+    reported = [r for r in run["rounds"] if r["per_organization"]]
+    assert len(reported) == 3  # two training rounds and the evaluate round
+    for r in reported:
+        assert (r["test_accuracy"], r["train_loss"], r["withheld_by"]) == ("withheld", "withheld", ["org-0", "org-1"])
+        for m in r["per_organization"].values():
+            assert {k: m[k] for k in ("test_accuracy", "test_loss", "train_loss", "num_test_examples")} == dict.fromkeys(
+                ("test_accuracy", "test_loss", "train_loss", "num_test_examples"), "withheld")
+            assert {k for k, v in m.items() if v != "withheld"} == {"evaluated_round", *[f"privacy_{k}" for k in (
+                "epsilon", "delta", "noise_multiplier", "clip_norm")]}
+    lines = [line for line in proc.stdout.splitlines() if line.strip().strip("│|").strip().startswith("fedavg")]
+    row, progress = lines[-1], lines[:-1]  # the table's row comes last, after the progress lines
+    assert row.split()[1] == "withheld", row
+    assert any("acc withheld" in line for line in progress) and not any("acc " in line and "%" in line
+                                                                        for line in progress), progress
+    # The organizations' exact figures (in their own logs only) appear nowhere the aggregator wrote or served.
+    exact = _exact_figures(out)
+    assert len(exact) >= 2 * 3  # two organizations, three rounds, a test loss each at least
+    shown = _numbers(json.dumps(run)) | {n for f in (out / "state").rglob("*") if f.is_file() for n in
+                                         _numbers(f.read_bytes().decode("utf-8", "replace"))}
+    assert not [v for v in exact if any(math.isclose(v, n, rel_tol=5e-6) for n in shown)]
     # What hetfed run wrote: a [privacy] table in every client config, require_privacy in the run config.
     assert json.loads((out / "aggregator.json").read_text())["runs"][0]["require_privacy"] is True
     for i in range(2):
         assert json.loads((out / f"client-fedavg-org-{i}.json").read_text())["privacy"]["epsilon_budget"] == 3
+
+
+EXACT_LINE = re.compile(r"\(exact, not sent\): train_loss=(\S+) test_accuracy=(\S+) test_loss=(\S+)")
+
+
+def _exact_figures(out: Path) -> list[float]:
+    """The exact figures the organizations logged in ``out`` (their own logs), but for whole numbers (an accuracy
+    of 0 or 1 equals a round number or C by chance)."""
+    values = [float(v) for log in out.glob("client-*.log") for m in EXACT_LINE.finditer(log.read_text())
+              for v in m.groups()]
+    return [v for v in values if v != round(v)]
+
+
+def _numbers(text: str) -> set[float]:
+    """Every decimal number written in ``text``."""
+    return {float(t) for t in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)}

@@ -119,6 +119,11 @@ class CriteriaEmbeddings:
     kind = PayloadKind.CRITERIA_EMBEDDINGS
 
 
+WITHHELD = "withheld"
+"""How results, tables and reports show a figure an organization withheld under its privacy settings
+(docs/privacy.md): never 0, and never averaged in."""
+
+
 @dataclass(frozen=True)
 class EvalMetrics:
     """Training and evaluation figures a client reports for a round.

@@ -97,7 +97,7 @@ def release_set(sums: SetSums, noise_multiplier: float, loss_bound: float,
     denominator = max(count, 1.0)
     return ReleasedSet(accuracy=min(max(correct / denominator, 0.0), 1.0),
                        loss=min(max(loss / denominator, 0.0), loss_bound),
-                       count=max(int(round(count)), 0))
+                       count=max(round(count), 0))
 
 
 def set_release(noise_multiplier: float, sets: int = 1) -> Release:
