@@ -298,11 +298,12 @@ def throughput(summary: Mapping[str, Any], aggregator_rate: float | None) -> dic
     if len(train) < 2:
         return {}
     a, b = train[0]["per_organization"], train[-1]["per_organization"]
-    if not all("train_cpu_seconds" in m for m in (*a.values(), *b.values())):
+    keys = ("train_cpu_seconds", "train_wall_seconds", "process_cpu_seconds")
+    # Under [privacy] an organization withholds its timing (it grows with its data): no throughput then.
+    if not all(m.get(k, WITHHELD) != WITHHELD for m in (*a.values(), *b.values()) for k in keys):
         return {}
     rounds = train[-1]["round"] - train[0]["round"]
     wall = sum(r["duration_seconds"] for r in train[1:])
-    keys = ("train_cpu_seconds", "train_wall_seconds", "process_cpu_seconds")
     d = {org: {k: b[org][k] - a[org][k] for k in keys} for org in a if org in b}
     clients_cpu = sum(x["process_cpu_seconds"] for x in d.values())
     train_cpu = sum(x["train_cpu_seconds"] for x in d.values())

@@ -122,7 +122,7 @@ def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization
             # A withheld figure's name is stored and shown like a reported one, so it counts against the same limits.
             named = len(p.extra) + len(p.withheld)
             if named > limits.max_metrics_per_report:
-                raise WireError("oversized", f"eval_metrics carries {named} named figures (withheld ones included); "
+                raise WireError("oversized", f"eval_metrics carries {named} named figures; "
                                              f"at most {limits.max_metrics_per_report} (server.max_metrics_per_report)")
             for name in (*p.extra, *p.withheld):
                 bad = bad_name(name, limits.max_name_chars)
