@@ -189,3 +189,47 @@ def test_dittos_deployed_model_is_declared_outside_dp_and_the_others_inside() ->
     from hetfed.client.algorithms.fedavg import FedAvgClient
 
     assert DittoClient.deployed_under_dp is False and FedAvgClient.deployed_under_dp is True
+
+
+def _context(tmp_path: Path, **privacy: object) -> tuple[object, PrivacySession]:
+    from hetfed.client.algorithms.base import ClientContext
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.models import build_model
+    from hetfed.wire.specs import get_spec
+
+    data = load_client_data(DataConfig(dataset="synthetic", partition="natural", num_clients=2, client_index=0,
+                                       seed=3, synthetic_samples=120))
+    session = PrivacySession(PrivacyConfig(noise_multiplier=1.0, noise_seed=4, delta=1e-5, **privacy),  # type: ignore[arg-type]
+                             "r", "org-0", str(tmp_path), len(data.train), CPU)
+    session.set_batch_size(10)
+    session.plan("dp-sgd", [], [Release(session.q, 1.0, 1)], 2)
+    config = get_spec("ditto").config(batch_size=10, local_steps=1)
+
+    def build() -> nn.Module:
+        return build_model("linear", data.input_shape, data.num_classes, seed=3)
+
+    ctx = ClientContext("org-0", build(), data, CPU, config, 3, build_model=build, privacy=session)  # type: ignore[arg-type]
+    session.begin_round(1, 7)
+    return ctx, session
+
+
+def test_the_context_releases_its_own_models_evaluation_and_withholds_a_kept_models(tmp_path: Path) -> None:
+    ctx, session = _context(tmp_path, release_metrics=True)
+    exact = ctx.metrics(0.4, evaluated_round=0)  # type: ignore[attr-defined]
+    # The exact figures stay with the organization; the gate sends the released ones, recorded in the ledger.
+    assert exact.test_accuracy == pytest.approx(evaluation_sums(ctx.model, ctx.test, 5.0).accuracy)  # type: ignore[attr-defined]
+    assert session.ledger.pending == [Release(1.0, 30.0 / math.sqrt(3.0), 1)]
+    sent = session.protect(exact)
+    assert sent.withheld == ("train_loss", "num_train_examples")
+    assert sent.test_accuracy == session.released["test_accuracy"] != exact.test_accuracy
+    # A model trained beside the organization's (Ditto's personal model): nothing released, nothing recorded.
+    ctx.metrics(0.4, evaluated_round=1, model=ctx.build_model())  # type: ignore[attr-defined]
+    assert session.released == {} and session.ledger.pending == [Release(1.0, 30.0 / math.sqrt(3.0), 1)]
+    assert session.protect(exact).withheld[:5] == EvalMetrics.FIELDS
+
+
+def test_without_release_metrics_nothing_is_recorded(tmp_path: Path) -> None:
+    ctx, session = _context(tmp_path)
+    exact = ctx.metrics(0.4, evaluated_round=0)  # type: ignore[attr-defined]
+    assert session.ledger.pending == [] and session.released == {}
+    assert session.protect(exact).extra == {"evaluated_round": 0.0}
