@@ -287,7 +287,8 @@ class ClientRuntime:
             raise ClientError(f"{self.config.organization}: {' '.join(str(exc).split())}", permanent=True) from None
 
     def run(self) -> list[tuple[int, EvalMetrics]]:
-        """Take part in the run until it finishes; returns the metrics reported per round."""
+        """Take part in the run until it finishes; returns the metrics of each round as this organization computed
+        them (exact: under [privacy] the upload carried them withheld or released with noise)."""
         try:
             return self._run()
         except RemoteError as err:
