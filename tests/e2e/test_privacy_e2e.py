@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from hetfed.client.privacy.ledger import FILE_NAME, Ledger, Release, epsilon_of
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as ppb
 from hetfed.wire.messages import RunStatus
+from hetfed.wire.payloads import EvalMetrics
 from tests.conftest import wait_until
 from tests.e2e.recording import run_recorded
 
@@ -154,6 +156,57 @@ def test_the_ledger_survives_kill_9_and_every_declaration_is_accepted(tmp_path: 
     assert org0.privacy_declared and org0.privacy_epsilon == pytest.approx(after["epsilon"])
     reported = [rec.reports["org-0"].extra["privacy_epsilon"] for rec in status.history if "org-0" in rec.reports]
     assert len(reported) == 4 and reported == sorted(reported)  # 3 training rounds and the evaluate round
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_released_metrics_are_noised_and_accounted_in_the_ledger(tmp_path: Path) -> None:
+    """With release_metrics, each evaluation's accuracy, loss and test count leave noised, the training loss and
+    count stay withheld, and the ledger's ε after each round is dp-accounting's composition of the DP-SGD steps
+    and the metric releases (one Gaussian of σ_m/√3 per evaluated set, σ_m = 30σ)."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    opts = _options(1, 2, {"noise_multiplier": 1.0, "delta": DELTA, "release_metrics": True, "noise_seed": 3})
+    fed = LocalFederation(tmp_path)
+    ledger_path = tmp_path / "org-0-state" / "fedavg" / FILE_NAME
+    try:
+        fed.start_aggregator(aggregator_config(opts, str(tmp_path / "state")))
+        fed.start_client("org-0", {**client_config(opts, "fedavg", 0, fed.port),
+                                   "state_dir": str(tmp_path / "org-0-state")})
+        status = wait_until(lambda: _finished(fed, "fedavg"), timeout=150, what="the run to finish")
+        fed.wait_clients(timeout=60)
+    finally:
+        fed.stop()
+
+    q = BATCH / len(_train_examples(plan(opts)))
+    metric_sigma = 30.0 / math.sqrt(3.0)
+    ledger = _ledger(ledger_path)
+    assert sorted(ledger["releases"]) == [[q, 1.0, 2 * STEPS], [1.0, metric_sigma, 3]]
+
+    def composed(steps: int, metric_releases: int) -> float:
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), steps),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(metric_sigma), metric_releases)]))
+        return float(acc.get_epsilon(DELTA))
+
+    # Rounds 1 and 2 train (STEPS steps) and evaluate; round 3 is the final evaluation.
+    want = {1: composed(STEPS, 1), 2: composed(2 * STEPS, 2), 3: composed(2 * STEPS, 3)}
+    assert set(_rounds(ledger)) == set(want)
+    for r, eps in _rounds(ledger).items():
+        assert math.isclose(eps, want[r], rel_tol=1e-9), (r, eps, want[r])
+    assert want[3] > want[2] > composed(2 * STEPS, 0) + 1e-6  # the metric releases cost ε
+
+    log = (tmp_path / "org-0.log").read_text()
+    exact = [tuple(float(v) for v in m.groups()) for m in EXACT_LINE.finditer(log)]
+    reports = [rec.reports["org-0"] for rec in status.history if "org-0" in rec.reports]
+    assert len(reports) == len(exact) == 3
+    for m, (_, accuracy, loss) in zip(reports, exact, strict=True):
+        assert m.withheld == ("train_loss", "num_train_examples")
+        assert 0.0 <= m.test_accuracy <= 1.0 and 0.0 <= m.test_loss <= 5.0 and m.num_test_examples >= 0
+        assert (m.test_accuracy, m.test_loss) != pytest.approx((accuracy, loss), rel=1e-4)
+    assert [m.extra["privacy_epsilon"] for m in reports] == pytest.approx([want[1], want[2], want[3]], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------ budget
@@ -361,6 +414,12 @@ def test_every_upload_declares_its_privacy_and_differs_from_the_plain_run(
             assert extra["privacy_epsilon"] == pytest.approx(d.epsilon)
             assert extra["privacy_delta"] == pytest.approx(DELTA)
             assert (extra["privacy_noise_multiplier"], extra["privacy_clip_norm"]) == pytest.approx((sigma, CLIP))
+            # Nothing computed from private data: every field withheld, only public figures in extra.
+            assert list(metrics.withheld)[:5] == list(EvalMetrics.FIELDS)
+            assert (metrics.train_loss, metrics.test_accuracy, metrics.test_loss, metrics.num_test_examples,
+                    metrics.num_train_examples) == (0.0, 0.0, 0.0, 0, 0)
+            assert set(extra) <= {"evaluated_round", "privacy_epsilon", "privacy_delta", "privacy_noise_multiplier",
+                                  "privacy_clip_norm"}, extra
     assert epsilons == sorted(epsilons)
     for update in plain:
         assert not update.HasField("privacy")
@@ -374,9 +433,10 @@ def test_every_upload_declares_its_privacy_and_differs_from_the_plain_run(
     if ref:
         shared = set(got) & set(ref)
         assert set(got) != set(ref) or any(not np.array_equal(got[k], ref[k]) for k in shared)
-    else:  # Local uploads its metrics alone: its locally trained model's loss differs
+    else:  # Local uploads its metrics alone: under DP they carry nothing of the data, without DP its loss
         with_dp, without = _metrics(dp[trained]), _metrics(plain[trained])
-        assert with_dp is not None and without is not None and with_dp.train_loss != without.train_loss
+        assert with_dp is not None and without is not None and not without.withheld and without.train_loss > 0
+        assert "train_loss" in with_dp.withheld and with_dp.train_loss == 0.0
     # The aggregator accepted every declaration and shows the last one.
     fed, _ = wire
     status = _run(fed, _run_id(algorithm, True))
@@ -425,7 +485,45 @@ def test_hetfed_run_with_a_budget_keeps_every_organization_within_it(tmp_path: P
         per_round = [r["per_organization"][org]["privacy_epsilon"] for r in run["rounds"]]
         assert per_round == sorted(per_round) and per_round[-1] == figures["epsilon"]
     assert 0 < privacy["epsilon_max"] <= 3
+    # Nothing computed from private data reached the aggregator: every figure is "withheld", never 0 or a mean.
+    assert run["final_test_accuracy"] == "withheld" and run["final_withheld_by"] == ["org-0", "org-1"]
+    reported = [r for r in run["rounds"] if r["per_organization"]]
+    assert len(reported) == 3  # two training rounds and the evaluate round
+    for r in reported:
+        assert (r["test_accuracy"], r["train_loss"], r["withheld_by"]) == ("withheld", "withheld", ["org-0", "org-1"])
+        for m in r["per_organization"].values():
+            assert {k: m[k] for k in ("test_accuracy", "test_loss", "train_loss", "num_test_examples")} == dict.fromkeys(
+                ("test_accuracy", "test_loss", "train_loss", "num_test_examples"), "withheld")
+            assert {k for k, v in m.items() if v != "withheld"} == {"evaluated_round", *[f"privacy_{k}" for k in (
+                "epsilon", "delta", "noise_multiplier", "clip_norm")]}
+    lines = [line for line in proc.stdout.splitlines() if line.strip().strip("│|").strip().startswith("fedavg")]
+    row, progress = lines[-1], lines[:-1]  # the table's row comes last, after the progress lines
+    assert row.split()[1] == "withheld", row
+    assert any("acc withheld" in line for line in progress) and not any("acc " in line and "%" in line
+                                                                        for line in progress), progress
+    # The organizations' exact figures (in their own logs only) appear nowhere the aggregator wrote or served.
+    exact = _exact_figures(out)
+    assert len(exact) >= 2 * 3  # two organizations, three rounds, a test loss each at least
+    shown = _numbers(json.dumps(run)) | {n for f in (out / "state").rglob("*") if f.is_file() for n in
+                                         _numbers(f.read_bytes().decode("utf-8", "replace"))}
+    assert not [v for v in exact if any(math.isclose(v, n, rel_tol=5e-6) for n in shown)]
     # What hetfed run wrote: a [privacy] table in every client config, require_privacy in the run config.
     assert json.loads((out / "aggregator.json").read_text())["runs"][0]["require_privacy"] is True
     for i in range(2):
         assert json.loads((out / f"client-fedavg-org-{i}.json").read_text())["privacy"]["epsilon_budget"] == 3
+
+
+EXACT_LINE = re.compile(r"\(exact, not sent\): train_loss=(\S+) test_accuracy=(\S+) test_loss=(\S+)")
+
+
+def _exact_figures(out: Path) -> list[float]:
+    """The exact figures the organizations logged in ``out`` (their own logs), but for whole numbers (an accuracy
+    of 0 or 1 equals a round number or C by chance)."""
+    values = [float(v) for log in out.glob("client-*.log") for m in EXACT_LINE.finditer(log.read_text())
+              for v in m.groups()]
+    return [v for v in values if v != round(v)]
+
+
+def _numbers(text: str) -> set[float]:
+    """Every decimal number written in ``text``."""
+    return {float(t) for t in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)}

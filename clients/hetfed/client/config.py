@@ -86,7 +86,8 @@ class ClientConfig:
     # resumed from at start. None: every start is fresh.
     state_dir: str | None = None
     # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
-    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
+    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them. Withheld under
+    # [privacy]: the time a round takes grows with the organization's data.
     report_timing: bool = False
     # Differential privacy of everything this organization sends (docs/privacy.md); off unless set.
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)

@@ -279,12 +279,18 @@ class ClientRuntime:
         try:
             half.check_privacy()
             setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_train, half.config))
-            privacy.plan(mechanism, setup, per_round, rounds)
+            # Metric releases: every training round that evaluates, and the final evaluation; none for a half
+            # whose metrics evaluate a model trained outside DP (they stay withheld).
+            every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
+            evaluations = sum(evaluation_due(r, every) for r in range(1, rounds + 1)) + 1
+            sets = 1 + len(half.ctx.eval_sets) if half.deployed_under_dp else 0
+            privacy.plan(mechanism, setup, per_round, rounds, privacy.evaluation_plan(sets, evaluations))
         except (PrivacyError, ValueError) as exc:
             raise ClientError(f"{self.config.organization}: {' '.join(str(exc).split())}", permanent=True) from None
 
     def run(self) -> list[tuple[int, EvalMetrics]]:
-        """Take part in the run until it finishes; returns the metrics reported per round."""
+        """Take part in the run until it finishes; returns the metrics of each round as this organization computed
+        them (exact: under [privacy] the upload carried them withheld or released with noise)."""
         try:
             return self._run()
         except RemoteError as err:
@@ -386,18 +392,24 @@ class ClientRuntime:
             try:
                 upload = run_round(half, ins.action, round_, ins.round_seed, received)
             except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
-                self._leave_for(round_, f"its local training diverged in round {round_} ({exc})")
+                # The notice names the event only: the loss value is a figure of private data (kept in the log).
+                log.warning("%s: local training diverged in round %d: %s", cfg.organization, round_, exc)
+                self._leave_for(round_, f"its local training diverged in round {round_}")
                 raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
                                   "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
                                   "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
+            exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
             declaration = None
             if privacy is not None:  # the ledger is on disk before the upload leaves
+                # Figures of private data leave only as released (their releases in this round's ledger entry).
+                upload = [privacy.protect(p) if isinstance(p, EvalMetrics) else p for p in upload]
                 declaration = privacy.close_round(round_)
                 figures = privacy.figures(declaration)
                 upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
                           for p in upload]
+                exact = [dataclasses.replace(p, extra={**p.extra, **figures}) for p in exact]
             try:
                 self.client.push(round_, upload, wire_dtype, privacy=declaration)
             except RemoteError as err:
@@ -412,13 +424,15 @@ class ClientRuntime:
                 write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
                                half.ctx.source(data.probe_set()[1]))
             completed = round_
-            for p in upload:
-                if isinstance(p, EvalMetrics):
-                    self.reports.append((round_, p))
-                    self.train_loss.labels(*labels).set(p.train_loss)
-                    self.test_accuracy.labels(*labels).set(p.test_accuracy)
-                    if ins.action is Action.EVALUATE:
-                        final = (round_, p)
+            for p in exact:  # the organization's own record, its gauges and its card hold the exact figures
+                if privacy is not None:  # logged here for the operator; the upload carried them gated
+                    log.info("%s: round %d (exact, not sent): train_loss=%.6g test_accuracy=%.6g test_loss=%.6g",
+                             cfg.organization, round_, p.train_loss, p.test_accuracy, p.test_loss)
+                self.reports.append((round_, p))
+                self.train_loss.labels(*labels).set(p.train_loss)
+                self.test_accuracy.labels(*labels).set(p.test_accuracy)
+                if ins.action is Action.EVALUATE:
+                    final = (round_, p)
             self.round_gauge.labels(*labels).set(round_)
         if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
             from hetfed.client.export import export_after_run

@@ -36,6 +36,15 @@ class PrivacyConfig:
     # multiple of σ. They get no amplification by sampling but average many examples, so more noise costs them
     # little accuracy and leaves the budget to the DP-SGD steps (hetfed's own default; docs/privacy.md).
     direct_noise_multiple: float = 10.0
+    # Release the evaluation figures (accuracy, loss, test-example count per held-out set) through a Gaussian
+    # mechanism, accounted in the ledger; false: they stay on the client and the upload marks them withheld.
+    release_metrics: bool = False
+    # Noise multiplier of a metric release as a multiple of σ. A release is not amplified by sampling and repeats
+    # every evaluated round, so it needs much noise to cost little ε (hetfed's own default; docs/privacy.md).
+    metrics_noise_multiple: float = 30.0
+    # B: each held-out example's loss is clipped to this before the loss sum is released (nats; a sum's
+    # sensitivity is B). Cross-entropy at a uniform guess over 100 classes is 4.6, so 5 clips only confident misses.
+    metric_loss_bound: float = 5.0
     # How releases compose: "rdp" (Rényi DP, Mironov 2017) or "pld" (privacy loss distributions), dp-accounting's.
     accountant: Literal["rdp", "pld"] = "rdp"
     # BatchNorm mixes examples of a batch, which DP-SGD's per-example clipping cannot bound: "replace" it with
@@ -62,6 +71,9 @@ class PrivacyConfig:
                   f"{name} must be a number > 0 (leave it out to not set it), got {value!r}")
         check(math.isfinite(self.direct_noise_multiple) and self.direct_noise_multiple > 0,
               f"direct_noise_multiple must be a number > 0, got {self.direct_noise_multiple!r}")
+        for name in ("metrics_noise_multiple", "metric_loss_bound"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, f"{name} must be a number > 0, got {value!r}")
         check(math.isfinite(self.clip_norm) and self.clip_norm > 0,
               f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         check(self.delta is None or self.delta < 1, f"delta must be < 1, got {self.delta!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +21,8 @@ from hetfed.client.privacy.mechanisms import (
     PrivateStep,
     secret_generator,
 )
+from hetfed.client.privacy.metrics import SetSums, gate, release_set, released_figures, set_release
+from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.privacy import PrivacyDeclaration
 
 if TYPE_CHECKING:
@@ -62,6 +64,9 @@ class PrivacySession:
         self._data: PrivateData | None = None
         # The models DP-SGD attached Opacus' hooks to (removed by ``release`` before a model is exported).
         self.hooked: dict[int, tuple[nn.Module, object]] = {}
+        # The figures of the last evaluation released through the metric mechanism (name -> value), which the
+        # uploads carry until the next evaluation; empty: every evaluation figure is withheld.
+        self.released: dict[str, float] = {}
 
     def set_batch_size(self, batch_size: int) -> None:
         """Poisson sampling at rate q = B/N: the expected batch is the run's batch size. Under unit = "group" the
@@ -80,6 +85,11 @@ class PrivacySession:
         return self.cfg.direct_noise_multiple * self.sigma
 
     @property
+    def metrics_sigma(self) -> float:
+        """The noise multiplier of a metric release: ``metrics_noise_multiple``·σ."""
+        return self.cfg.metrics_noise_multiple * self.sigma
+
+    @property
     def clip_norm(self) -> float:
         """C of every release."""
         return self.ledger.clip_norm
@@ -88,9 +98,18 @@ class PrivacySession:
         """ε spent so far at δ."""
         return self.ledger.epsilon()
 
-    def plan(self, mechanism: str, setup: Sequence[Release], per_round: Sequence[Release], rounds: int) -> float:
-        """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the setup releases
-        and ``rounds`` rounds of ``per_round`` spend the target ε (their ``sigma`` are multiples of σ)."""
+    def evaluation_plan(self, sets: int, evaluations: int) -> list[Release]:
+        """The metric releases of ``evaluations`` evaluations of ``sets`` held-out sets, their ``sigma`` multiples
+        of σ (none without ``release_metrics``)."""
+        if not self.cfg.release_metrics or sets <= 0 or evaluations <= 0:
+            return []
+        return [set_release(self.cfg.metrics_noise_multiple, sets * evaluations)]
+
+    def plan(self, mechanism: str, setup: Sequence[Release], per_round: Sequence[Release], rounds: int,
+             evaluations: Sequence[Release] = ()) -> float:
+        """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the setup releases,
+        ``rounds`` rounds of ``per_round`` and the run's metric releases (``evaluations``) spend the target ε
+        (their ``sigma`` are multiples of σ)."""
         if self.cfg.unit == "group" and mechanism != "dp-sgd":
             raise PrivacyError(f"privacy.unit = \"group\" serves DP-SGD alone, and {mechanism} also releases "
                                "class sums and counts computed per record; use unit = \"record\"")
@@ -101,7 +120,7 @@ class PrivacySession:
             if target is None:
                 self.ledger.noise_multiplier = float(self.cfg.noise_multiplier or 0.0)
             else:
-                plan = [*setup, *[Release(r.q, r.sigma, r.count * rounds) for r in per_round]]
+                plan = [*setup, *[Release(r.q, r.sigma, r.count * rounds) for r in per_round], *evaluations]
                 self.ledger.noise_multiplier = solve_noise_multiplier(plan, target, self.delta, self.cfg.accountant)
                 log.info("%s: privacy: σ=%.4f spends ε=%.3g at δ=%.3g over %d rounds (%s, %s accountant)",
                          self.organization, self.sigma, target, self.delta, rounds, mechanism, self.cfg.accountant)
@@ -154,6 +173,35 @@ class PrivacySession:
         """The current round's secret generator (for an algorithm's own releases)."""
         assert self._data is not None
         return self._data.step.generator
+
+    def release_evaluation(self, sums: Mapping[str, SetSums], generator: torch.Generator | None = None) -> None:
+        """Release one evaluation's sets through the metric mechanism (one Gaussian release per set, recorded in
+        the ledger before the upload leaves); they stay withheld when the budget would not cover them."""
+        self.released = {}
+        if not sums:
+            return
+        entry = set_release(self.metrics_sigma, len(sums))
+        budget = self.cfg.epsilon_budget
+        # Before the round's training (an algorithm that scores the model it received) its steps are not
+        # recorded yet, so the planned ones stand in; at the final evaluation that errs on the safe side.
+        round_ = self.ledger.pending or self.scaled(self._per_round)
+        if budget is not None and self.ledger.epsilon([*round_, entry]) > budget * (1 + _BUDGET_SLACK):
+            log.warning("%s: privacy: releasing the evaluation would take ε past the budget %g; its figures stay "
+                        "withheld", self.organization, budget)
+            return
+        gen = generator if generator is not None else self.generator_now
+        released = {name: release_set(s, self.metrics_sigma, self.cfg.metric_loss_bound, gen)
+                    for name, s in sums.items()}
+        self.ledger.record(entry.q, entry.sigma, entry.count)
+        self.released = released_figures(released)
+
+    def withhold_evaluation(self) -> None:
+        """The last evaluation is not released (no mechanism covers it): its figures stay withheld."""
+        self.released = {}
+
+    def protect(self, metrics: EvalMetrics) -> EvalMetrics:
+        """What of ``metrics`` may leave: released figures, public ones, and every other figure withheld."""
+        return gate(metrics, self.released)
 
     def release(self) -> None:
         """Take Opacus' hooks off every model (TorchScript cannot compile a module with backward hooks)."""

@@ -119,10 +119,12 @@ def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization
                                                  f"limit is {max_examples}")
             if cfg.check_metric_domains:
                 check_metric_domains(p)
-            if len(p.extra) > limits.max_metrics_per_report:
-                raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
-                                             f"{limits.max_metrics_per_report} (server.max_metrics_per_report)")
-            for name in p.extra:
+            # A withheld figure's name is stored and shown like a reported one, so it counts against the same limits.
+            named = len(p.extra) + len(p.withheld)
+            if named > limits.max_metrics_per_report:
+                raise WireError("oversized", f"eval_metrics carries {named} named figures; "
+                                             f"at most {limits.max_metrics_per_report} (server.max_metrics_per_report)")
+            for name in (*p.extra, *p.withheld):
                 bad = bad_name(name, limits.max_name_chars)
                 if bad:
                     raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")

@@ -116,6 +116,8 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
     """Ditto: ``ctx.model`` is the global model w_G (declared and uploaded); ``personal`` is w_L (never sent)."""
 
     private_attributes = ("personal",)
+    # w_L, the model this organization deploys, trains outside DP-SGD: it never leaves, but it is not DP either.
+    deployed_under_dp = False
 
     def __init__(self, ctx: ClientContext[DittoConfig]) -> None:
         super().__init__(ctx)
