@@ -323,8 +323,8 @@ def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) 
     n = len(data)
     if n == 0:
         return
-    if hasattr(data, "poisson_batches"):  # DP-SGD: as many Poisson samples of rate B/N as the steps above
-        yield from data.poisson_batches(steps_per_round(n, cfg))
+    if hasattr(data, "poisson_batches"):  # DP-SGD: Poisson samples of rate B/N̂, as many as the steps over N̂
+        yield from data.poisson_batches(steps_per_round(data.num_examples, cfg))
         return
     budget = cfg.local_steps if cfg.local_steps > 0 else None
     epochs = cfg.local_epochs if budget is None else 1 << 30

@@ -23,6 +23,7 @@ class PrivacyConfig:
     """
 
     # Stop before a round that would take ε past this; the organization leaves the run (exit status 3).
+    # None: the target ε, when one is given (``budget``).
     epsilon_budget: float | None = None
     # Solve σ so that the run's planned rounds spend this ε (default: the budget). Excludes noise_multiplier.
     target_epsilon: float | None = None
@@ -44,6 +45,14 @@ class PrivacyConfig:
     # Seed of the noise and of the Poisson batch sampling; -1: fresh OS entropy at every start (the secure choice:
     # whoever knows the seed can subtract the noise). A fixed seed makes experiments repeatable.
     noise_seed: int = -1
+    # Noise multiplier σ_N of the one release of the training example count N (sensitivity 1): the organization
+    # declares N̂ = max(1, round(N + N(0, σ_N²))) and derives everything else from it. Fixed, not a multiple of σ,
+    # since σ is solved after N̂ is out. 20 moves N̂ by about ±20 examples, which changes no example weight that
+    # matters, and costs a small ε next to the training's (hetfed's own default; docs/privacy.md).
+    count_noise_multiplier: float = 20.0
+    # Allow [privacy] without the client's state_dir, so the privacy ledger ends with the process: for
+    # experiments only. Every declaration says so, and a run with refuse_ephemeral_ledgers refuses it.
+    ephemeral_ledger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("epsilon_budget", "target_epsilon", "noise_multiplier", "delta"):
@@ -52,6 +61,8 @@ class PrivacyConfig:
                   f"{name} must be a number > 0 (leave it out to not set it), got {value!r}")
         check(math.isfinite(self.direct_noise_multiple) and self.direct_noise_multiple > 0,
               f"direct_noise_multiple must be a number > 0, got {self.direct_noise_multiple!r}")
+        check(math.isfinite(self.count_noise_multiplier) and self.count_noise_multiplier > 0,
+              f"count_noise_multiplier must be a number > 0, got {self.count_noise_multiplier!r}")
         check(math.isfinite(self.clip_norm) and self.clip_norm > 0,
               f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         check(self.delta is None or self.delta < 1, f"delta must be < 1, got {self.delta!r}")
@@ -73,8 +84,14 @@ class PrivacyConfig:
             return None
         return self.target_epsilon if self.target_epsilon is not None else self.epsilon_budget
 
+    @property
+    def budget(self) -> float | None:
+        """The ε no round may take the organization past: ``epsilon_budget``, else the target ε."""
+        return self.epsilon_budget if self.epsilon_budget is not None else self.target_epsilon
+
     def delta_for(self, num_examples: int) -> float:
-        """δ for an organization with ``num_examples`` training examples: the configured one, else 1/N²."""
+        """δ for an organization that declared ``num_examples`` training examples (its released count N̂): the
+        configured one, else 1/N̂²."""
         if self.delta is not None:
             return self.delta
         return 1.0 / max(int(num_examples), 2) ** 2

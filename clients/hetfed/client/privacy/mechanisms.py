@@ -217,12 +217,15 @@ def secret_generator(seed: int, parts: Sequence[int | str], device: torch.device
 
 class PrivateData:
     """The organization's training set under DP-SGD: the training loop draws its batches by Poisson sampling
-    (each example in each batch with probability q = B/N, from the secret generator) and privatises every step
+    (each example in each batch with probability q = B/N̂, from the secret generator) and privatises every step
     on them. Any other read (``take``) is the algorithm's own, and its mechanism's business."""
 
-    def __init__(self, data: DataSource, step: PrivateStep) -> None:
+    def __init__(self, data: DataSource, step: PrivateStep, num_examples: int | None = None) -> None:
         self.data = data
         self.step = step
+        # N̂, the released example count: a round's number of steps is planned from it, as the ledger's plan
+        # was (None: the true count, where nothing was released).
+        self.num_examples = len(data) if num_examples is None else int(num_examples)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -252,6 +255,8 @@ class PrivateData:
 
     def poisson_batches(self, steps: int) -> Iterator[Batch]:
         """``steps`` Poisson-sampled batches, each marked for DP-SGD."""
+        # Every one of the N real examples is drawn at rate q = B/N̂. q is a public parameter chosen from a DP
+        # release, and the sampled Gaussian's guarantee holds at that q whatever N is.
         n = len(self.data)
         gen = self.step.generator
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hetfed.client.privacy.config import PrivacyConfig
-from hetfed.client.privacy.ledger import Ledger, Release, solve_noise_multiplier
+from hetfed.client.privacy.ledger import Ledger, LedgerError, Release, epsilon_of, solve_noise_multiplier
 from hetfed.client.privacy.mechanisms import PrivateData, PrivateStep, secret_generator
 from hetfed.wire.privacy import PrivacyDeclaration
 
@@ -32,13 +32,16 @@ class PrivacySession:
     def __init__(self, cfg: PrivacyConfig, run: str, organization: str, state_dir: str | None, num_train: int,
                  device: torch.device) -> None:
         self.cfg = cfg
-        self.organization = organization
+        self.run, self.organization = run, organization
+        # N, the true count: it never leaves the organization under DP; N̂ (``num_examples``) stands for it.
         self.num_train = int(num_train)
-        self.delta = cfg.delta_for(num_train)
+        self._num_examples: int | None = None
         self.q = 0.0
         self.device = device
-        self.ledger = Ledger.open(state_dir, run, organization, delta=self.delta, accountant=cfg.accountant,
+        self.ledger = Ledger.open(state_dir, run, organization, delta=cfg.delta, accountant=cfg.accountant,
                                   noise_multiplier=cfg.noise_multiplier or 0.0, clip_norm=cfg.clip_norm)
+        # ε of the whole plan σ was solved for (None: σ was given or kept from the ledger).
+        self.planned_epsilon: float | None = None
         self.mechanism = ""
         # The releases ``plan`` expects of the setup round and of each training round (multiples of σ).
         self._setup: list[Release] = []
@@ -47,9 +50,58 @@ class PrivacySession:
         # The models DP-SGD attached Opacus' hooks to (removed by ``release`` before a model is exported).
         self.hooked: dict[int, tuple[nn.Module, object]] = {}
 
+    def release_examples(self) -> int:
+        """N̂ = max(1, round(N + N(0, σ_N²))), the organization's released training example count: drawn once per
+        run (the Gaussian mechanism, sensitivity 1, σ_N = ``count_noise_multiplier``) and kept in the ledger in
+        the same write as its release, before anything leaves; a restart reads it back and releases nothing."""
+        held = self.ledger.released.get("examples")
+        if held is None:
+            sigma_n = self.cfg.count_noise_multiplier
+            gen = secret_generator(self.cfg.noise_seed, ["example-count", self.organization], self.device)
+            noise = float(torch.normal(0.0, sigma_n, size=(1,), generator=gen, dtype=torch.float64,
+                                       device=gen.device)[0])
+            held = max(1, round(self.num_train + noise))
+            self.ledger.bind_delta(self.cfg.delta_for(held))
+            self.ledger.record(1.0, sigma_n)
+            self.ledger.hold("examples", held)
+            self.ledger.commit()
+        else:
+            self.ledger.bind_delta(self.cfg.delta_for(int(held)))
+        self._num_examples = int(held)
+        return self._num_examples
+
+    @property
+    def num_examples(self) -> int:
+        """N̂: what the organization declares as its training examples (Join, every payload's count)."""
+        if self._num_examples is None:
+            raise LedgerError("the example count is not released yet (release_examples)")
+        return self._num_examples
+
+    @property
+    def delta(self) -> float:
+        """δ of the (ε, δ) statement: the configured one, else 1/N̂²."""
+        return self.cfg.delta_for(self.num_examples)
+
+    def joined(self, current_round: int) -> None:
+        """After Join: a ledger that starts in a run already past its first round is refused. A lost ledger and an
+        organization joining late for the first time look the same from here, and in the first ε would start from
+        zero; the round is kept in the ledger, so a restart is refused the same way."""
+        if self.ledger.joined_at is None:
+            self.ledger.joined_at = int(current_round)
+            self.ledger.save()
+        if self.ledger.joined_at > 1:
+            where = self.ledger.path or "kept in memory"
+            raise LedgerError(f"{self.organization}: privacy: run {self.run!r} was at round {self.ledger.joined_at} "
+                              f"when this organization's privacy ledger ({where}) first joined it: the ledger was "
+                              "lost, or the organization joins late for the first time, and hetfed cannot tell "
+                              "these apart; ε cannot be continued, so it sends nothing (restore the ledger, or "
+                              "start a new run)")
+
     def set_batch_size(self, batch_size: int) -> None:
-        """Poisson sampling at rate q = B/N: the expected batch is the run's batch size."""
-        self.q = min(1.0, batch_size / max(self.num_train, 1))
+        """Poisson sampling at rate q = B/N̂: the expected batch is the run's batch size. q is computed from the
+        released N̂, so it is public; the sampler then draws at rate q over the N real examples, which is what
+        the accountant assumes of a Poisson-sampled Gaussian at rate q."""
+        self.q = min(1.0, batch_size / max(self.num_examples, 1))
 
     @property
     def sigma(self) -> float:
@@ -71,8 +123,9 @@ class PrivacySession:
         return self.ledger.epsilon()
 
     def plan(self, mechanism: str, setup: Sequence[Release], per_round: Sequence[Release], rounds: int) -> float:
-        """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the setup releases
-        and ``rounds`` rounds of ``per_round`` spend the target ε (their ``sigma`` are multiples of σ)."""
+        """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the releases already
+        committed (the example count N̂), the setup releases and ``rounds`` rounds of ``per_round`` spend the target
+        ε together (the planned ``sigma`` are multiples of σ, the committed ones noise multipliers)."""
         self.mechanism = mechanism
         self._setup, self._per_round = list(setup), list(per_round)
         if self.ledger.noise_multiplier <= 0:
@@ -81,7 +134,10 @@ class PrivacySession:
                 self.ledger.noise_multiplier = float(self.cfg.noise_multiplier or 0.0)
             else:
                 plan = [*setup, *[Release(r.q, r.sigma, r.count * rounds) for r in per_round]]
-                self.ledger.noise_multiplier = solve_noise_multiplier(plan, target, self.delta, self.cfg.accountant)
+                fixed = list(self.ledger.releases)
+                self.ledger.noise_multiplier = solve_noise_multiplier(plan, target, self.delta, self.cfg.accountant,
+                                                                      fixed)
+                self.planned_epsilon = epsilon_of([*fixed, *self.scaled(plan)], self.delta, self.cfg.accountant)
                 log.info("%s: privacy: σ=%.4f spends ε=%.3g at δ=%.3g over %d rounds (%s, %s accountant)",
                          self.organization, self.sigma, target, self.delta, rounds, mechanism, self.cfg.accountant)
         return self.sigma
@@ -92,7 +148,7 @@ class PrivacySession:
 
     def exhausted_before(self, setup: bool) -> str | None:
         """Why the next round (the setup round, or a training round) would take ε past the budget; None if not."""
-        budget = self.cfg.epsilon_budget
+        budget = self.cfg.budget
         if budget is None:
             return None
         spent = self.spent()
@@ -105,7 +161,7 @@ class PrivacySession:
 
     def wrap(self, train: DataSource) -> PrivateData:
         """The training set as the training loop reads it under DP-SGD (its step set per round)."""
-        self._data = PrivateData(train, self.step_for(0, 0))
+        self._data = PrivateData(train, self.step_for(0, 0), self.num_examples)
         return self._data
 
     def generator(self, round_: int, round_seed: int) -> torch.Generator:
@@ -116,7 +172,7 @@ class PrivacySession:
 
     def step_for(self, round_: int, round_seed: int) -> PrivateStep:
         """This round's DP-SGD step (its noise and Poisson samples from the round's secret generator)."""
-        return PrivateStep(self.sigma, self.clip_norm, self.q, self.q * self.num_train,
+        return PrivateStep(self.sigma, self.clip_norm, self.q, self.q * self.num_examples,
                            self.generator(round_, round_seed), self.ledger, self.hooked)
 
     def begin_round(self, round_: int, round_seed: int) -> torch.Generator:
@@ -152,7 +208,8 @@ class PrivacySession:
         ``budget_spent``: the leave notice of an organization whose budget the next round would exceed."""
         return PrivacyDeclaration(mechanism=self.mechanism, noise_multiplier=self.sigma, clip_norm=self.clip_norm,
                                   epsilon=self.spent() if epsilon is None else epsilon, delta=self.delta,
-                                  accountant=self.cfg.accountant, budget_spent=budget_spent)
+                                  accountant=self.cfg.accountant, budget_spent=budget_spent,
+                                  ephemeral_ledger=self.ledger.path is None)
 
     def figures(self, declaration: PrivacyDeclaration) -> dict[str, float]:
         """What the organization reports beside its metrics."""
