@@ -582,8 +582,22 @@ def test_hetfed_run_with_a_budget_keeps_every_organization_within_it(tmp_path: P
         assert figures["epsilon"] > 2.5, org
         per_round = [r["per_organization"][org]["privacy_epsilon"] for r in run["rounds"]]
         assert per_round == sorted(per_round) and per_round[-1] == figures["epsilon"]
+        # --output keeps each ledger in it, with N̂ and the ε last declared.
+        ledger = _ledger(out / "client-state" / org / "fedavg" / FILE_NAME)
+        assert ledger["epsilon"] == pytest.approx(figures["epsilon"]) and ledger["released"]["examples"] > 0
     assert 0 < privacy["epsilon_max"] <= 3
     # What hetfed run wrote: a [privacy] table in every client config, require_privacy in the run config.
     assert json.loads((out / "aggregator.json").read_text())["runs"][0]["require_privacy"] is True
     for i in range(2):
         assert json.loads((out / f"client-fedavg-org-{i}.json").read_text())["privacy"]["epsilon_budget"] == 3
+
+
+def test_hetfed_run_in_a_temporary_directory_declares_its_ledgers_ephemeral_in_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--rounds", "1",
+                           "--set", "privacy.epsilon_budget=3", "--clients", "1", "--dataset", "synthetic",
+                           "--data", "synthetic_samples=200", "--local-epochs", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "ephemeral" in line]
+    assert said == ["hetfed run: privacy ledgers are ephemeral (privacy.ephemeral_ledger): they end with this "
+                    "temporary run; give --output to keep them"]
