@@ -31,7 +31,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     # C: each example's gradient (DP-SGD) or embedding (a class-sum release) is clipped to this L2 norm.
     clip_norm: float = 1.0
-    # δ of the (ε, δ) statement; None: 1/N² for N training examples of this organization.
+    # δ of the (ε, δ) statement; None: 1/N̂² for N̂ the training examples this organization released.
     delta: float | None = None
     # Noise multiplier of direct releases (class counts and sums, computed from the data without training) as a
     # multiple of σ. They get no amplification by sampling but average many examples, so more noise costs them
