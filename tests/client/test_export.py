@@ -375,6 +375,7 @@ def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_say
     x, y = _data(64, 0)
     session = PrivacySession(PrivacyConfig(noise_multiplier=1.0, noise_seed=3), "r1", "org-0", None, 64,
                              torch.device("cpu"))
+    session.release_examples()  # N̂, before Join, as the runtime does
     session.set_batch_size(16)
     session.plan("dp-sgd", [], [], 1)
     model = build_model("mlp", SHAPE, 3, seed=1)

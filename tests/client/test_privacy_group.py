@@ -254,8 +254,10 @@ def test_the_cap_takes_max_examples_per_group_of_a_larger_group() -> None:
 
 # ---------------------------------------------------------------------------------------------- the session
 def group_session(cfg: PrivacyConfig) -> PrivacySession:
+    """51 patients over 300 examples; the released group count Ĝ first, then a batch of 5 groups (q = 5/Ĝ)."""
     s = PrivacySession(cfg, "run", "org", None, 300, CPU, groups=patients())
-    s.set_batch_size(30)
+    s.release_examples()
+    s.set_batch_size(5)
     return s
 
 
@@ -266,7 +268,8 @@ def test_group_privacy_without_group_ids_is_refused_in_one_line() -> None:
     assert "\n" not in str(err.value)
     # Record-level privacy ignores group ids the data may carry.
     s = PrivacySession(PrivacyConfig(noise_multiplier=1.0), "run", "org", None, 300, CPU, groups=patients())
-    assert s.units == 300 and s.delta == 1 / 300**2
+    n_hat = s.release_examples()
+    assert s.units == 300 and s.ledger.released == {"examples": n_hat} and s.delta == 1 / n_hat**2
 
 
 def test_group_privacy_refuses_per_record_direct_releases() -> None:
@@ -284,17 +287,20 @@ def test_max_examples_per_group_is_checked() -> None:
 
 
 def test_group_accounting_is_the_poisson_sampled_gaussian_at_the_group_rate() -> None:
-    """51 groups over 300 examples, batch 30: q = 30/300 = 0.1 per group, the expected batch qG = 5.1 groups,
-    δ = 1/G². A round of 10 steps through the training loop records 10 Poisson-sampled Gaussians at q, and ε is
-    dp-accounting's for exactly that event at δ = 1/51²."""
+    """51 groups over 300 examples, released as Ĝ (the group count's Gaussian release, σ_N = 20), batch 5 groups:
+    q = 5/Ĝ per group, the expected batch qĜ = 5 groups, δ = 1/Ĝ². A round of 10 steps through the training loop
+    records 10 Poisson-sampled Gaussians at q, and ε is dp-accounting's for exactly those events and the count's
+    release at δ = 1/Ĝ²."""
     sigma = 1.3
-    s = group_session(PrivacyConfig(noise_multiplier=sigma, unit="group", max_examples_per_group=8))
-    assert s.units == 51 and s.q == pytest.approx(0.1, abs=1e-15) and s.delta == 1 / 51**2
+    s = group_session(PrivacyConfig(noise_multiplier=sigma, unit="group", max_examples_per_group=8, noise_seed=3))
+    g_hat = s.num_examples
+    assert s.units == 51 and s.ledger.released == {"groups": g_hat} and g_hat != 51
+    assert s.q == 5 / g_hat and s.delta == 1 / g_hat**2
     s.plan("dp-sgd", [], [Release(s.q, 1.0, 10)], 1)
     g = torch.Generator().manual_seed(0)
     data = s.wrap(DeviceData(torch.randn(300, 3, generator=g), torch.randint(0, 2, (300,), generator=g)))
     s.begin_round(1, 0)
-    assert data.step.expected_batch == pytest.approx(0.1 * 51, rel=1e-15) and data.step.grouped
+    assert data.step.expected_batch == pytest.approx(5.0, rel=1e-15) and data.step.grouped
     model = nn.Linear(3, 2)
     result = fit([Objective(model, torch.optim.SGD(model.parameters(), lr=0.1))],
                  epoch_batches(data, TrainConfig(local_steps=10, batch_size=30), np.random.default_rng(0)))
@@ -302,22 +308,25 @@ def test_group_accounting_is_the_poisson_sampled_gaussian_at_the_group_rate() ->
     assert s.ledger.pending == [Release(s.q, sigma, 10)]
     eps = s.close_round(1).epsilon
     acc = rdp.RdpAccountant()
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(s.q, dp_accounting.GaussianDpEvent(sigma)), 10))
-    assert eps == pytest.approx(acc.get_epsilon(1 / 51**2), rel=1e-12)
+    acc.compose(dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(20.0), dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(s.q, dp_accounting.GaussianDpEvent(sigma)), 10)]))
+    assert eps == pytest.approx(acc.get_epsilon(1 / g_hat**2), rel=1e-12)
 
 
 def test_the_planner_solves_sigma_at_the_group_rate_and_delta() -> None:
-    """target ε = 2 over 5 rounds of 10 steps: σ is the one solved for q = 0.1 and δ = 1/51², not 1/300²."""
-    s = group_session(PrivacyConfig(target_epsilon=2.0, unit="group"))
+    """target ε = 2 over 5 rounds of 10 steps: σ is the one solved for q = 5/Ĝ and δ = 1/Ĝ², with the group count's
+    release in the composition; not the one at the example count's δ."""
+    s = group_session(PrivacyConfig(target_epsilon=2.0, unit="group", noise_seed=3))
+    g_hat = s.num_examples
     sigma = s.plan("dp-sgd", [], [Release(s.q, 1.0, 10)], 5)
-    assert sigma == solve_noise_multiplier([Release(s.q, 1.0, 50)], 2.0, 1 / 51**2)
-    assert sigma != solve_noise_multiplier([Release(s.q, 1.0, 50)], 2.0, 1 / 300**2)
+    count = [Release(1.0, 20.0)]
+    assert sigma == solve_noise_multiplier([Release(5 / g_hat, 1.0, 50)], 2.0, 1 / g_hat**2, "rdp", count)
+    assert sigma != solve_noise_multiplier([Release(5 / g_hat, 1.0, 50)], 2.0, 1 / 300**2, "rdp", count)
 
 
 def test_the_client_hands_its_training_sets_group_ids_to_the_session() -> None:
-    """The client's runtime gives the session the training set's group ids (3 patients: δ = 1/9), and stops for
-    good, in one line, before joining when ``unit = "group"`` meets data without them."""
+    """The client's runtime gives the session the training set's group ids (3 patients, released as Ĝ: δ = 1/Ĝ²),
+    and stops for good, in one line, before joining when ``unit = "group"`` meets data without them."""
     from hetfed.client.config import ClientConfig
     from hetfed.client.data.core import ArrayDataset, ClientData
     from hetfed.client.runtime import ClientError, ClientRuntime
@@ -327,9 +336,11 @@ def test_the_client_hands_its_training_sets_group_ids_to_the_session() -> None:
         return ClientData(train=train, test=train, global_test=None, num_classes=2, input_shape=(2,), name="t")
 
     runtime = ClientRuntime(ClientConfig(organization="org", run="r",
-                                         privacy=PrivacyConfig(noise_multiplier=1.0, unit="group")))
+                                         privacy=PrivacyConfig(noise_multiplier=1.0, unit="group",
+                                                               ephemeral_ledger=True)))
     s = runtime._privacy_session(data(np.array([4, 4, 5, 5, 5, 9])), CPU)
-    assert s is not None and s.units == 3 and s.delta == 1 / 9
+    assert s is not None and s.units == 3 and s.ledger.released == {"groups": s.num_examples}
+    assert s.delta == 1 / max(s.num_examples, 2) ** 2  # δ = 1/Û², Û at least 2 (as 1/N² always was)
     with pytest.raises(ClientError, match=r"^org: privacy\.unit = \"group\" needs a group id") as err:
         runtime._privacy_session(data(None), CPU)
     assert err.value.permanent and "\n" not in str(err.value)

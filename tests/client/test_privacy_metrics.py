@@ -131,6 +131,7 @@ def test_metric_settings_must_be_positive(field: str) -> None:
 def _session(tmp_path: Path, **kw: object) -> PrivacySession:
     cfg = PrivacyConfig(noise_seed=5, delta=1e-5, **kw)  # type: ignore[arg-type]
     s = PrivacySession(cfg, "r", "org", str(tmp_path), 1000, CPU)
+    s.release_examples()
     s.set_batch_size(50)
     return s
 
@@ -161,8 +162,9 @@ def test_a_release_is_recorded_before_the_upload_and_its_figures_pass_the_gate(t
     out = s.protect(_exact())
     assert out.test_accuracy == want_test.accuracy and out.num_test_examples == want_test.count
     assert out.extra["ood_loss"] == want_ood.loss
+    # ε composes the example count's release (σ_N = 20, made before anything else) with the two metric releases.
     assert s.close_round(1).epsilon == pytest.approx(
-        epsilon_of([Release(1.0, 6.0 / math.sqrt(3.0), 2)], 1e-5), rel=1e-12)
+        epsilon_of([Release(1.0, 20.0), Release(1.0, 6.0 / math.sqrt(3.0), 2)], 1e-5), rel=1e-12)
     s.withhold_evaluation()
     assert s.protect(_exact()).withheld[:5] == EvalMetrics.FIELDS
 
@@ -201,6 +203,7 @@ def _context(tmp_path: Path, **privacy: object) -> tuple[object, PrivacySession]
                                        seed=3, synthetic_samples=120))
     session = PrivacySession(PrivacyConfig(noise_multiplier=1.0, noise_seed=4, delta=1e-5, **privacy),  # type: ignore[arg-type]
                              "r", "org-0", str(tmp_path), len(data.train), CPU)
+    session.release_examples()
     session.set_batch_size(10)
     session.plan("dp-sgd", [], [Release(session.q, 1.0, 1)], 2)
     config = get_spec("ditto").config(batch_size=10, local_steps=1)
@@ -209,7 +212,7 @@ def _context(tmp_path: Path, **privacy: object) -> tuple[object, PrivacySession]
         return build_model("linear", data.input_shape, data.num_classes, seed=3)
 
     ctx = ClientContext("org-0", build(), data, CPU, config, 3, build_model=build, privacy=session)  # type: ignore[arg-type]
-    session.begin_round(1, 7)
+    session.begin_round(1, 10)
     return ctx, session
 
 

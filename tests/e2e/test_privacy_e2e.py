@@ -3,7 +3,11 @@ what crosses the wire, in-process clients whose every request is recorded) over 
 
 * the privacy ledger outlives a client killed with SIGKILL, and the aggregator accepts every ε its restart declares;
 * an organization whose budget affords fewer rounds than the run leaves it (exit status 3) and the others finish;
-* a bad [privacy] table or a budget already spent stops ``hetfed client`` in one line, exit 2, before it joins;
+* a bad [privacy] table, [privacy] without state_dir or a budget already spent stops ``hetfed client`` in one
+  line, exit 2, before it joins;
+* a ledger that first joins a run past round 1 stops its client before any training; a run refuses ephemeral
+  ledgers or an ε above its max_epsilon, and the client stops;
+* Fed-CMA killed between its ledger's write and its setup push sends the same N̂ and class counts again;
 * every algorithm DP serves declares its σ and C on every upload, and FedAvg's uploaded weights carry noise of the
   declared scale;
 * ``hetfed run --set privacy.epsilon_budget=3`` keeps every organization within ε = 3.
@@ -88,6 +92,24 @@ def _finished(fed: LocalFederation, run_id: str, ignore: tuple[str, ...] = ()) -
     _no_failure(fed, ignore)
     status = _run(fed, run_id)
     return status if status.finished else None
+
+
+# The example count's release at the default count_noise_multiplier.
+COUNT = Release(1.0, 20.0)
+
+
+def _released_examples(cfg: dict[str, Any]) -> int:
+    """N̂ the organization of client config ``cfg`` releases (its noise seed is fixed by hetfed run)."""
+    import torch
+
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.privacy.config import PrivacyConfig
+    from hetfed.client.privacy.session import PrivacySession
+
+    n = len(load_client_data(DataConfig(**cfg["data"])).train)
+    session = PrivacySession(PrivacyConfig(**cfg["privacy"]), cfg["run"], cfg["organization"], None, n,
+                             torch.device("cpu"))
+    return session.release_examples()
 
 
 # ------------------------------------------------------------------------------------------------ kill -9
@@ -213,11 +235,9 @@ def test_released_metrics_are_noised_and_accounted_in_the_ledger(tmp_path: Path)
 def test_an_organization_whose_budget_runs_out_leaves_and_the_others_finish(tmp_path: Path) -> None:
     sigma, afford = 1.0, 2
     opts = _options(3, 3, {"noise_multiplier": sigma, "delta": DELTA})
-    from hetfed.client.data import DataConfig, load_client_data
-
-    n = len(load_client_data(DataConfig(**client_config(opts, "fedavg", 2, 1)["data"])).train)
-    one_round = Release(BATCH / n, sigma, STEPS)
-    eps = [epsilon_of([one_round] * k, DELTA) for k in (1, 2, 3)]
+    n_hat = _released_examples(client_config(opts, "fedavg", 2, 1))
+    one_round = Release(BATCH / n_hat, sigma, STEPS)
+    eps = [epsilon_of([COUNT, *[one_round] * k], DELTA) for k in (1, 2, 3)]
     budget = (eps[afford - 1] + eps[afford]) / 2  # enough for `afford` rounds, not one more
     assert eps[afford - 1] < budget < eps[afford]
 
@@ -277,7 +297,11 @@ def test_bad_privacy_input_is_one_line_exit_2_and_never_joins(tmp_path: Path) ->
         ledger.record(0.5, 1.0, 50)
         spent = ledger.close_round(1)
         assert spent > 1.0 and (state / "fedavg" / FILE_NAME).exists()
+        no_ledger = {k: v for k, v in base["privacy"].items() if k != "ephemeral_ledger"}
         cases = {
+            "no-state-dir": (no_ledger, None, "[privacy] needs state_dir: the privacy ledger is kept there, and "
+                             "without it a restarted client would count ε from zero; set state_dir (or "
+                             "privacy.ephemeral_ledger = true for an experiment)"),
             "sigma-zero": ({**base["privacy"], "noise_multiplier": 0}, None,
                            "privacy: noise_multiplier must be a number > 0"),
             "clip-negative": ({**base["privacy"], "clip_norm": -1}, None, "privacy: clip_norm must be a number > 0"),
@@ -302,6 +326,140 @@ def test_bad_privacy_input_is_one_line_exit_2_and_never_joins(tmp_path: Path) ->
     assert not _org(status, "org-0").joined and status.refused == ()
     assert "org-0" not in (tmp_path / "aggregator.log").read_text()
     assert json.loads((state / "fedavg" / FILE_NAME).read_text())["epsilon"] == pytest.approx(spent)  # untouched
+
+
+# ------------------------------------------------------------------------------------------------ late ledgers
+def test_a_ledger_that_first_joins_past_round_1_stops_its_client_before_any_training(tmp_path: Path) -> None:
+    """org-0 alone takes the run past round 1; org-1 then starts with no ledger. It joins, learns the round and
+    stops in one line, exit 2: a lost ledger and a first late join look the same. It trained nothing and sent
+    nothing but Join; a second start is refused the same way."""
+    opts = _options(2, 30, {"noise_multiplier": 1.0, "delta": DELTA})
+    agg = aggregator_config(opts, str(tmp_path / "state"))
+    agg["runs"][0].update(min_clients=1, round_deadline_seconds=1.0)
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    ledger_path = tmp_path / "org-1-state" / "fedavg" / FILE_NAME
+    try:
+        fed.start_aggregator(agg)
+        fed.start_client("org-0", {**client_config(opts, "fedavg", 0, fed.port),
+                                   "state_dir": str(tmp_path / "org-0-state")})
+        wait_until(lambda: _no_failure(fed) or _run(fed, "fedavg").round >= 2, timeout=120,
+                   what="the run to pass round 1")
+        path = tmp_path / "org-1.json"
+        path.write_text(json.dumps({**client_config(opts, "fedavg", 1, fed.port),
+                                    "state_dir": str(tmp_path / "org-1-state")}))
+        procs = [_client(path), _client(path)]
+        status = _run(fed, "fedavg")
+    finally:
+        fed.stop()
+    joined_at = _ledger(ledger_path)["joined_at"]
+    assert joined_at >= 2
+    for proc in procs:
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last == (
+            f"hetfed client: org-1: privacy: run 'fedavg' was at round {joined_at} when this organization's privacy "
+            f"ledger ({ledger_path}) first joined it: the ledger was lost, or the organization joins late for the "
+            "first time, and hetfed cannot tell these apart; ε cannot be continued, so it sends nothing (restore "
+            "the ledger, or start a new run)")
+        assert "Traceback" not in proc.stderr and "privacy: σ=" not in proc.stderr
+    # Its ledger holds the one release made before Join, N̂, and nothing else: nothing trained, nothing pushed.
+    assert _ledger(ledger_path)["releases"] == [[1.0, 20.0, 1]] and _rounds(_ledger(ledger_path)) == {}
+    org1 = _org(status, "org-1")
+    assert org1.last_round_pushed <= 0 and not org1.privacy_declared
+
+
+# ------------------------------------------------------------------------------------------------ run limits
+def test_a_run_refuses_ephemeral_ledgers_and_an_epsilon_above_max_epsilon_and_the_clients_stop(
+        tmp_path: Path) -> None:
+    """Two runs of one aggregator: "eph" refuses ephemeral ledgers, "cap" accepts at most ε = 1. A client with an
+    ephemeral ledger, and one whose first round declares ε ≈ 2.7, are refused at their first push: exit 2, one
+    line naming the reason, the refusal in Status (tests/aggregator/test_privacy.py counts it)."""
+    opts = _options(1, 2, {"noise_multiplier": 1.0, "delta": DELTA})
+    agg = aggregator_config(opts, str(tmp_path / "state"))
+    (run,) = agg["runs"]
+    agg["runs"] = [{**run, "id": "eph", "refuse_ephemeral_ledgers": True}, {**run, "id": "cap", "max_epsilon": 1.0}]
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    try:
+        fed.start_aggregator(agg)
+        base = client_config(opts, "fedavg", 0, fed.port)
+        assert base["privacy"]["ephemeral_ledger"] is True and "state_dir" not in base
+        configs = {"eph": {**base, "run": "eph"}, "cap": {**base, "run": "cap", "state_dir": str(tmp_path / "s")}}
+        procs = {}
+        for run_id, cfg in configs.items():
+            path = tmp_path / f"{run_id}.json"
+            path.write_text(json.dumps(cfg))
+            procs[run_id] = _client(path)
+        status = {run_id: _run(fed, run_id) for run_id in configs}
+    finally:
+        fed.stop()
+    expected = {
+        "eph": ("privacy_ephemeral_ledger", "organization 'org-0' keeps its privacy ledger only in its client process "
+                "(privacy.ephemeral_ledger); run 'eph' refuses such ledgers (refuse_ephemeral_ledgers): give the "
+                "client a state_dir"),
+        "cap": ("privacy_epsilon_exceeded", "organization 'org-0' declared ε="),
+    }
+    for run_id, (reason, text) in expected.items():
+        proc = procs[run_id]
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"hetfed client: FAILED_PRECONDITION: the aggregator refused 'org-0' for good "
+                               f"({reason}): {text}"), last
+        assert "Traceback" not in proc.stderr
+        assert [(r.organization, r.reason) for r in status[run_id].refused] == [("org-0", reason)]
+        assert _org(status[run_id], "org-0").last_round_pushed <= 0  # no payload of it was accepted
+    assert procs["cap"].stderr.strip().endswith("; run 'cap' accepts at most ε=1 (max_epsilon)")
+
+
+# ------------------------------------------------------------------------------------------------ kill -9, Fed-CMA
+def test_fedcma_killed_between_its_ledger_write_and_its_setup_push_sends_the_same_counts_again(
+        tmp_path: Path) -> None:
+    """The client kills itself (SIGKILL) right after its setup round's ledger write, before the push. Restarted,
+    it sends the class counts that write kept, declares the same N̂ at Join and in every payload, and releases
+    neither again: ε goes on from where the killed process left it."""
+    opts = _wire_options("fedcma", True)
+    p = plan(opts)
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    ledger_path = tmp_path / "org-0-state" / "fedcma" / FILE_NAME
+    try:
+        fed.start_aggregator(aggregator_config(p, str(tmp_path / "state")))
+        cfg = {**client_config(p, "fedcma", 0, fed.port), "state_dir": str(tmp_path / "org-0-state")}
+        path = tmp_path / "org-0.json"
+        path.write_text(json.dumps(cfg))
+        killed = subprocess.run([sys.executable, "-m", "hetfed.cli", "client", "--config", str(path)],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                                env={**fed.env, "HETFED_CLIENT_CRASH_AT": "privacy.ledger_written"})
+        assert killed.returncode == -9, killed.stderr
+        before = _ledger(ledger_path)
+        assert _run(fed, "fedcma").round == 0 and _run(fed, "fedcma").pushed_this_round == ()  # setup not pushed
+        sent, _ = run_recorded(cfg)
+        status = wait_until(lambda: _finished(fed, "fedcma"), timeout=60, what="the run to finish")
+    finally:
+        fed.stop()
+    after = _ledger(ledger_path)
+    n_hat, counts = before["released"]["examples"], before["released"]["class_counts"]
+    assert after["released"] == before["released"] and sum(counts) > 0
+    joins = [req for method, req in sent if method.endswith("/Join")]
+    assert joins and all(j.num_train_examples == n_hat for j in joins)
+    updates = [apb.Update.FromString(b"".join(r.chunk.data for r in items))
+               for method, items in sent if method.endswith("/PushUpdate")]
+    setup = updates[0]
+    assert setup.envelope.round == 0 and [p.WhichOneof("kind") for p in setup.payloads] == ["class_counts"]
+    from hetfed.wire import codec
+
+    assert codec.payload_from_proto(setup.payloads[0]).counts.tolist() == counts
+    assert setup.privacy.epsilon == pytest.approx(before["epsilon"], rel=1e-12)  # nothing released again
+    for update in updates[1:]:
+        for payload in update.payloads:
+            kind = payload.WhichOneof("kind")
+            if kind == "head_weights":
+                assert payload.head_weights.num_examples == n_hat
+            if kind == "eval_metrics":
+                assert payload.eval_metrics.num_train_examples == n_hat
+    # One release of N̂ and one of the class counts (σ_d = 10·σ), whatever the kill made it redo.
+    releases = {(q, sigma): c for q, sigma, c in after["releases"]}
+    assert releases[1.0, 20.0] == 1 and releases[1.0, 10.0 * SIGMA] == 1
+    assert after["epsilon"] >= before["epsilon"]
+    assert status.refused == ()
 
 
 # ------------------------------------------------------------------------------------------------ the wire
@@ -484,6 +642,9 @@ def test_hetfed_run_with_a_budget_keeps_every_organization_within_it(tmp_path: P
         assert figures["epsilon"] > 2.5, org
         per_round = [r["per_organization"][org]["privacy_epsilon"] for r in run["rounds"]]
         assert per_round == sorted(per_round) and per_round[-1] == figures["epsilon"]
+        # --output keeps each ledger in it, with N̂ and the ε last declared.
+        ledger = _ledger(out / "client-state" / org / "fedavg" / FILE_NAME)
+        assert ledger["epsilon"] == pytest.approx(figures["epsilon"]) and ledger["released"]["examples"] > 0
     assert 0 < privacy["epsilon_max"] <= 3
     # Nothing computed from private data reached the aggregator: every figure is "withheld", never 0 or a mean.
     assert run["final_test_accuracy"] == "withheld" and run["final_withheld_by"] == ["org-0", "org-1"]
@@ -527,3 +688,14 @@ def _exact_figures(out: Path) -> list[float]:
 def _numbers(text: str) -> set[float]:
     """Every decimal number written in ``text``."""
     return {float(t) for t in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)}
+
+
+def test_hetfed_run_in_a_temporary_directory_declares_its_ledgers_ephemeral_in_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--rounds", "1",
+                           "--set", "privacy.epsilon_budget=3", "--clients", "1", "--dataset", "synthetic",
+                           "--data", "synthetic_samples=200", "--local-epochs", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "ephemeral" in line]
+    assert said == ["hetfed run: privacy ledgers are ephemeral (privacy.ephemeral_ledger): they end with this "
+                    "temporary run; give --output to keep them"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
+from hetfed.client.crashpoints import crash_point
 from hetfed.wire.messages import Fingerprint
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
@@ -218,15 +219,19 @@ class ClientRuntime:
                                      groups=data.train.groups)
         except (LedgerError, PrivacyError) as exc:
             raise ClientError(str(exc), permanent=True) from None
-        budget, spent = cfg.privacy.epsilon_budget, session.spent()
+        budget, spent = cfg.privacy.budget, session.spent()
         if budget is not None and spent >= budget:
             raise ClientError(f"{cfg.organization}: privacy budget ε={budget:g} is already spent in run {cfg.run!r} "
                               f"(ε={spent:.4g}, {session.ledger.path}); nothing more can be sent", permanent=True)
         if not cfg.state_dir:
-            log.warning("%s: privacy: no state_dir, so the privacy ledger ends with this process; a restarted client "
-                        "would count ε from zero and the aggregator refuses the lower ε it declares", cfg.organization)
+            log.warning("%s: privacy: ephemeral_ledger: the privacy ledger ends with this process, and every "
+                        "declaration says so (a run with refuse_ephemeral_ledgers refuses them)", cfg.organization)
         elif spent > 0:
             log.info("%s: privacy: ledger %s continued at ε=%.4g", cfg.organization, session.ledger.path, spent)
+        try:  # N̂ goes out at Join: released (or read back) first
+            session.release_examples()
+        except LedgerError as exc:
+            raise ClientError(str(exc), permanent=True) from None
         return session
 
     def _evaluated_before(self) -> bool:
@@ -278,7 +283,7 @@ class ClientRuntime:
         assert mechanism is not None
         try:
             half.check_privacy()
-            setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_train, half.config))
+            setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_examples, half.config))
             # Metric releases: every training round that evaluates, and the final evaluation; none for a half
             # whose metrics evaluate a model trained outside DP (they stay withheld).
             every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
@@ -319,8 +324,10 @@ class ClientRuntime:
         data = self._own_data_and_model()
         privacy = self._privacy_session(data, device)
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
+        # Under DP the organization declares its released count N̂, never N.
+        num_examples = privacy.num_examples if privacy is not None else len(data.train)
         try:
-            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train),
+            joined = self.client.join(seed_set=seed_set, num_train_examples=num_examples,
                                       num_classes=data.num_classes, input_shape=data.input_shape)
         except RemoteError as err:
             if err.reason == "run_finished" and self._evaluated_before():
@@ -338,6 +345,13 @@ class ClientRuntime:
         latent = cfg.model.latent_dim or shared or None
 
         half_type = client_half_type(spec)
+        if privacy is not None:  # before anything trains or is declared
+            from hetfed.client.privacy.ledger import LedgerError
+
+            try:
+                privacy.joined(int(joined.current_round))
+            except LedgerError as exc:
+                raise ClientError(str(exc), permanent=True) from None
 
         if privacy is not None and half_type.privacy_mechanism is None:
             raise ClientError(f"{cfg.organization}: [privacy] is set, but hetfed has no DP mechanism for "
@@ -364,7 +378,7 @@ class ClientRuntime:
             self._plan_privacy(half, privacy, int(joined.total_rounds))
         if joined.declare_required:
             self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
-                             num_train_examples=len(data.train), num_classes=data.num_classes,
+                             num_train_examples=num_examples, num_classes=data.num_classes,
                              input_shape=data.input_shape)
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
@@ -410,6 +424,7 @@ class ClientRuntime:
                 upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
                           for p in upload]
                 exact = [dataclasses.replace(p, extra={**p.extra, **figures}) for p in exact]
+                crash_point("privacy.ledger_written")
             try:
                 self.client.push(round_, upload, wire_dtype, privacy=declaration)
             except RemoteError as err:

@@ -326,8 +326,10 @@ def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) 
     n = len(data)
     if n == 0:
         return
-    if hasattr(data, "poisson_batches"):  # DP-SGD: as many Poisson samples of rate B/N as the steps above
-        yield from data.poisson_batches(steps_per_round(n, cfg))
+    # DP-SGD (PrivateData, which this module does not import): Poisson samples of rate B/N̂, as many as the steps
+    # over the released count N̂, as the ledger's plan counted them.
+    if hasattr(data, "poisson_batches") and hasattr(data, "num_examples"):
+        yield from data.poisson_batches(steps_per_round(data.num_examples, cfg))
         return
     budget = cfg.local_steps if cfg.local_steps > 0 else None
     epochs = cfg.local_epochs if budget is None else 1 << 30

@@ -85,6 +85,8 @@ LOOPBACK = "127.0.0.1"
 # A local client's own settings (a single thread each, giving up soon on an aggregator that went away).
 CLIENT_THREADS = 1
 CLIENT_GIVE_UP_SECONDS = 120.0
+# The clients' state directories (under DP, their privacy ledgers) in a run's work directory, one per organization.
+CLIENT_STATE = "client-state"
 # Written to the files even at their dataclass defaults, so that each file says which data, which share of it
 # and which latent width its organization uses, and a run's rounds (under DP, ``client_file`` adds the noise seed).
 ALWAYS_WRITTEN = ("data.dataset", "data.partition", "data.num_clients", "data.client_index", "data.seed",
@@ -359,13 +361,25 @@ def _client_of(opts: LocalRunOptions, run_id: str, data: DataConfig, model: str,
     # Secure mode draws its noise from a fresh key, never a seed, so a local run does not fix one for it.
     if privacy.enabled and not privacy.secure_mode and "noise_seed" not in opts.privacy:
         privacy = dataclasses.replace(privacy, noise_seed=noise_seed(opts.seed, data.client_index))
+    # With --output the privacy ledgers are kept in it; a run in a temporary directory loses them with it anyway,
+    # so its ledgers are declared ephemeral instead (_run_in says so).
+    state_dir = None
+    if privacy.enabled and opts.output:
+        state_dir = client_state_dir(organization)
+    elif privacy.enabled:
+        privacy = dataclasses.replace(privacy, ephemeral_ledger=True)
     return ClientConfig(
         organization=organization, run=run_id, threads=CLIENT_THREADS, data=data,
         model=ModelConfig(**{("builder" if is_reference(model) else "name"): model}, latent_dim=latent or 0),
         retry=RetryConfig(give_up_after_seconds=CLIENT_GIVE_UP_SECONDS),
         # With --output each organization's snapshots and its exported model (model/) are kept there.
         output_dir=artifacts_dir(run_id, organization) if artifacts else None,
-        report_timing=opts.timing, privacy=privacy)
+        report_timing=opts.timing, privacy=privacy, state_dir=state_dir)
+
+
+def client_state_dir(organization: str) -> str:
+    """Where a local run's client keeps its state (its privacy ledger), relative to the run's work directory."""
+    return str(Path(CLIENT_STATE) / organization)
 
 
 def noise_seed(seed: int, index: int) -> int:
@@ -787,6 +801,8 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
                 raise ConfigError(f"{run_dir} is in use by an aggregator still running ({holder}): stop it, or "
                                   "give this run another --output")
         shutil.rmtree(state)
+    if (workdir / CLIENT_STATE).exists():  # nor are its clients' ledgers: ε of this run starts at zero
+        shutil.rmtree(workdir / CLIENT_STATE)
     try:
         fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
         names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(p.clients)}
@@ -867,6 +883,9 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
         rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
         say(f"hetfed run: {', '.join(o.algorithms)} with {p.clients} organizations on {o.dataset} "
             f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
+    if p.privacy and not o.output:
+        say("hetfed run: privacy ledgers are ephemeral (privacy.ephemeral_ledger): they end with this temporary "
+            "run; give --output to keep them")
     results = federate(p, workdir)
     print_table(TABLE_HEAD, table_rows(results))
     if p.picture:

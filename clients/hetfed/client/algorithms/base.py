@@ -68,6 +68,12 @@ class ClientContext(Generic[C]):
         own files streamed batch by batch."""
         return source_of(ds, self.device, num_workers=self.num_workers, pin_memory=self.pin_memory, seed=self.seed)
 
+    @property
+    def num_examples(self) -> int:
+        """The training examples this organization declares in what it sends: under DP its released count N̂
+        (the true count never leaves), else the true count."""
+        return self.privacy.num_examples if self.privacy is not None else len(self.train)
+
     def rng(self, round_seed: int) -> np.random.Generator:
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
         return np.random.default_rng([self.seed, round_seed, zlib.crc32(self.organization.encode())])
@@ -116,7 +122,7 @@ class ClientContext(Generic[C]):
                 self.privacy.withhold_evaluation()
         self.last_evaluation = EvalMetrics(
             train_loss=train_loss,
-            num_train_examples=len(self.train),
+            num_train_examples=self.num_examples,
             test_accuracy=acc,
             test_loss=loss,
             num_test_examples=len(self.test),

@@ -23,6 +23,7 @@ class PrivacyConfig:
     """
 
     # Stop before a round that would take ε past this; the organization leaves the run (exit status 3).
+    # None: the target ε, when one is given (``budget``).
     epsilon_budget: float | None = None
     # Solve σ so that the run's planned rounds spend this ε (default: the budget). Excludes noise_multiplier.
     target_epsilon: float | None = None
@@ -30,7 +31,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     # C: each example's gradient (DP-SGD) or embedding (a class-sum release) is clipped to this L2 norm.
     clip_norm: float = 1.0
-    # δ of the (ε, δ) statement; None: 1/N² for N training examples of this organization.
+    # δ of the (ε, δ) statement; None: 1/N̂² for N̂ the training examples this organization released.
     delta: float | None = None
     # Noise multiplier of direct releases (class counts and sums, computed from the data without training) as a
     # multiple of σ. They get no amplification by sampling but average many examples, so more noise costs them
@@ -63,6 +64,15 @@ class PrivacyConfig:
     # Noise and Poisson samples from a cryptographically secure generator (a ChaCha20 keystream keyed from
     # os.urandom) with the floating-point guard of Opacus' secure mode; excludes a fixed noise_seed.
     secure_mode: bool = False
+    # Noise multiplier σ_N of the one release of the training example count N (sensitivity 1; the group count G
+    # under unit = "group"): the organization declares N̂ = max(1, round(N + N(0, σ_N²))) and derives everything
+    # else from it. Fixed, not a multiple of σ,
+    # since σ is solved after N̂ is out. 20 moves N̂ by about ±20 examples, which changes no example weight that
+    # matters, and costs a small ε next to the training's (hetfed's own default; docs/privacy.md).
+    count_noise_multiplier: float = 20.0
+    # Allow [privacy] without the client's state_dir, so the privacy ledger ends with the process: for
+    # experiments only. Every declaration says so, and a run with refuse_ephemeral_ledgers refuses it.
+    ephemeral_ledger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("epsilon_budget", "target_epsilon", "noise_multiplier", "delta"):
@@ -74,6 +84,8 @@ class PrivacyConfig:
         for name in ("metrics_noise_multiple", "metric_loss_bound"):
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0, f"{name} must be a number > 0, got {value!r}")
+        check(math.isfinite(self.count_noise_multiplier) and self.count_noise_multiplier > 0,
+              f"count_noise_multiplier must be a number > 0, got {self.count_noise_multiplier!r}")
         check(math.isfinite(self.clip_norm) and self.clip_norm > 0,
               f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         check(self.delta is None or self.delta < 1, f"delta must be < 1, got {self.delta!r}")
@@ -100,9 +112,14 @@ class PrivacyConfig:
             return None
         return self.target_epsilon if self.target_epsilon is not None else self.epsilon_budget
 
+    @property
+    def budget(self) -> float | None:
+        """The ε no round may take the organization past: ``epsilon_budget``, else the target ε."""
+        return self.epsilon_budget if self.epsilon_budget is not None else self.target_epsilon
+
     def delta_for(self, num_examples: int) -> float:
-        """δ for an organization with ``num_examples`` training examples (its number of groups under
-        ``unit = "group"``): the configured one, else 1/N²."""
+        """δ for an organization that declared ``num_examples`` units (its released count: N̂ training examples, or
+        Ĝ groups under ``unit = "group"``): the configured one, else 1/Û²."""
         if self.delta is not None:
             return self.delta
         return 1.0 / max(int(num_examples), 2) ** 2

@@ -359,15 +359,16 @@ def secret_generator(seed: int, parts: Sequence[int | str], device: torch.device
 
 class PrivateData:
     """The organization's training set under DP-SGD: the training loop draws its batches by Poisson sampling
-    (each example in each batch with probability q = B/N, from the secret generator) and privatises every step
+    (each example in each batch with probability q = B/N̂, from the secret generator) and privatises every step
     on them. Any other read (``take``) is the algorithm's own, and its mechanism's business.
 
     With ``groups`` (one group id per example: ``privacy.unit = "group"``) it samples groups instead: each group
-    is in a batch with probability q and brings all its examples, or ``max_per_group`` of them drawn from the
-    secret generator; each batch carries every example's group (0 .. g-1 in the batch) for the per-group clip."""
+    is in a batch with probability q = B/Ĝ and brings all its examples, or ``max_per_group`` of them drawn from
+    the secret generator; each batch carries every example's group (0 .. g-1 in the batch) for the per-group
+    clip."""
 
     def __init__(self, data: DataSource, step: PrivateStep, groups: np.ndarray | None = None,
-                 max_per_group: int = 64) -> None:
+                 max_per_group: int = 64, *, num_examples: int | None = None) -> None:
         self.data = data
         self.step = step
         self.max_per_group = int(max_per_group)
@@ -377,6 +378,9 @@ class PrivateData:
             _, inverse, counts = np.unique(np.asarray(groups), return_inverse=True, return_counts=True)
             order = np.argsort(inverse.reshape(-1), kind="stable")
             self.members = np.split(order, np.cumsum(counts)[:-1])
+        # Û, the released count (examples, or groups): a round's number of steps is planned from it, as the
+        # ledger's plan was (None: the true count, where nothing was released).
+        self.num_examples = self.num_groups if num_examples is None else int(num_examples)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -411,6 +415,8 @@ class PrivateData:
 
     def poisson_batches(self, steps: int) -> Iterator[Batch]:
         """``steps`` Poisson-sampled batches (of examples, or of groups), each marked for DP-SGD."""
+        # Every one of the real examples (or groups) is drawn at rate q = B/Û. q is a public parameter chosen from
+        # a DP release, and the sampled Gaussian's guarantee holds at that q whatever the true count is.
         n = len(self.data)
         gen = self.step.generator
         members = self.members

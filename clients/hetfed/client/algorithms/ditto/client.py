@@ -274,7 +274,7 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         losses = {"global_train_loss": result.losses[0]}
         metrics = ctx.metrics(result.losses[1], evaluated_round=round_, extra={**global_before, **losses},
                               model=self.personal)
-        return [model_weights(ctx.model, len(ctx.train)), metrics]
+        return [model_weights(ctx.model, ctx.num_examples), metrics]
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The final personal model w_L on the organization's own test set, and the final global model w̄'s accuracy."""

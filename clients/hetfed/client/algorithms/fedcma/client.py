@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # dp-accounting is imported only by a client under DP (it tak
 
 # Stream of (run seed, organization) that draws the fixed batches B_i^k: the same after a restart.
 _BATCH_STREAM = 0xB1C
+# The name of the noisy class counts among the values the privacy ledger keeps.
+_RELEASED = "class_counts"
 
 
 class FedCMAClient(ClientHalf[FedCMAConfig]):
@@ -66,6 +68,10 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         super().__init__(ctx)
         self.cfg = ctx.config
         self.counts = class_counts(ctx.data.train.y, ctx.data.num_classes)
+        if ctx.privacy is not None and _RELEASED in ctx.privacy.ledger.released:
+            # Released before (this process or an earlier one): the organization works with what it sent, and a
+            # restart sends the same counts again rather than releasing new ones.
+            self.counts = np.asarray(ctx.privacy.ledger.released[_RELEASED], dtype=np.int64)
         self._batch: DeviceData | None = None
         self._batch_sizes = np.zeros(ctx.data.num_classes, dtype=np.int64)
         self._head_initialised = False
@@ -103,7 +109,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
 
     def setup(self, round_seed: int) -> list[Payload]:
         """Send n_i^k once and fix the per-class batches (under DP: n_i^k + N(0, σ²), rounded and floored at 0,
-        which this organization then uses as its counts too)."""
+        which this organization then uses as its counts too; kept in the privacy ledger with their release, so a
+        setup redone after a restart sends the same counts and releases nothing new)."""
         self._check_model()
         privacy = self.ctx.privacy
         if privacy is not None and not self.cfg.bounded_latent:
@@ -112,11 +119,14 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         if privacy is None:
             self.fixed_batch()
             return [ClassCounts(self.counts.copy())]
+        if _RELEASED in privacy.ledger.released:
+            return [ClassCounts(self.counts.copy())]
         from hetfed.client.privacy.mechanisms import noisy_counts
 
         sigma = privacy.direct_sigma
         self.counts = noisy_counts(self.counts, sigma, privacy.generator_now)
         privacy.ledger.record(1.0, sigma)
+        privacy.ledger.hold(_RELEASED, self.counts.tolist())
         return [ClassCounts(self.counts.copy())]
 
     # ------------------------------------------------------------------ privacy
@@ -128,19 +138,6 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         from hetfed.client.privacy.ledger import Release
 
         return [Release(1.0, m, 1)], [Release(q, 1.0, steps), Release(1.0, m / math.sqrt(2), 1)]
-
-    def private_state(self) -> dict[str, Any]:
-        """The model and attributes, and under DP the released counts this organization works with."""
-        state = super().private_state()
-        if self.ctx.privacy is not None:
-            state["released_counts"] = self.counts
-        return state
-
-    def load_private_state(self, state: Any) -> None:
-        """Resume, with the released counts under DP."""
-        super().load_private_state(state)
-        if self.ctx.privacy is not None and "released_counts" in state:
-            self.counts = np.asarray(state["released_counts"], dtype=np.int64)
 
     # ------------------------------------------------------------------ rounds
     def _receive(self, received: Received) -> None:
@@ -276,7 +273,7 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         """v_i: the head's weight and bias."""
         head = self.ctx.model.head
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
-                           len(self.ctx.train))
+                           self.ctx.num_examples)
 
     def optimizer(self) -> torch.optim.Optimizer:
         """This round's optimiser: the same one throughout with ``keep_optimizer_state`` (the reference code's),
