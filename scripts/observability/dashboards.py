@@ -103,7 +103,8 @@ BANDWIDTH: tuple[PanelSpec, ...] = (
     PanelSpec("Final accuracy", "stat",
               (Query(f"max by (run, algorithm) (hetfed_run_final_test_accuracy{{{RUN}}})",
                      "{{run}} ({{algorithm}})"),),
-              "percentunit", "The finished run's evaluation round."),
+              "percentunit", "The finished run's evaluation round. Organizations that withheld their accuracy "
+              "are left out; no data when all did (see Withheld figures by organization)."),
 )
 
 ROUNDS: tuple[PanelSpec, ...] = (
@@ -150,6 +151,12 @@ ROUNDS: tuple[PanelSpec, ...] = (
               (Query('max by (run) (hetfed_privacy_unprotected_organizations{run=~"$run"})', "{{run}}"),),
               "short", "Organizations whose last accepted update declared no differential privacy; a run with "
               "require_privacy refuses such updates."),
+    PanelSpec("Withheld figures by organization", "stat",
+              (Query(f"count by (run, organization) (hetfed_reported_withheld{{{ORG}}})",
+                     "{{run}} {{organization}}"),),
+              "short", "How many figures each organization withheld in its last report (hetfed_reported_withheld): "
+              "computed from private data and not released under its privacy settings. Accuracy and loss panels "
+              "leave those organizations out; with every organization withholding they show no data, never 0."),
 )
 
 

@@ -109,6 +109,64 @@ def test_an_undeclared_update_is_refused_where_the_run_requires_privacy_and_the_
     assert sample(agg, "hetfed_privacy_unprotected_organizations") == 0
 
 
+def test_ephemeral_ledgers_and_max_epsilon_are_read_from_the_run_config() -> None:
+    from hetfed.wire.config import ConfigError
+
+    cfg = aggregator_config_from_mapping({"runs": [
+        run_config(), run_config(id="s", refuse_ephemeral_ledgers=True, max_epsilon=2.5)]})
+    assert [(r.refuse_ephemeral_ledgers, r.max_epsilon) for r in cfg.runs] == [(False, None), (True, 2.5)]
+    with pytest.raises(ConfigError, match=r"max_epsilon must be a number > 0 \(leave it out for no limit\), got 0\.0"):
+        aggregator_config_from_mapping({"runs": [run_config(max_epsilon=0.0)]})
+
+
+def test_an_ephemeral_ledger_is_refused_counted_and_stops_its_organization_where_the_run_refuses_them(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    agg, (a, b) = started(aggregator, raw_client, refuse_ephemeral_ledgers=True)
+    with pytest.raises(grpc.RpcError) as err:
+        push(a, 1, dataclasses.replace(dp(0.4), ephemeral_ledger=True))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == (
+        "privacy_ephemeral_ledger: organization 'a' keeps its privacy ledger only in its client process "
+        "(privacy.ephemeral_ledger); run 'r' refuses such ledgers (refuse_ephemeral_ledgers): give the client a "
+        "state_dir")
+    assert rejected(agg, "privacy_ephemeral_ledger") == 1
+    assert sample(agg, "hetfed_refused_organizations", organization="a", reason="privacy_ephemeral_ledger") == 1
+    assert push(b, 1, dp(0.4)).accepted  # a ledger on disk is accepted
+    run = agg.service.runs["r"]
+    assert sorted(run.pushed) == ["b"] and "a" in run.refused
+    # Not retryable: the client's runtime stops the organization for good (ClientError, exit 2).
+    from hetfed.wire.errors import REASONS
+
+    assert REASONS["privacy_ephemeral_ledger"] == ("FAILED_PRECONDITION", False)
+
+
+def test_an_ephemeral_ledger_is_accepted_where_the_run_allows_them(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    agg, (a, b) = started(aggregator, raw_client)
+    assert push(a, 1, dataclasses.replace(dp(0.4), ephemeral_ledger=True)).accepted
+    assert push(b, 1, dp(0.4)).accepted
+    assert rejected(agg, "privacy_ephemeral_ledger") == 0
+
+
+def test_a_declaration_above_max_epsilon_is_refused_counted_and_stops_its_organization(
+        aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
+    agg, (a, b) = started(aggregator, raw_client, max_epsilon=1.0, rounds=3)
+    assert push(a, 1, dp(1.0)).accepted  # at the limit
+    with pytest.raises(grpc.RpcError) as err:
+        push(b, 1, dp(1.25))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == (
+        "privacy_epsilon_exceeded: organization 'b' declared ε=1.25; run 'r' accepts at most ε=1 (max_epsilon)")
+    assert rejected(agg, "privacy_epsilon_exceeded") == 1
+    assert sample(agg, "hetfed_refused_organizations", organization="b", reason="privacy_epsilon_exceeded") == 1
+    run = agg.service.runs["r"]
+    assert sorted(run.pushed) == ["a"]  # b's payload was not accepted
+    assert org_privacy(a)["b"] == (False, 0.0)
+    from hetfed.wire.errors import REASONS
+
+    assert REASONS["privacy_epsilon_exceeded"] == ("FAILED_PRECONDITION", False)
+
+
 def test_a_refused_organization_may_still_send_a_declared_update_in_that_round(
         aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]) -> None:
     agg, (a, b) = started(aggregator, raw_client, require_privacy=True)

@@ -293,6 +293,7 @@ def test_keep_optimizer_state_carries_momentum_across_rounds() -> None:
 def test_privacy_with_an_unbounded_latent_is_refused_before_anything_is_released() -> None:
     """The class-sum release takes its bound C_z = sqrt(d_e) from [0, 1]^d_e: without it there is no sensitivity."""
     from hetfed.client.privacy.config import PrivacyConfig
+    from hetfed.client.privacy.ledger import Release
     from hetfed.client.privacy.session import PrivacySession
 
     plain = make_client(bounded_latent=False)
@@ -302,7 +303,8 @@ def test_privacy_with_an_unbounded_latent_is_refused_before_anything_is_released
     ctx = client.ctx
     session = PrivacySession(PrivacyConfig(epsilon_budget=3.0), "run", "org", None, len(ctx.data.train),
                              torch.device("cpu"))
+    session.release_examples()  # before Join, as the runtime does
     private = FedCMAClient(ClientContext("org", ctx.model, ctx.data, ctx.device, ctx.config, seed=0, privacy=session))
     with pytest.raises(ValueError, match="needs bounded latents"):
         private.setup(0)
-    assert session.ledger.releases == []
+    assert session.ledger.releases == [Release(1.0, 20.0)] and session.ledger.pending == []  # the count alone

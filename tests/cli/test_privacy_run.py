@@ -75,7 +75,10 @@ def test_every_client_config_carries_privacy_and_every_run_requires_it(tmp_path:
     for run_id in ("fedavg", "local"):
         for i in range(4):
             cfg = lr.client_config(p, run_id, i, 1234)
-            assert cfg["privacy"] == {"epsilon_budget": 3.0, "clip_norm": 0.5, "noise_seed": lr.noise_seed(7, i)}
+            # No --output: the run's directory is temporary, so are the ledgers, and the clients declare it.
+            assert cfg["privacy"] == {"epsilon_budget": 3.0, "clip_norm": 0.5, "noise_seed": lr.noise_seed(7, i),
+                                      "ephemeral_ledger": True}
+            assert "state_dir" not in cfg
             path = tmp_path / f"{run_id}-{i}.json"
             path.write_text(json.dumps(cfg))
             privacy = load_client_config(path).privacy  # what the client reads back
@@ -91,7 +94,26 @@ def test_the_noise_seed_follows_the_runs_seed_unless_given() -> None:
     assert len({lr.noise_seed(s, i) for s in range(3) for i in range(4)}) == 12
     assert all(0 <= lr.noise_seed(s, i) < 2 ** 31 for s in (-5, 0, 10 ** 9) for i in range(3))
     p = lr.plan(options("--set", "privacy.noise_multiplier=1.1", "--set", "privacy.noise_seed=-1"))
-    assert lr.client_config(p, "fedavg", 2, 1)["privacy"] == {"noise_multiplier": 1.1, "noise_seed": -1}
+    assert lr.client_config(p, "fedavg", 2, 1)["privacy"] == {"noise_multiplier": 1.1, "noise_seed": -1,
+                                                              "ephemeral_ledger": True}
+
+
+def test_with_output_every_ledger_is_kept_in_it(tmp_path: Path) -> None:
+    """--output: each organization keeps its state (its privacy ledger) under <output>/client-state/<organization>,
+    so its ledger is not ephemeral."""
+    p = lr.plan(options("--set", "privacy.epsilon_budget=3", "--output", str(tmp_path)))
+    for i in range(4):
+        cfg = lr.client_config(p, "fedavg", i, 1)
+        assert cfg["state_dir"] == f"client-state/org-{i}" and "ephemeral_ledger" not in cfg["privacy"]
+    no_dp = lr.plan(options("--output", str(tmp_path)))
+    assert "state_dir" not in lr.client_config(no_dp, "fedavg", 0, 1)
+
+
+def test_secure_mode_gets_no_noise_seed_from_the_runs_seed() -> None:
+    """A local run fixes no noise seed under secure_mode, which refuses one: the clients draw fresh keys."""
+    p = lr.plan(options("--seed", "7", "--set", "privacy.noise_multiplier=1.1", "--set", "privacy.secure_mode=true"))
+    cfg = lr.client_config(p, "fedavg", 0, 1)["privacy"]
+    assert cfg == {"noise_multiplier": 1.1, "secure_mode": True, "noise_seed": -1}
 
 
 def test_without_privacy_nothing_changes(tmp_path: Path) -> None:

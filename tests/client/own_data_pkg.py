@@ -141,3 +141,22 @@ class Faulty(Pairs):
 
 def faulty(context: DataContext) -> dict[str, Any]:
     return {"train": Faulty([0, 0, 0], with_targets=False), "test": Pairs([0]), "num_classes": 1}
+
+
+def with_groups(context: DataContext) -> dict[str, Any]:
+    """The training set of ``make`` with a ``groups`` attribute: 3 patients of 3, 3 and 2 examples."""
+    train = Pairs([0, 1, 2, 0, 1, 2, 0, 1])
+    train.groups = torch.tensor([10, 10, 10, 20, 20, 20, 30, 30])  # type: ignore[attr-defined]
+    return {"train": train, "test": Pairs([0]), "num_classes": 3}
+
+
+def groups_too_short(context: DataContext) -> dict[str, Any]:
+    train = Pairs([0, 1, 2])
+    train.groups = [1, 2]  # type: ignore[attr-defined]
+    return {"train": train, "test": Pairs([0]), "num_classes": 3}
+
+
+def float_groups(context: DataContext) -> dict[str, Any]:
+    train = Pairs([0, 1])
+    train.groups = np.array([0.5, 1.0])  # type: ignore[attr-defined]
+    return {"train": train, "test": Pairs([0]), "num_classes": 3}

@@ -294,6 +294,21 @@ def test_array_dataset_coerces_and_subsets() -> None:
         ArrayDataset(np.zeros((6, 2)), np.zeros(5))
 
 
+def test_array_dataset_group_ids_are_checked_and_follow_a_subset() -> None:
+    """Group ids (a patient per example): integers, one per example, kept by ``subset`` for the rows it keeps."""
+    ds = ArrayDataset(np.zeros((5, 2)), np.zeros(5), groups=np.array([7, 7, 3, 9, 3], dtype=np.int32))
+    assert ds.groups is not None and ds.groups.dtype == np.int64
+    sub = ds.subset([4, 0, 3])
+    assert sub.groups is not None
+    np.testing.assert_array_equal(sub.groups, [3, 7, 9])
+    assert ArrayDataset(np.zeros((5, 2)), np.zeros(5)).subset([1]).groups is None
+    with pytest.raises(ValueError, match=r"ArrayDataset\.groups must hold one group id per example, shape \(5,\), "
+                                         r"got \(4,\)"):
+        ArrayDataset(np.zeros((5, 2)), np.zeros(5), groups=np.arange(4))
+    with pytest.raises(ValueError, match=r"ArrayDataset\.groups must be integers, got dtype float64"):
+        ArrayDataset(np.zeros((5, 2)), np.zeros(5), groups=np.array([0.0, 1.0, 1.5, 2.0, 3.0]))
+
+
 # ---------------------------------------------------------------- config validation
 
 
@@ -453,6 +468,20 @@ def test_npz_without_test_file_holds_out_a_fifth_and_scales_uint8(tmp_path: Path
     assert len(data.train) == 16
     np.testing.assert_array_equal(class_counts(data.test.y, 2), [2, 2])
     assert float(data.train.x.max()) == 1.0
+
+
+def test_npz_group_array_gives_group_ids_and_survives_the_holdout(tmp_path: Path) -> None:
+    """train.npz's optional ``group`` array: one group id per example; the held-out fifth takes its rows' ids."""
+    x = np.arange(20, dtype=np.float32).reshape(20, 1)
+    group = np.arange(20) // 4  # 5 patients of 4 examples; x[i] = i says which rows each side kept
+    _write(tmp_path / "train.npz", x=x, y=np.repeat([0, 1], 10), group=group)
+    data = load_client_data(DataConfig(dataset="npz", partition="natural", path=str(tmp_path), seed=2))
+    assert data.train.groups is not None and data.test.groups is not None
+    np.testing.assert_array_equal(data.train.groups, data.train.x[:, 0].astype(np.int64) // 4)
+    np.testing.assert_array_equal(data.test.groups, data.test.x[:, 0].astype(np.int64) // 4)
+    _write(tmp_path / "train.npz", x=x, y=np.repeat([0, 1], 10), group=np.full(20, 0.5))
+    with pytest.raises(ValueError, match=r"train\.npz: array 'group' must hold whole numbers"):
+        load_client_data(DataConfig(dataset="npz", partition="natural", path=str(tmp_path), seed=3))
 
 
 def test_npz_domain_partition(tmp_path: Path) -> None:

@@ -59,6 +59,18 @@ def test_factory_data_is_streamed_with_its_labels_known() -> None:
     assert data.train.subset([3]).dataset[0][1] == 0
 
 
+def test_a_datasets_groups_are_its_examples_group_ids() -> None:
+    """A factory's dataset with a ``groups`` attribute (like ``targets``): one id per example, kept by subsets;
+    a set without it has none."""
+    data = load_client_data(cfg("own_data_pkg:with_groups"))
+    assert isinstance(data.train, StreamedDataset) and data.train.groups is not None
+    np.testing.assert_array_equal(data.train.groups, [10, 10, 10, 20, 20, 20, 30, 30])
+    sub = data.train.subset([7, 0])
+    assert sub.groups is not None
+    np.testing.assert_array_equal(sub.groups, [30, 10])
+    assert data.test.groups is None
+
+
 def test_eval_set_named_global_test_is_the_global_test() -> None:
     data = load_client_data(cfg("own_data_pkg:with_global_test"))
     assert data.global_test is not None and len(data.global_test) == 2
@@ -128,6 +140,9 @@ def test_seed_set_from_the_factory_or_the_mounted_file(tmp_path: Path) -> None:
         ("own_data_pkg:float_labels", r"the train set: example 0's label 0.5 is not an integer$"),
         ("own_data_pkg:seed_set_shape_differs", r"its seed_set holds examples of shape \(3,\) but the train set's "
                                                 r"are \(1, 2, 2\)$"),
+        ("own_data_pkg:groups_too_short", r"the train set: groups must hold one group id per example, shape \(3,\), "
+                                          r"got \(2,\)$"),
+        ("own_data_pkg:float_groups", r"the train set: groups must be integers, got dtype float64$"),
     ],
 )
 def test_bad_factories_are_one_line_errors(factory: str, message: str) -> None:

@@ -375,6 +375,7 @@ def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_say
     x, y = _data(64, 0)
     session = PrivacySession(PrivacyConfig(noise_multiplier=1.0, noise_seed=3), "r1", "org-0", None, 64,
                              torch.device("cpu"))
+    session.release_examples()  # N̂, before Join, as the runtime does
     session.set_batch_size(16)
     session.plan("dp-sgd", [], [], 1)
     model = build_model("mlp", SHAPE, 3, seed=1)
@@ -393,4 +394,10 @@ def test_a_dp_trained_model_exports_once_its_hooks_are_released_and_its_card_say
         export(tmp_path / "hooked")
     session.release()
     card = json.loads(export(tmp_path / "model").read_text())
-    assert card["privacy"] == figures and figures["epsilon"] > 0
+    assert card["privacy"] == {**figures, "differentially_private": True} and figures["epsilon"] > 0
+    # A model trained outside DP in the same run (a personal model kept in the organization) gets no ε.
+    from hetfed.client.export import NOT_DP_NOTE
+
+    kept = export_model(tmp_path / "kept", model, example_input=x, architecture="mlp", privacy=figures,
+                        model_under_dp=False)
+    assert json.loads(kept.read_text())["privacy"] == {"differentially_private": False, "note": NOT_DP_NOTE}

@@ -207,9 +207,27 @@ def test_a_ledger_of_another_format_is_a_ledger_error(tmp_path: Path) -> None:
     led.close_round(1)
     path = tmp_path / "run-a" / FILE_NAME
     raw = json.loads(path.read_text())
-    path.write_text(json.dumps({**raw, "format": 2}))
-    with pytest.raises(LedgerError, match="format 1"):
+    path.write_text(json.dumps({**raw, "format": 3}))
+    with pytest.raises(LedgerError, match=r"is not a hetfed privacy ledger of format 2$"):
         open_ledger(tmp_path)
+
+
+def test_released_values_are_written_with_the_releases_that_paid_for_them(tmp_path: Path) -> None:
+    """``hold`` keeps a value pending with the round's releases: neither is on disk before the commit, both are
+    after it, in one write; a reopened ledger has them, and the round it first joined at."""
+    led = open_ledger(tmp_path)
+    led.record(1.0, 10.0)
+    led.hold("class_counts", [5, 0, 7])
+    path = tmp_path / "run-a" / FILE_NAME
+    assert not path.exists() and led.released == {}
+    led.joined_at = 0
+    eps = led.close_round(0)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["released"] == {"class_counts": [5, 0, 7]} and on_disk["releases"] == [[1.0, 10.0, 1]]
+    assert on_disk["epsilon"] == eps and on_disk["joined_at"] == 0
+    again = open_ledger(tmp_path)
+    assert again.loaded and again.released == {"class_counts": [5, 0, 7]} and again.joined_at == 0
+    assert again.epsilon() == eps
 
 
 @pytest.mark.parametrize("body", ["[]", "null", "MISSING"])

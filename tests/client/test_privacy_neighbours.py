@@ -104,7 +104,10 @@ def private_half(case: str, x: torch.Tensor, y: torch.Tensor,
                                      bounded_latent=spec.latent_bounded(config), config=config)
         return prepare_model(model, privacy_cfg, "org").double()
 
-    session = PrivacySession(privacy_cfg, "run", "org", None, 1, CPU)  # N = 1: expected batch qN = 1
+    session = PrivacySession(privacy_cfg, "run", "org", None, 1, CPU)
+    # N̂ = 1 (expected batch qN̂ = 1), held as a restarted client holds it: the same on every neighbouring set.
+    session.ledger.released["examples"] = 1
+    assert session.release_examples() == 1
     session.q = 1.0
     session.ledger.noise_multiplier = 0.0
     half = half_type(ClientContext("org", build(), data, CPU, config, 5, build_model=build, privacy=session))

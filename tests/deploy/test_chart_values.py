@@ -127,3 +127,44 @@ def test_long_names_stay_within_63_characters_and_distinct(helm: Helm) -> None:
     assert len(by_kind(objects, "Job")) == 2 and len({j["metadata"]["name"] for j in by_kind(objects, "Job")}) == 2
     (sts,) = by_kind(objects, "StatefulSet")
     assert len(sts["metadata"]["name"]) <= 52  # + "-<10-char revision hash>" fits a label value
+
+
+PRIVACY_NEEDS_STATE = ('organization "org-b": config.privacy needs stateVolume.enabled: the privacy ledger lives in the '
+                       "client's state_dir, and on the pod's own disk a restarted pod would count ε from zero "
+                       "(docs/privacy.md)")
+
+
+@pytest.mark.parametrize("privacy", [{"epsilon_budget": 3.0}, {"target_epsilon": 2.0},
+                                     {"noise_multiplier": 1.1, "ephemeral_ledger": True}],
+                         ids=["budget", "target", "sigma-ephemeral"])
+def test_an_organization_with_privacy_and_no_state_volume_is_refused(helm: Helm, tmp_path: Path,
+                                                                     privacy: dict) -> None:
+    """The ledger must outlive the pod (backoffLimit restarts it): the chart fails, naming the organization."""
+    err = render_error(helm, tmp_path, {"organizations": ["org-a", {"name": "org-b", "config": {"privacy": privacy}}]})
+    assert PRIVACY_NEEDS_STATE in err
+
+
+def test_privacy_with_a_state_volume_renders_the_ledger_dir_and_the_run_limits(helm: Helm, tmp_path: Path) -> None:
+    """With the state volume the client config carries state_dir and [privacy]; a run's privacy limits reach the
+    aggregator's config. Privacy settings alone (clip_norm) switch nothing on, so need no volume."""
+    import tomllib
+
+    values = {
+        "organizations": ["org-a", {"name": "org-b", "config": {"privacy": {"epsilon_budget": 3.0}},
+                                    "stateVolume": {"enabled": True}}],
+        "clientDefaults": {"config": {"privacy": {"clip_norm": 0.5}}},
+        "runs": [{"id": "demo", "algorithm": "fedavg", "require_privacy": True, "refuse_ephemeral_ledgers": True,
+                  "max_epsilon": 4.0}],
+    }
+    f = tmp_path / "values.yaml"
+    f.write_text(yaml.safe_dump(values))
+    objects = [d for d in yaml.safe_load_all(helm.template(f)) if d]
+    cms = {c["metadata"]["name"]: c.get("data", {}) for c in by_kind(objects, "ConfigMap")}
+    (org_b,) = [v for k, v in cms.items() if k.endswith("-org-b")]
+    b = tomllib.loads(org_b["demo.toml"])
+    assert b["state_dir"] == "/var/lib/hetfed-client" and b["privacy"] == {"epsilon_budget": 3.0, "clip_norm": 0.5}
+    (org_a,) = [v for k, v in cms.items() if k.endswith("-org-a")]
+    assert "state_dir" not in tomllib.loads(org_a["demo.toml"])
+    (agg,) = [v for k, v in cms.items() if k.endswith("-aggregator")]
+    (run,) = tomllib.loads(agg["aggregator.toml"])["runs"]
+    assert (run["require_privacy"], run["refuse_ephemeral_ledgers"], run["max_epsilon"]) == (True, True, 4.0)

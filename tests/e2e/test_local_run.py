@@ -148,13 +148,15 @@ def test_a_client_whose_training_diverges_stops_in_one_line_and_sends_nothing(tm
                         r"A lower learning rate \(lr\), or a cap on the gradient's norm \(max_grad_norm\), may "
                         r"avoid it", line), line
     assert "Traceback" not in log and line in proc.stderr
-    # Before exiting it told the aggregator it leaves, with the reason (a leave notice), so rounds stop waiting
-    # for it; this run closes no round since every organization diverged.
+    # Before exiting it told the aggregator it leaves, naming the event (a leave notice), so rounds stop waiting
+    # for it; this run closes no round since every organization diverged. The loss is a figure of private data:
+    # the organization's log keeps it, the notice does not carry it.
     assert re.search(r"org-[01]: the aggregator took the leave notice: organization_left: organization 'org-[01]' "
-                     r"leaves run 'fedavg': its local training diverged in round 1 \(the mean training loss is "
-                     r"(nan|inf) over \d+ steps at lr 1e\+06\); the run goes on without it", log), log
-    assert re.search(r"organization 'org-[01]' refused for good \(organization_left\)",
-                     (out / "aggregator.log").read_text())
+                     r"leaves run 'fedavg': its local training diverged in round 1; the run goes on without it",
+                     log), log
+    aggregator_log = (out / "aggregator.log").read_text()
+    assert re.search(r"organization 'org-[01]' refused for good \(organization_left\)", aggregator_log)
+    assert "training loss" not in aggregator_log and "lr 1e+06" not in aggregator_log
     assert (out / "state" / "fedavg" / "history.jsonl").read_text() == ""  # the run's journal: no round closed
 
 

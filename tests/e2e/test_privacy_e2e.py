@@ -3,7 +3,11 @@ what crosses the wire, in-process clients whose every request is recorded) over 
 
 * the privacy ledger outlives a client killed with SIGKILL, and the aggregator accepts every ε its restart declares;
 * an organization whose budget affords fewer rounds than the run leaves it (exit status 3) and the others finish;
-* a bad [privacy] table or a budget already spent stops ``hetfed client`` in one line, exit 2, before it joins;
+* a bad [privacy] table, [privacy] without state_dir or a budget already spent stops ``hetfed client`` in one
+  line, exit 2, before it joins;
+* a ledger that first joins a run past round 1 stops its client before any training; a run refuses ephemeral
+  ledgers or an ε above its max_epsilon, and the client stops;
+* Fed-CMA killed between its ledger's write and its setup push sends the same N̂ and class counts again;
 * every algorithm DP serves declares its σ and C on every upload, and FedAvg's uploaded weights carry noise of the
   declared scale;
 * ``hetfed run --set privacy.epsilon_budget=3`` keeps every organization within ε = 3.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +39,7 @@ from hetfed.client.privacy.ledger import FILE_NAME, Ledger, Release, epsilon_of
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as ppb
 from hetfed.wire.messages import RunStatus
+from hetfed.wire.payloads import EvalMetrics
 from tests.conftest import wait_until
 from tests.e2e.recording import run_recorded
 
@@ -86,6 +92,24 @@ def _finished(fed: LocalFederation, run_id: str, ignore: tuple[str, ...] = ()) -
     _no_failure(fed, ignore)
     status = _run(fed, run_id)
     return status if status.finished else None
+
+
+# The example count's release at the default count_noise_multiplier.
+COUNT = Release(1.0, 20.0)
+
+
+def _released_examples(cfg: dict[str, Any]) -> int:
+    """N̂ the organization of client config ``cfg`` releases (its noise seed is fixed by hetfed run)."""
+    import torch
+
+    from hetfed.client.data import DataConfig, load_client_data
+    from hetfed.client.privacy.config import PrivacyConfig
+    from hetfed.client.privacy.session import PrivacySession
+
+    n = len(load_client_data(DataConfig(**cfg["data"])).train)
+    session = PrivacySession(PrivacyConfig(**cfg["privacy"]), cfg["run"], cfg["organization"], None, n,
+                             torch.device("cpu"))
+    return session.release_examples()
 
 
 # ------------------------------------------------------------------------------------------------ kill -9
@@ -156,15 +180,64 @@ def test_the_ledger_survives_kill_9_and_every_declaration_is_accepted(tmp_path: 
     assert len(reported) == 4 and reported == sorted(reported)  # 3 training rounds and the evaluate round
 
 
+# ------------------------------------------------------------------------------------------------ metrics
+def test_released_metrics_are_noised_and_accounted_in_the_ledger(tmp_path: Path) -> None:
+    """With release_metrics, each evaluation's accuracy, loss and test count leave noised, the training loss and
+    count stay withheld, and the ledger's ε after each round is dp-accounting's composition of the DP-SGD steps
+    and the metric releases (one Gaussian of σ_m/√3 per evaluated set, σ_m = 30σ)."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    opts = _options(1, 2, {"noise_multiplier": 1.0, "delta": DELTA, "release_metrics": True, "noise_seed": 3})
+    fed = LocalFederation(tmp_path)
+    ledger_path = tmp_path / "org-0-state" / "fedavg" / FILE_NAME
+    try:
+        fed.start_aggregator(aggregator_config(opts, str(tmp_path / "state")))
+        fed.start_client("org-0", {**client_config(opts, "fedavg", 0, fed.port),
+                                   "state_dir": str(tmp_path / "org-0-state")})
+        status = wait_until(lambda: _finished(fed, "fedavg"), timeout=150, what="the run to finish")
+        fed.wait_clients(timeout=60)
+    finally:
+        fed.stop()
+
+    q = BATCH / len(_train_examples(plan(opts)))
+    metric_sigma = 30.0 / math.sqrt(3.0)
+    ledger = _ledger(ledger_path)
+    assert sorted(ledger["releases"]) == [[q, 1.0, 2 * STEPS], [1.0, metric_sigma, 3]]
+
+    def composed(steps: int, metric_releases: int) -> float:
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), steps),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(metric_sigma), metric_releases)]))
+        return float(acc.get_epsilon(DELTA))
+
+    # Rounds 1 and 2 train (STEPS steps) and evaluate; round 3 is the final evaluation.
+    want = {1: composed(STEPS, 1), 2: composed(2 * STEPS, 2), 3: composed(2 * STEPS, 3)}
+    assert set(_rounds(ledger)) == set(want)
+    for r, eps in _rounds(ledger).items():
+        assert math.isclose(eps, want[r], rel_tol=1e-9), (r, eps, want[r])
+    assert want[3] > want[2] > composed(2 * STEPS, 0) + 1e-6  # the metric releases cost ε
+
+    log = (tmp_path / "org-0.log").read_text()
+    exact = [tuple(float(v) for v in m.groups()) for m in EXACT_LINE.finditer(log)]
+    reports = [rec.reports["org-0"] for rec in status.history if "org-0" in rec.reports]
+    assert len(reports) == len(exact) == 3
+    for m, (_, accuracy, loss) in zip(reports, exact, strict=True):
+        assert m.withheld == ("train_loss", "num_train_examples")
+        assert 0.0 <= m.test_accuracy <= 1.0 and 0.0 <= m.test_loss <= 5.0 and m.num_test_examples >= 0
+        assert (m.test_accuracy, m.test_loss) != pytest.approx((accuracy, loss), rel=1e-4)
+    assert [m.extra["privacy_epsilon"] for m in reports] == pytest.approx([want[1], want[2], want[3]], rel=1e-9)
+
+
 # ------------------------------------------------------------------------------------------------ budget
 def test_an_organization_whose_budget_runs_out_leaves_and_the_others_finish(tmp_path: Path) -> None:
     sigma, afford = 1.0, 2
     opts = _options(3, 3, {"noise_multiplier": sigma, "delta": DELTA})
-    from hetfed.client.data import DataConfig, load_client_data
-
-    n = len(load_client_data(DataConfig(**client_config(opts, "fedavg", 2, 1)["data"])).train)
-    one_round = Release(BATCH / n, sigma, STEPS)
-    eps = [epsilon_of([one_round] * k, DELTA) for k in (1, 2, 3)]
+    n_hat = _released_examples(client_config(opts, "fedavg", 2, 1))
+    one_round = Release(BATCH / n_hat, sigma, STEPS)
+    eps = [epsilon_of([COUNT, *[one_round] * k], DELTA) for k in (1, 2, 3)]
     budget = (eps[afford - 1] + eps[afford]) / 2  # enough for `afford` rounds, not one more
     assert eps[afford - 1] < budget < eps[afford]
 
@@ -224,7 +297,11 @@ def test_bad_privacy_input_is_one_line_exit_2_and_never_joins(tmp_path: Path) ->
         ledger.record(0.5, 1.0, 50)
         spent = ledger.close_round(1)
         assert spent > 1.0 and (state / "fedavg" / FILE_NAME).exists()
+        no_ledger = {k: v for k, v in base["privacy"].items() if k != "ephemeral_ledger"}
         cases = {
+            "no-state-dir": (no_ledger, None, "[privacy] needs state_dir: the privacy ledger is kept there, and "
+                             "without it a restarted client would count ε from zero; set state_dir (or "
+                             "privacy.ephemeral_ledger = true for an experiment)"),
             "sigma-zero": ({**base["privacy"], "noise_multiplier": 0}, None,
                            "privacy: noise_multiplier must be a number > 0"),
             "clip-negative": ({**base["privacy"], "clip_norm": -1}, None, "privacy: clip_norm must be a number > 0"),
@@ -249,6 +326,140 @@ def test_bad_privacy_input_is_one_line_exit_2_and_never_joins(tmp_path: Path) ->
     assert not _org(status, "org-0").joined and status.refused == ()
     assert "org-0" not in (tmp_path / "aggregator.log").read_text()
     assert json.loads((state / "fedavg" / FILE_NAME).read_text())["epsilon"] == pytest.approx(spent)  # untouched
+
+
+# ------------------------------------------------------------------------------------------------ late ledgers
+def test_a_ledger_that_first_joins_past_round_1_stops_its_client_before_any_training(tmp_path: Path) -> None:
+    """org-0 alone takes the run past round 1; org-1 then starts with no ledger. It joins, learns the round and
+    stops in one line, exit 2: a lost ledger and a first late join look the same. It trained nothing and sent
+    nothing but Join; a second start is refused the same way."""
+    opts = _options(2, 30, {"noise_multiplier": 1.0, "delta": DELTA})
+    agg = aggregator_config(opts, str(tmp_path / "state"))
+    agg["runs"][0].update(min_clients=1, round_deadline_seconds=1.0)
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    ledger_path = tmp_path / "org-1-state" / "fedavg" / FILE_NAME
+    try:
+        fed.start_aggregator(agg)
+        fed.start_client("org-0", {**client_config(opts, "fedavg", 0, fed.port),
+                                   "state_dir": str(tmp_path / "org-0-state")})
+        wait_until(lambda: _no_failure(fed) or _run(fed, "fedavg").round >= 2, timeout=120,
+                   what="the run to pass round 1")
+        path = tmp_path / "org-1.json"
+        path.write_text(json.dumps({**client_config(opts, "fedavg", 1, fed.port),
+                                    "state_dir": str(tmp_path / "org-1-state")}))
+        procs = [_client(path), _client(path)]
+        status = _run(fed, "fedavg")
+    finally:
+        fed.stop()
+    joined_at = _ledger(ledger_path)["joined_at"]
+    assert joined_at >= 2
+    for proc in procs:
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last == (
+            f"hetfed client: org-1: privacy: run 'fedavg' was at round {joined_at} when this organization's privacy "
+            f"ledger ({ledger_path}) first joined it: the ledger was lost, or the organization joins late for the "
+            "first time, and hetfed cannot tell these apart; ε cannot be continued, so it sends nothing (restore "
+            "the ledger, or start a new run)")
+        assert "Traceback" not in proc.stderr and "privacy: σ=" not in proc.stderr
+    # Its ledger holds the one release made before Join, N̂, and nothing else: nothing trained, nothing pushed.
+    assert _ledger(ledger_path)["releases"] == [[1.0, 20.0, 1]] and _rounds(_ledger(ledger_path)) == {}
+    org1 = _org(status, "org-1")
+    assert org1.last_round_pushed <= 0 and not org1.privacy_declared
+
+
+# ------------------------------------------------------------------------------------------------ run limits
+def test_a_run_refuses_ephemeral_ledgers_and_an_epsilon_above_max_epsilon_and_the_clients_stop(
+        tmp_path: Path) -> None:
+    """Two runs of one aggregator: "eph" refuses ephemeral ledgers, "cap" accepts at most ε = 1. A client with an
+    ephemeral ledger, and one whose first round declares ε ≈ 2.7, are refused at their first push: exit 2, one
+    line naming the reason, the refusal in Status (tests/aggregator/test_privacy.py counts it)."""
+    opts = _options(1, 2, {"noise_multiplier": 1.0, "delta": DELTA})
+    agg = aggregator_config(opts, str(tmp_path / "state"))
+    (run,) = agg["runs"]
+    agg["runs"] = [{**run, "id": "eph", "refuse_ephemeral_ledgers": True}, {**run, "id": "cap", "max_epsilon": 1.0}]
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    try:
+        fed.start_aggregator(agg)
+        base = client_config(opts, "fedavg", 0, fed.port)
+        assert base["privacy"]["ephemeral_ledger"] is True and "state_dir" not in base
+        configs = {"eph": {**base, "run": "eph"}, "cap": {**base, "run": "cap", "state_dir": str(tmp_path / "s")}}
+        procs = {}
+        for run_id, cfg in configs.items():
+            path = tmp_path / f"{run_id}.json"
+            path.write_text(json.dumps(cfg))
+            procs[run_id] = _client(path)
+        status = {run_id: _run(fed, run_id) for run_id in configs}
+    finally:
+        fed.stop()
+    expected = {
+        "eph": ("privacy_ephemeral_ledger", "organization 'org-0' keeps its privacy ledger only in its client process "
+                "(privacy.ephemeral_ledger); run 'eph' refuses such ledgers (refuse_ephemeral_ledgers): give the "
+                "client a state_dir"),
+        "cap": ("privacy_epsilon_exceeded", "organization 'org-0' declared ε="),
+    }
+    for run_id, (reason, text) in expected.items():
+        proc = procs[run_id]
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"hetfed client: FAILED_PRECONDITION: the aggregator refused 'org-0' for good "
+                               f"({reason}): {text}"), last
+        assert "Traceback" not in proc.stderr
+        assert [(r.organization, r.reason) for r in status[run_id].refused] == [("org-0", reason)]
+        assert _org(status[run_id], "org-0").last_round_pushed <= 0  # no payload of it was accepted
+    assert procs["cap"].stderr.strip().endswith("; run 'cap' accepts at most ε=1 (max_epsilon)")
+
+
+# ------------------------------------------------------------------------------------------------ kill -9, Fed-CMA
+def test_fedcma_killed_between_its_ledger_write_and_its_setup_push_sends_the_same_counts_again(
+        tmp_path: Path) -> None:
+    """The client kills itself (SIGKILL) right after its setup round's ledger write, before the push. Restarted,
+    it sends the class counts that write kept, declares the same N̂ at Join and in every payload, and releases
+    neither again: ε goes on from where the killed process left it."""
+    opts = _wire_options("fedcma", True)
+    p = plan(opts)
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    ledger_path = tmp_path / "org-0-state" / "fedcma" / FILE_NAME
+    try:
+        fed.start_aggregator(aggregator_config(p, str(tmp_path / "state")))
+        cfg = {**client_config(p, "fedcma", 0, fed.port), "state_dir": str(tmp_path / "org-0-state")}
+        path = tmp_path / "org-0.json"
+        path.write_text(json.dumps(cfg))
+        killed = subprocess.run([sys.executable, "-m", "hetfed.cli", "client", "--config", str(path)],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                                env={**fed.env, "HETFED_CLIENT_CRASH_AT": "privacy.ledger_written"})
+        assert killed.returncode == -9, killed.stderr
+        before = _ledger(ledger_path)
+        assert _run(fed, "fedcma").round == 0 and _run(fed, "fedcma").pushed_this_round == ()  # setup not pushed
+        sent, _ = run_recorded(cfg)
+        status = wait_until(lambda: _finished(fed, "fedcma"), timeout=60, what="the run to finish")
+    finally:
+        fed.stop()
+    after = _ledger(ledger_path)
+    n_hat, counts = before["released"]["examples"], before["released"]["class_counts"]
+    assert after["released"] == before["released"] and sum(counts) > 0
+    joins = [req for method, req in sent if method.endswith("/Join")]
+    assert joins and all(j.num_train_examples == n_hat for j in joins)
+    updates = [apb.Update.FromString(b"".join(r.chunk.data for r in items))
+               for method, items in sent if method.endswith("/PushUpdate")]
+    setup = updates[0]
+    assert setup.envelope.round == 0 and [p.WhichOneof("kind") for p in setup.payloads] == ["class_counts"]
+    from hetfed.wire import codec
+
+    assert codec.payload_from_proto(setup.payloads[0]).counts.tolist() == counts
+    assert setup.privacy.epsilon == pytest.approx(before["epsilon"], rel=1e-12)  # nothing released again
+    for update in updates[1:]:
+        for payload in update.payloads:
+            kind = payload.WhichOneof("kind")
+            if kind == "head_weights":
+                assert payload.head_weights.num_examples == n_hat
+            if kind == "eval_metrics":
+                assert payload.eval_metrics.num_train_examples == n_hat
+    # One release of N̂ and one of the class counts (σ_d = 10·σ), whatever the kill made it redo.
+    releases = {(q, sigma): c for q, sigma, c in after["releases"]}
+    assert releases[1.0, 20.0] == 1 and releases[1.0, 10.0 * SIGMA] == 1
+    assert after["epsilon"] >= before["epsilon"]
+    assert status.refused == ()
 
 
 # ------------------------------------------------------------------------------------------------ the wire
@@ -361,6 +572,12 @@ def test_every_upload_declares_its_privacy_and_differs_from_the_plain_run(
             assert extra["privacy_epsilon"] == pytest.approx(d.epsilon)
             assert extra["privacy_delta"] == pytest.approx(DELTA)
             assert (extra["privacy_noise_multiplier"], extra["privacy_clip_norm"]) == pytest.approx((sigma, CLIP))
+            # Nothing computed from private data: every field withheld, only public figures in extra.
+            assert list(metrics.withheld)[:5] == list(EvalMetrics.FIELDS)
+            assert (metrics.train_loss, metrics.test_accuracy, metrics.test_loss, metrics.num_test_examples,
+                    metrics.num_train_examples) == (0.0, 0.0, 0.0, 0, 0)
+            assert set(extra) <= {"evaluated_round", "privacy_epsilon", "privacy_delta", "privacy_noise_multiplier",
+                                  "privacy_clip_norm"}, extra
     assert epsilons == sorted(epsilons)
     for update in plain:
         assert not update.HasField("privacy")
@@ -374,9 +591,10 @@ def test_every_upload_declares_its_privacy_and_differs_from_the_plain_run(
     if ref:
         shared = set(got) & set(ref)
         assert set(got) != set(ref) or any(not np.array_equal(got[k], ref[k]) for k in shared)
-    else:  # Local uploads its metrics alone: its locally trained model's loss differs
+    else:  # Local uploads its metrics alone: under DP they carry nothing of the data, without DP its loss
         with_dp, without = _metrics(dp[trained]), _metrics(plain[trained])
-        assert with_dp is not None and without is not None and with_dp.train_loss != without.train_loss
+        assert with_dp is not None and without is not None and not without.withheld and without.train_loss > 0
+        assert "train_loss" in with_dp.withheld and with_dp.train_loss == 0.0
     # The aggregator accepted every declaration and shows the last one.
     fed, _ = wire
     status = _run(fed, _run_id(algorithm, True))
@@ -424,8 +642,60 @@ def test_hetfed_run_with_a_budget_keeps_every_organization_within_it(tmp_path: P
         assert figures["epsilon"] > 2.5, org
         per_round = [r["per_organization"][org]["privacy_epsilon"] for r in run["rounds"]]
         assert per_round == sorted(per_round) and per_round[-1] == figures["epsilon"]
+        # --output keeps each ledger in it, with N̂ and the ε last declared.
+        ledger = _ledger(out / "client-state" / org / "fedavg" / FILE_NAME)
+        assert ledger["epsilon"] == pytest.approx(figures["epsilon"]) and ledger["released"]["examples"] > 0
     assert 0 < privacy["epsilon_max"] <= 3
+    # Nothing computed from private data reached the aggregator: every figure is "withheld", never 0 or a mean.
+    assert run["final_test_accuracy"] == "withheld" and run["final_withheld_by"] == ["org-0", "org-1"]
+    reported = [r for r in run["rounds"] if r["per_organization"]]
+    assert len(reported) == 3  # two training rounds and the evaluate round
+    for r in reported:
+        assert (r["test_accuracy"], r["train_loss"], r["withheld_by"]) == ("withheld", "withheld", ["org-0", "org-1"])
+        for m in r["per_organization"].values():
+            assert {k: m[k] for k in ("test_accuracy", "test_loss", "train_loss", "num_test_examples")} == dict.fromkeys(
+                ("test_accuracy", "test_loss", "train_loss", "num_test_examples"), "withheld")
+            assert {k for k, v in m.items() if v != "withheld"} == {"evaluated_round", *[f"privacy_{k}" for k in (
+                "epsilon", "delta", "noise_multiplier", "clip_norm")]}
+    lines = [line for line in proc.stdout.splitlines() if line.strip().strip("│|").strip().startswith("fedavg")]
+    row, progress = lines[-1], lines[:-1]  # the table's row comes last, after the progress lines
+    assert row.split()[1] == "withheld", row
+    assert any("acc withheld" in line for line in progress) and not any("acc " in line and "%" in line
+                                                                        for line in progress), progress
+    # The organizations' exact figures (in their own logs only) appear nowhere the aggregator wrote or served.
+    exact = _exact_figures(out)
+    assert len(exact) >= 2 * 3  # two organizations, three rounds, a test loss each at least
+    shown = _numbers(json.dumps(run)) | {n for f in (out / "state").rglob("*") if f.is_file() for n in
+                                         _numbers(f.read_bytes().decode("utf-8", "replace"))}
+    assert not [v for v in exact if any(math.isclose(v, n, rel_tol=5e-6) for n in shown)]
     # What hetfed run wrote: a [privacy] table in every client config, require_privacy in the run config.
     assert json.loads((out / "aggregator.json").read_text())["runs"][0]["require_privacy"] is True
     for i in range(2):
         assert json.loads((out / f"client-fedavg-org-{i}.json").read_text())["privacy"]["epsilon_budget"] == 3
+
+
+EXACT_LINE = re.compile(r"\(exact, not sent\): train_loss=(\S+) test_accuracy=(\S+) test_loss=(\S+)")
+
+
+def _exact_figures(out: Path) -> list[float]:
+    """The exact figures the organizations logged in ``out`` (their own logs), but for whole numbers (an accuracy
+    of 0 or 1 equals a round number or C by chance)."""
+    values = [float(v) for log in out.glob("client-*.log") for m in EXACT_LINE.finditer(log.read_text())
+              for v in m.groups()]
+    return [v for v in values if v != round(v)]
+
+
+def _numbers(text: str) -> set[float]:
+    """Every decimal number written in ``text``."""
+    return {float(t) for t in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)}
+
+
+def test_hetfed_run_in_a_temporary_directory_declares_its_ledgers_ephemeral_in_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--rounds", "1",
+                           "--set", "privacy.epsilon_budget=3", "--clients", "1", "--dataset", "synthetic",
+                           "--data", "synthetic_samples=200", "--local-epochs", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "ephemeral" in line]
+    assert said == ["hetfed run: privacy ledgers are ephemeral (privacy.ephemeral_ledger): they end with this "
+                    "temporary run; give --output to keep them"]

@@ -38,8 +38,10 @@ def test_the_constants_are_the_documented_ones() -> None:
     assert MECHANISMS == ("dp-sgd", "dp-sgd+gaussian-sums")
     assert ACCOUNTANTS == ("rdp", "pld")
     assert [f.name for f in dataclasses.fields(PrivacyDeclaration)] == [
-        "mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent"]
+        "mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent",
+        "ephemeral_ledger"]
     assert GOOD.budget_spent is False  # a declaration is no leave notice unless it says so
+    assert GOOD.ephemeral_ledger is False  # nor an ephemeral ledger
     with pytest.raises(dataclasses.FrozenInstanceError):
         GOOD.epsilon = 0.0  # type: ignore[misc]
 

@@ -83,10 +83,12 @@ class ClientConfig:
     output_dir: str | None = None
     # Where this client keeps its private state across restarts (private encoders and heads, personal
     # models, optimizer state, the round it last finished), written atomically after each round and
-    # resumed from at start. None: every start is fresh.
+    # resumed from at start. None: every start is fresh. Under [privacy] the privacy ledger lives here too, so
+    # [privacy] needs it (unless privacy.ephemeral_ledger).
     state_dir: str | None = None
     # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
-    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them.
+    # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them. Withheld under
+    # [privacy]: the time a round takes grows with the organization's data.
     report_timing: bool = False
     # Differential privacy of everything this organization sends (docs/privacy.md); off unless set.
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -102,6 +104,10 @@ class ClientConfig:
         check(self.metrics_port >= -1, "metrics_port must be >= -1")
         check(self.metrics_linger_seconds >= 0, "metrics_linger_seconds must be >= 0")
         check(self.pull_wait_seconds > 0, "pull_wait_seconds must be > 0")
+        # A ledger that ends with the process lets a restart count ε from zero: DP needs the ledger on disk.
+        check(not self.privacy.enabled or bool(self.state_dir) or self.privacy.ephemeral_ledger,
+              "[privacy] needs state_dir: the privacy ledger is kept there, and without it a restarted client would "
+              "count ε from zero; set state_dir (or privacy.ephemeral_ledger = true for an experiment)")
 
 
 def load_client_config(path: str | Path) -> ClientConfig:

@@ -206,10 +206,12 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
                  run: str = "", organization: str = "", algorithm: str = "", rounds: int = 0,
                  accuracy: Mapping[str, float] | None = None, num_test_examples: int = 0,
                  bytes_sent: int = 0, bytes_received: int = 0, dataset: str = "",
-                 samples: int = SAMPLES, privacy: dict[str, float] | None = None) -> Path:
+                 samples: int = SAMPLES, privacy: dict[str, float] | None = None, model_under_dp: bool = True) -> Path:
     """Write ``model.ts``, ``state_dict.pt`` and ``card.json`` for ``model`` into ``out_dir``; returns the card's
     path. ``example_input``: a batch of real held-out inputs (any device). The live model stays where it is,
-    unchanged and in its mode; the files hold a CPU copy. ExportError when TorchScript cannot reproduce it."""
+    unchanged and in its mode; the files hold a CPU copy. ExportError when TorchScript cannot reproduce it.
+    ``privacy``: the organization's (ε, δ, σ, C) under DP; ``model_under_dp``: whether ``model`` itself was trained
+    under DP, so that the card carries ε only for a model it covers."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if example_input.dim() < 1 or int(example_input.shape[0]) < 1:
@@ -250,8 +252,9 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
         "accuracy": {k: float(v) for k, v in (accuracy or {}).items()},
         "num_test_examples": int(num_test_examples),
         "bytes": {"sent": int(bytes_sent), "received": int(bytes_received)},
-        # The (ε, δ) of what this organization sent (docs/privacy.md), None without DP.
-        "privacy": dict(privacy) if privacy else None,
+        # The (ε, δ) of what this organization sent (docs/privacy.md), None without DP. A model trained outside
+        # DP (kept in the organization) gets no ε: the organization's ε covers its uploads, not this model.
+        "privacy": card_privacy(privacy, model_under_dp),
         "input_shape": shape,
         "input_dtype": str(x.dtype).removeprefix("torch."),
         "num_classes": int(getattr(cpu_model, "num_classes", checks[0][1].shape[-1])),
@@ -267,6 +270,21 @@ def export_model(out_dir: str | Path, model: nn.Module, *, example_input: torch.
     card_path = out / CARD_FILE
     _atomic(card_path, lambda p: p.write_text(json.dumps(card, indent=1) + "\n"))
     return card_path
+
+
+NOT_DP_NOTE = ("this model was trained outside differential privacy (it never left the organization); the "
+               "organization's ε covers what it sent, not this model")
+"""What a card says of a model trained outside DP in a run under DP."""
+
+
+def card_privacy(privacy: Mapping[str, float] | None, model_under_dp: bool) -> dict[str, Any] | None:
+    """The card's ``privacy``: None without DP; the (ε, δ, σ, C) with ``differentially_private: true`` for a
+    model trained under DP; ``differentially_private: false`` and a note, without ε, for one trained outside."""
+    if not privacy:
+        return None
+    if not model_under_dp:
+        return {"differentially_private": False, "note": NOT_DP_NOTE}
+    return {**privacy, "differentially_private": True}
 
 
 def traffic_totals(registry: CollectorRegistry, run: str, organization: str, side: str = "client") -> dict[str, int]:
@@ -318,7 +336,8 @@ def export_after_run(cfg: ClientConfig, half: ClientHalf, algorithm: str, evalua
             # A run whose evaluation averages draws of a probabilistic latent sets how many (``num_samples``).
             samples=int(getattr(half.config, "num_samples", SAMPLES)),
             privacy={key: float(metrics.extra[f"privacy_{key}"]) for key in PRIVACY_KEYS
-                     if f"privacy_{key}" in metrics.extra})
+                     if f"privacy_{key}" in metrics.extra},
+            model_under_dp=half.deployed_under_dp)
     except (ExportError, OSError) as exc:
         log.error("%s: the trained model could not be exported: %s", cfg.organization, exc)
         return None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
+from hetfed.client.crashpoints import crash_point
 from hetfed.wire.messages import Fingerprint
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
@@ -210,21 +211,27 @@ class ClientRuntime:
         if not cfg.privacy.enabled:  # before the imports: dp-accounting (and scipy) cost a client without DP 65 MB
             return None
         from hetfed.client.privacy.ledger import LedgerError
+        from hetfed.client.privacy.mechanisms import PrivacyError
         from hetfed.client.privacy.session import PrivacySession
 
         try:
-            session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device)
-        except LedgerError as exc:
+            session = PrivacySession(cfg.privacy, cfg.run, cfg.organization, cfg.state_dir, len(data.train), device,
+                                     groups=data.train.groups)
+        except (LedgerError, PrivacyError) as exc:
             raise ClientError(str(exc), permanent=True) from None
-        budget, spent = cfg.privacy.epsilon_budget, session.spent()
+        budget, spent = cfg.privacy.budget, session.spent()
         if budget is not None and spent >= budget:
             raise ClientError(f"{cfg.organization}: privacy budget ε={budget:g} is already spent in run {cfg.run!r} "
                               f"(ε={spent:.4g}, {session.ledger.path}); nothing more can be sent", permanent=True)
         if not cfg.state_dir:
-            log.warning("%s: privacy: no state_dir, so the privacy ledger ends with this process; a restarted client "
-                        "would count ε from zero and the aggregator refuses the lower ε it declares", cfg.organization)
+            log.warning("%s: privacy: ephemeral_ledger: the privacy ledger ends with this process, and every "
+                        "declaration says so (a run with refuse_ephemeral_ledgers refuses them)", cfg.organization)
         elif spent > 0:
             log.info("%s: privacy: ledger %s continued at ε=%.4g", cfg.organization, session.ledger.path, spent)
+        try:  # N̂ goes out at Join: released (or read back) first
+            session.release_examples()
+        except LedgerError as exc:
+            raise ClientError(str(exc), permanent=True) from None
         return session
 
     def _evaluated_before(self) -> bool:
@@ -276,13 +283,19 @@ class ClientRuntime:
         assert mechanism is not None
         try:
             half.check_privacy()
-            setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_train, half.config))
-            privacy.plan(mechanism, setup, per_round, rounds)
+            setup, per_round = half.privacy_plan(privacy.q, steps_per_round(privacy.num_examples, half.config))
+            # Metric releases: every training round that evaluates, and the final evaluation; none for a half
+            # whose metrics evaluate a model trained outside DP (they stay withheld).
+            every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
+            evaluations = sum(evaluation_due(r, every) for r in range(1, rounds + 1)) + 1
+            sets = 1 + len(half.ctx.eval_sets) if half.deployed_under_dp else 0
+            privacy.plan(mechanism, setup, per_round, rounds, privacy.evaluation_plan(sets, evaluations))
         except (PrivacyError, ValueError) as exc:
             raise ClientError(f"{self.config.organization}: {' '.join(str(exc).split())}", permanent=True) from None
 
     def run(self) -> list[tuple[int, EvalMetrics]]:
-        """Take part in the run until it finishes; returns the metrics reported per round."""
+        """Take part in the run until it finishes; returns the metrics of each round as this organization computed
+        them (exact: under [privacy] the upload carried them withheld or released with noise)."""
         try:
             return self._run()
         except RemoteError as err:
@@ -311,8 +324,10 @@ class ClientRuntime:
         data = self._own_data_and_model()
         privacy = self._privacy_session(data, device)
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
+        # Under DP the organization declares its released count N̂, never N.
+        num_examples = privacy.num_examples if privacy is not None else len(data.train)
         try:
-            joined = self.client.join(seed_set=seed_set, num_train_examples=len(data.train),
+            joined = self.client.join(seed_set=seed_set, num_train_examples=num_examples,
                                       num_classes=data.num_classes, input_shape=data.input_shape)
         except RemoteError as err:
             if err.reason == "run_finished" and self._evaluated_before():
@@ -330,6 +345,13 @@ class ClientRuntime:
         latent = cfg.model.latent_dim or shared or None
 
         half_type = client_half_type(spec)
+        if privacy is not None:  # before anything trains or is declared
+            from hetfed.client.privacy.ledger import LedgerError
+
+            try:
+                privacy.joined(int(joined.current_round))
+            except LedgerError as exc:
+                raise ClientError(str(exc), permanent=True) from None
 
         if privacy is not None and half_type.privacy_mechanism is None:
             raise ClientError(f"{cfg.organization}: [privacy] is set, but hetfed has no DP mechanism for "
@@ -356,7 +378,7 @@ class ClientRuntime:
             self._plan_privacy(half, privacy, int(joined.total_rounds))
         if joined.declare_required:
             self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
-                             num_train_examples=len(data.train), num_classes=data.num_classes,
+                             num_train_examples=num_examples, num_classes=data.num_classes,
                              input_shape=data.input_shape)
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
@@ -384,18 +406,25 @@ class ClientRuntime:
             try:
                 upload = run_round(half, ins.action, round_, ins.round_seed, received)
             except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
-                self._leave_for(round_, f"its local training diverged in round {round_} ({exc})")
+                # The notice names the event only: the loss value is a figure of private data (kept in the log).
+                log.warning("%s: local training diverged in round %d: %s", cfg.organization, round_, exc)
+                self._leave_for(round_, f"its local training diverged in round {round_}")
                 raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
                                   "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
                                   "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None
             if cfg.report_timing:
                 upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
+            exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
             declaration = None
             if privacy is not None:  # the ledger is on disk before the upload leaves
+                # Figures of private data leave only as released (their releases in this round's ledger entry).
+                upload = [privacy.protect(p) if isinstance(p, EvalMetrics) else p for p in upload]
                 declaration = privacy.close_round(round_)
                 figures = privacy.figures(declaration)
                 upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
                           for p in upload]
+                exact = [dataclasses.replace(p, extra={**p.extra, **figures}) for p in exact]
+                crash_point("privacy.ledger_written")
             try:
                 self.client.push(round_, upload, wire_dtype, privacy=declaration)
             except RemoteError as err:
@@ -410,13 +439,15 @@ class ClientRuntime:
                 write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
                                half.ctx.source(data.probe_set()[1]))
             completed = round_
-            for p in upload:
-                if isinstance(p, EvalMetrics):
-                    self.reports.append((round_, p))
-                    self.train_loss.labels(*labels).set(p.train_loss)
-                    self.test_accuracy.labels(*labels).set(p.test_accuracy)
-                    if ins.action is Action.EVALUATE:
-                        final = (round_, p)
+            for p in exact:  # the organization's own record, its gauges and its card hold the exact figures
+                if privacy is not None:  # logged here for the operator; the upload carried them gated
+                    log.info("%s: round %d (exact, not sent): train_loss=%.6g test_accuracy=%.6g test_loss=%.6g",
+                             cfg.organization, round_, p.train_loss, p.test_accuracy, p.test_loss)
+                self.reports.append((round_, p))
+                self.train_loss.labels(*labels).set(p.train_loss)
+                self.test_accuracy.labels(*labels).set(p.test_accuracy)
+                if ins.action is Action.EVALUATE:
+                    final = (round_, p)
             self.round_gauge.labels(*labels).set(round_)
         if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
             from hetfed.client.export import export_after_run

@@ -167,6 +167,9 @@ class Batch:
     y: torch.Tensor
     # Set on batches of private examples under DP (hetfed.client.privacy): every step on them is DP-SGD's.
     private: PrivateStep | None = None
+    # Under group-level DP (privacy.unit = "group"): each example's group in the batch, 0 .. g-1, whose summed
+    # gradient DP-SGD clips as one.
+    groups: torch.Tensor | None = None
 
 
 @dataclass
@@ -345,7 +348,7 @@ def _private_step(o: Objective, batch: Batch, step: PrivateStep) -> torch.Tensor
         else:
             out = o.forward(o.model, batch)
             values = _per_example_values(example_terms, batch, out, size)
-            step.backward(o.model, params, values.sum(), size)
+            step.backward(o.model, params, values.sum(), size, batch.groups)
             loss = values.detach().mean()
         if free_terms:  # on every sample, the empty one too: they depend on no example
             free = summed(free_terms, batch, out)
@@ -395,8 +398,10 @@ def epoch_batches(data: DataSource, cfg: TrainConfig, rng: np.random.Generator) 
     n = len(data)
     if n == 0:
         return
-    if hasattr(data, "poisson_batches"):  # DP-SGD: as many Poisson samples of rate B/N as the steps above
-        yield from data.poisson_batches(steps_per_round(n, cfg))
+    # DP-SGD (PrivateData, which this module does not import): Poisson samples of rate B/N̂, as many as the steps
+    # over the released count N̂, as the ledger's plan counted them.
+    if hasattr(data, "poisson_batches") and hasattr(data, "num_examples"):
+        yield from data.poisson_batches(steps_per_round(data.num_examples, cfg))
         return
     budget = cfg.local_steps if cfg.local_steps > 0 else None
     epochs = cfg.local_epochs if budget is None else 1 << 30

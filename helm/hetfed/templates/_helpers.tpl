@@ -444,6 +444,12 @@ names its source. Rendered (empty) by every template that depends on them.
 {{- if and $o.model.name $o.model.builder }}
 {{- fail (printf "organization %q: model.name (%s) and model.builder (%s) exclude each other: set one" $o.name $o.model.name $o.model.builder) }}
 {{- end }}
+{{- /* Under DP the privacy ledger lives in state_dir: on a pod's own disk a restarted pod would count ε from zero. */}}
+{{- $privacy := get (default dict $o.config) "privacy" | default dict }}
+{{- $dp := or (hasKey $privacy "epsilon_budget") (hasKey $privacy "target_epsilon") (hasKey $privacy "noise_multiplier") }}
+{{- if and $dp (not $o.stateVolume.enabled) }}
+{{- fail (printf "organization %q: config.privacy needs stateVolume.enabled: the privacy ledger lives in the client's state_dir, and on the pod's own disk a restarted pod would count ε from zero (docs/privacy.md)" $o.name) }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -158,7 +158,7 @@ class Instructions(_message.Message):
     def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., action: _Optional[_Union[Action, str]] = ..., round_seed: _Optional[int] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., total_rounds: _Optional[int] = ...) -> None: ...
 
 class PrivacyDeclaration(_message.Message):
-    __slots__ = ("mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent")
+    __slots__ = ("mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent", "ephemeral_ledger")
     MECHANISM_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class PrivacyDeclaration(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     BUDGET_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_LEDGER_FIELD_NUMBER: _ClassVar[int]
     mechanism: str
     noise_multiplier: float
     clip_norm: float
@@ -173,7 +174,8 @@ class PrivacyDeclaration(_message.Message):
     delta: float
     accountant: str
     budget_spent: bool
-    def __init__(self, mechanism: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., budget_spent: _Optional[bool] = ...) -> None: ...
+    ephemeral_ledger: bool
+    def __init__(self, mechanism: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., budget_spent: _Optional[bool] = ..., ephemeral_ledger: _Optional[bool] = ...) -> None: ...
 
 class Update(_message.Message):
     __slots__ = ("envelope", "payloads", "privacy", "leave_reason")

@@ -127,7 +127,7 @@ class CriteriaEmbeddings(_message.Message):
     def __init__(self, criteria_set_id: _Optional[str] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class EvalMetrics(_message.Message):
-    __slots__ = ("train_loss", "num_train_examples", "test_accuracy", "test_loss", "num_test_examples", "extra")
+    __slots__ = ("train_loss", "num_train_examples", "test_accuracy", "test_loss", "num_test_examples", "extra", "withheld")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,13 +141,15 @@ class EvalMetrics(_message.Message):
     TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_TEST_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    WITHHELD_FIELD_NUMBER: _ClassVar[int]
     train_loss: float
     num_train_examples: int
     test_accuracy: float
     test_loss: float
     num_test_examples: int
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, train_loss: _Optional[float] = ..., num_train_examples: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., num_test_examples: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    withheld: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, train_loss: _Optional[float] = ..., num_train_examples: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., num_test_examples: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., withheld: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Payload(_message.Message):
     __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics")

@@ -459,6 +459,7 @@ def eval_metrics_to_proto(payload: EvalMetrics, out: pb.EvalMetrics, wire_dtype:
             test_loss=payload.test_loss,
             num_test_examples=payload.num_test_examples,
             extra=payload.extra,
+            withheld=payload.withheld,
         )
     )
 
@@ -466,7 +467,7 @@ def eval_metrics_to_proto(payload: EvalMetrics, out: pb.EvalMetrics, wire_dtype:
 def eval_metrics_from_proto(m: pb.EvalMetrics, lifted: list[memoryview] | None) -> EvalMetrics:
     """Decode an EvalMetrics message."""
     return EvalMetrics(float(m.train_loss), int(m.num_train_examples), float(m.test_accuracy), float(m.test_loss),
-                       int(m.num_test_examples), dict(m.extra))
+                       int(m.num_test_examples), dict(m.extra), tuple(m.withheld))
 
 
 _ToProto = Callable[[Any, Any, str | None], None]

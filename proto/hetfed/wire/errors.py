@@ -51,6 +51,11 @@ REASONS: dict[str, Reason] = {
     "seed_set_mismatch": Reason("FAILED_PRECONDITION", False),
     # The run requires differential privacy of every organization (require_privacy) and the update declares none.
     "privacy_required": Reason("FAILED_PRECONDITION", False),
+    # The run refuses privacy ledgers that end with their client process (refuse_ephemeral_ledgers), and the
+    # update's declaration says its ledger is one.
+    "privacy_ephemeral_ledger": Reason("FAILED_PRECONDITION", False),
+    # The update declares an ε above the run's max_epsilon.
+    "privacy_epsilon_exceeded": Reason("FAILED_PRECONDITION", False),
     # A leave notice: the update's declaration says budget_spent (no payload; its organization leaves the run).
     PRIVACY_BUDGET_SPENT_REASON: Reason("FAILED_PRECONDITION", False),
     # A leave notice for another reason (Update.leave_reason: no payload; its organization leaves the run).

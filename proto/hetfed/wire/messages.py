@@ -250,14 +250,14 @@ def privacy_to_proto(d: PrivacyDeclaration, out: apb.PrivacyDeclaration | None =
     msg = out if out is not None else apb.PrivacyDeclaration()
     msg.mechanism, msg.noise_multiplier, msg.clip_norm = d.mechanism, d.noise_multiplier, d.clip_norm
     msg.epsilon, msg.delta, msg.accountant = d.epsilon, d.delta, d.accountant
-    msg.budget_spent = d.budget_spent
+    msg.budget_spent, msg.ephemeral_ledger = d.budget_spent, d.ephemeral_ledger
     return msg
 
 
 def privacy_from_proto(msg: apb.PrivacyDeclaration) -> PrivacyDeclaration:
     """Decode a PrivacyDeclaration as sent (``PrivacyDeclaration.check`` validates it)."""
     return PrivacyDeclaration(msg.mechanism, float(msg.noise_multiplier), float(msg.clip_norm), float(msg.epsilon),
-                              float(msg.delta), msg.accountant, bool(msg.budget_spent))
+                              float(msg.delta), msg.accountant, bool(msg.budget_spent), bool(msg.ephemeral_ledger))
 
 
 def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -119,9 +119,18 @@ class CriteriaEmbeddings:
     kind = PayloadKind.CRITERIA_EMBEDDINGS
 
 
+WITHHELD = "withheld"
+"""How results, tables and reports show a figure an organization withheld under its privacy settings
+(docs/privacy.md): never 0, and never averaged in."""
+
+
 @dataclass(frozen=True)
 class EvalMetrics:
-    """Training and evaluation figures a client reports for a round."""
+    """Training and evaluation figures a client reports for a round.
+
+    ``withheld`` names the figures computed from private data that the organization did not send (under its
+    ``[privacy]``, docs/privacy.md): fixed fields (``FIELDS``) and extra keys. A withheld field holds 0, which
+    means "withheld", never 0; a withheld extra key is absent from ``extra``. ``figure`` reads either kind."""
 
     train_loss: float = 0.0
     num_train_examples: int = 0
@@ -129,7 +138,23 @@ class EvalMetrics:
     test_loss: float = 0.0
     num_test_examples: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    withheld: tuple[str, ...] = ()
     kind = PayloadKind.EVAL_METRICS
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("train_loss", "num_train_examples", "test_accuracy", "test_loss",
+                                         "num_test_examples")
+
+    def figure(self, name: str) -> float | None:
+        """The figure ``name`` (a fixed field or an extra key); None when it was withheld or not reported."""
+        if name in self.withheld:
+            return None
+        if name in self.FIELDS:
+            return float(getattr(self, name))
+        return self.extra.get(name)
+
+    def is_withheld(self, name: str) -> bool:
+        """Whether the organization withheld the figure ``name``."""
+        return name in self.withheld
 
 
 Payload = (

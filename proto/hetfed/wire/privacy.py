@@ -24,7 +24,9 @@ class PrivacyDeclaration:
     """An organization's differential privacy at one upload. ``epsilon``: the ε its accountant gives for
     everything it sent in this run so far, this upload included (with ``delta``). ``budget_spent``: a leave
     notice, sent with no payload: the organization's budget would be exceeded by its next round, so it leaves
-    the run (the aggregator refuses it ``privacy_budget_spent`` and stops waiting for it)."""
+    the run (the aggregator refuses it ``privacy_budget_spent`` and stops waiting for it). ``ephemeral_ledger``: the
+    organization's privacy ledger ends with its process (an experiment), so a restart would count ε from zero; a
+    run with ``refuse_ephemeral_ledgers`` refuses it."""
 
     mechanism: str
     noise_multiplier: float  # σ
@@ -33,6 +35,7 @@ class PrivacyDeclaration:
     delta: float
     accountant: str
     budget_spent: bool = False
+    ephemeral_ledger: bool = False
 
     def check(self) -> PrivacyDeclaration:
         """This declaration, or WireError ``invalid_privacy`` naming the first value out of its domain."""

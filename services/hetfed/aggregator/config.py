@@ -77,6 +77,11 @@ class RunConfig:
     # (privacy_required), and so is one declaring an ε below its organization's last accepted one (privacy_regressed,
     # checked whether or not this is set).
     require_privacy: bool = False
+    # Refuse an update whose declaration says its organization's privacy ledger ends with its process
+    # (privacy_ephemeral_ledger): a restart there would count ε from zero. hetfed run's temporary runs allow them.
+    refuse_ephemeral_ledgers: bool = False
+    # The largest ε an update may declare (privacy_epsilon_exceeded, and the organization stops); None: no limit.
+    max_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
@@ -95,6 +100,8 @@ class RunConfig:
         check(self.round_deadline_seconds > 0, "round_deadline_seconds must be > 0")
         check(self.seed >= 0, "seed must be >= 0")
         check(self.fedavg_model_bytes >= 0, "fedavg_model_bytes must be >= 0")
+        check(self.max_epsilon is None or (math.isfinite(self.max_epsilon) and self.max_epsilon > 0),
+              f"max_epsilon must be a number > 0 (leave it out for no limit), got {self.max_epsilon!r}")
         self.train_config()  # validates algorithm and algorithm_config now, with a precise message
         if self.spec.needs_seed_set:
             check(self.seed_set is not None, f"algorithm {self.algorithm!r} needs the run's seed_set "

@@ -61,6 +61,7 @@ from hetfed.client.catalog import (
 )
 from hetfed.wire.config import ConfigError, from_mapping, to_mapping, to_sparse_mapping
 from hetfed.wire.messages import RunStatus
+from hetfed.wire.payloads import WITHHELD, EvalMetrics
 from hetfed.wire.rpc import status_of
 from hetfed.wire.specs import SPECS, AlgorithmSpec, get_spec
 from hetfed.wire.specs.base import SharedSpaceConfig, TrainConfig
@@ -84,6 +85,8 @@ LOOPBACK = "127.0.0.1"
 # A local client's own settings (a single thread each, giving up soon on an aggregator that went away).
 CLIENT_THREADS = 1
 CLIENT_GIVE_UP_SECONDS = 120.0
+# The clients' state directories (under DP, their privacy ledgers) in a run's work directory, one per organization.
+CLIENT_STATE = "client-state"
 # Written to the files even at their dataclass defaults, so that each file says which data, which share of it
 # and which latent width its organization uses, and a run's rounds (under DP, ``client_file`` adds the noise seed).
 ALWAYS_WRITTEN = ("data.dataset", "data.partition", "data.num_clients", "data.client_index", "data.seed",
@@ -355,15 +358,28 @@ def _client_of(opts: LocalRunOptions, run_id: str, data: DataConfig, model: str,
                privacy: PrivacyConfig, artifacts: bool) -> ClientConfig:
     """An organization's client config in run ``run_id``, but for the aggregator's address and its certificate."""
     organization = f"org-{data.client_index}"
-    if privacy.enabled and "noise_seed" not in opts.privacy:
+    # Secure mode draws its noise from a fresh key, never a seed, so a local run does not fix one for it.
+    if privacy.enabled and not privacy.secure_mode and "noise_seed" not in opts.privacy:
         privacy = dataclasses.replace(privacy, noise_seed=noise_seed(opts.seed, data.client_index))
+    # With --output the privacy ledgers are kept in it; a run in a temporary directory loses them with it anyway,
+    # so its ledgers are declared ephemeral instead (_run_in says so).
+    state_dir = None
+    if privacy.enabled and opts.output:
+        state_dir = client_state_dir(organization)
+    elif privacy.enabled:
+        privacy = dataclasses.replace(privacy, ephemeral_ledger=True)
     return ClientConfig(
         organization=organization, run=run_id, threads=CLIENT_THREADS, data=data,
         model=ModelConfig(**{("builder" if is_reference(model) else "name"): model}, latent_dim=latent or 0),
         retry=RetryConfig(give_up_after_seconds=CLIENT_GIVE_UP_SECONDS),
         # With --output each organization's snapshots and its exported model (model/) are kept there.
         output_dir=artifacts_dir(run_id, organization) if artifacts else None,
-        report_timing=opts.timing, privacy=privacy)
+        report_timing=opts.timing, privacy=privacy, state_dir=state_dir)
+
+
+def client_state_dir(organization: str) -> str:
+    """Where a local run's client keeps its state (its privacy ledger), relative to the run's work directory."""
+    return str(Path(CLIENT_STATE) / organization)
 
 
 def noise_seed(seed: int, index: int) -> int:
@@ -583,32 +599,55 @@ def privacy_summary(rounds: Sequence[Mapping[str, Any]], left: Sequence[str] = (
     }
 
 
+def _weighted(reports: Mapping[str, EvalMetrics], figure: str, weight: str) -> float | str | None:
+    """``figure`` averaged over the organizations that reported it, weighted by ``weight``; WITHHELD when every
+    organization that reported withheld it; None without reports or weights."""
+    shown = [m for m in reports.values() if m.figure(figure) is not None and m.figure(weight) is not None]
+    n = sum(getattr(m, weight) for m in shown)
+    if n:
+        return sum(getattr(m, figure) * getattr(m, weight) for m in shown) / n
+    return WITHHELD if reports and all(m.is_withheld(figure) for m in reports.values()) else None
+
+
+def _shown(m: EvalMetrics) -> dict[str, Any]:
+    """One organization's figures for results.json: a withheld one as WITHHELD."""
+    fixed = {name: m.figure(name) for name in ("test_accuracy", "test_loss", "train_loss", "num_test_examples")}
+    out: dict[str, Any] = {k: WITHHELD if v is None else (int(v) if k == "num_test_examples" else v)
+                           for k, v in fixed.items()}
+    return {**out, **dict(m.extra), **{name: WITHHELD for name in m.withheld if name not in out}}
+
+
+def mean_over(orgs: Mapping[str, Mapping[str, Any]], key: str) -> float | str | None:
+    """The mean of ``key`` over the organizations that show a number for it: WITHHELD when every organization
+    withheld it, None when one lacks it."""
+    if not orgs or any(key not in m for m in orgs.values()):
+        return None
+    values = [m[key] for m in orgs.values() if m[key] != WITHHELD]
+    return sum(values) / len(values) if values else WITHHELD
+
+
 def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]:
     """Per-round results of a finished run and its final figures, as JSON-ready dicts (``left``: organizations
-    that left it because their privacy budget was spent)."""
+    that left it because their privacy budget was spent). A figure an organization withheld shows as
+    ``"withheld"``; means leave those organizations out and name them (``withheld_by``)."""
     spec = get_spec(status.algorithm)
     rounds: list[dict[str, Any]] = []
     for rec in status.history:
         reports = rec.reports
-        n_test = sum(m.num_test_examples for m in reports.values())
-        acc = sum(m.test_accuracy * m.num_test_examples for m in reports.values()) / n_test if n_test else None
         gaccs = [m.extra["global_test_accuracy"] for m in reports.values() if "global_test_accuracy" in m.extra]
-        n_train = sum(m.num_train_examples for m in reports.values())
-        loss = sum(m.train_loss * m.num_train_examples for m in reports.values()) / n_train if n_train else None
+        gwithheld = bool(reports) and all(m.is_withheld("global_test_accuracy") for m in reports.values())
         rounds.append({
             "round": rec.round,
             "clients": rec.clients,
             "duration_seconds": rec.duration_seconds,
-            "test_accuracy": acc,
-            "global_test_accuracy": sum(gaccs) / len(gaccs) if gaccs else None,
-            "train_loss": loss,
+            "test_accuracy": _weighted(reports, "test_accuracy", "num_test_examples"),
+            "global_test_accuracy": sum(gaccs) / len(gaccs) if gaccs else (WITHHELD if gwithheld else None),
+            "train_loss": _weighted(reports, "train_loss", "num_train_examples"),
+            # Organizations whose accuracy the means leave out: they withheld it (docs/privacy.md).
+            "withheld_by": sorted(org for org, m in reports.items() if m.is_withheld("test_accuracy")),
             "bytes_up": rec.bytes(Direction.UP),
             "bytes_down": rec.bytes(Direction.DOWN),
-            "per_organization": {
-                org: {"test_accuracy": m.test_accuracy, "test_loss": m.test_loss, "train_loss": m.train_loss,
-                      "num_test_examples": m.num_test_examples, **dict(m.extra)}
-                for org, m in sorted(reports.items())
-            },
+            "per_organization": {org: _shown(m) for org, m in sorted(reports.items())},
         })
     # The last round anyone reported: a run every organization left (their privacy budgets spent) ends on a round
     # nobody pushed.
@@ -617,18 +656,17 @@ def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]
     train_rounds = [r for r in rounds if r["round"] >= 1][: status.total_rounds]
     total_up = sum(sum(r["bytes_up"].values()) for r in rounds)
     total_down = sum(sum(r["bytes_down"].values()) for r in rounds)
+    figures = {f.key: mean_over(orgs, f.source) for f in spec.figures}
     return {
         "run": status.run_id,
         "algorithm": status.algorithm,
         "rounds": rounds,
         "final_test_accuracy": final.get("test_accuracy"),
         "final_global_test_accuracy": final.get("global_test_accuracy"),
-        # The algorithm's own figures (its spec's), means over organizations in the final report.
-        "final_figures": {
-            f.key: sum(m[f.source] for m in orgs.values()) / len(orgs)
-            for f in spec.figures
-            if orgs and all(f.source in m for m in orgs.values())
-        },
+        "final_withheld_by": final.get("withheld_by", []),
+        # The algorithm's own figures (its spec's), means over organizations in the final report (over those
+        # that did not withhold it).
+        "final_figures": {k: v for k, v in figures.items() if v is not None},
         "figure_labels": {f.key: experiment(spec).label(f.key) for f in spec.figures},
         "bytes_up_total": total_up,
         "bytes_down_total": total_down,
@@ -640,8 +678,10 @@ def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]
     }
 
 
-def _pct(v: float | None) -> str:
-    return f"{100 * v:.2f}%" if v is not None else "-"
+def _pct(v: float | str | None) -> str:
+    if v == WITHHELD:
+        return WITHHELD
+    return f"{100 * v:.2f}%" if isinstance(v, int | float) else "-"
 
 
 TABLE_HEAD = ("algorithm", "own-test acc", "global-test acc", "bytes up", "bytes down", "bytes/round", "time",
@@ -662,9 +702,13 @@ def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     """The final table's rows: accuracy, bytes and the algorithm's own figures per run."""
     rows: list[tuple[str, ...]] = []
     for r in results:
-        figures = "  ".join(f"{r['figure_labels'][k]} {100 * v:.2f}%" for k, v in r["final_figures"].items())
+        figures = "  ".join(f"{r['figure_labels'][k]} {_pct(v)}" for k, v in r["final_figures"].items())
+        own = _pct(r["final_test_accuracy"])
+        withheld_by = r.get("final_withheld_by") or []
+        if withheld_by and r["final_test_accuracy"] != WITHHELD:  # a mean that leaves organizations out says so
+            own += f" ({len(withheld_by)} withheld)"
         rows.append((
-            r["algorithm"], _pct(r["final_test_accuracy"]), _pct(r["final_global_test_accuracy"]),
+            r["algorithm"], own, _pct(r["final_global_test_accuracy"]),
             fmt_bytes(r["bytes_up_total"]), fmt_bytes(r["bytes_down_total"]), fmt_bytes(r["bytes_per_train_round"]),
             f"{r.get('wall_seconds', 0):.0f}s", epsilon_cell(r.get("privacy")), figures or "-",
         ))
@@ -757,6 +801,8 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
                 raise ConfigError(f"{run_dir} is in use by an aggregator still running ({holder}): stop it, or "
                                   "give this run another --output")
         shutil.rmtree(state)
+    if (workdir / CLIENT_STATE).exists():  # nor are its clients' ledgers: ε of this run starts at zero
+        shutil.rmtree(workdir / CLIENT_STATE)
     try:
         fed.start_aggregator(aggregator_config(p, str(state), certs.aggregator_tls() if certs else None))
         names = {(r.run_id, i): f"client-{r.run_id}-org-{i}" for r in p.runs for i in range(p.clients)}
@@ -837,6 +883,9 @@ def _run_in(p: LocalPlan, workdir: Path) -> int:
         rounds = ", ".join(f"{r.spec.name} {r.rounds}" for r in p.runs)
         say(f"hetfed run: {', '.join(o.algorithms)} with {p.clients} organizations on {o.dataset} "
             f"({p.partition}{detail}), rounds: {rounds}, seed {o.seed}")
+    if p.privacy and not o.output:
+        say("hetfed run: privacy ledgers are ephemeral (privacy.ephemeral_ledger): they end with this temporary "
+            "run; give --output to keep them")
     results = federate(p, workdir)
     print_table(TABLE_HEAD, table_rows(results))
     if p.picture:

@@ -38,11 +38,21 @@ def _done(status: RunStatus) -> int:
 
 
 def _accuracy(status: RunStatus) -> str:
+    """The last round's accuracy over the organizations that showed it; those that withheld it (docs/privacy.md)
+    are left out and counted, and a round where all withheld it shows "acc withheld"."""
     for rec in reversed(status.history):
-        n = sum(m.num_test_examples for m in rec.reports.values())
+        if not rec.reports:
+            continue
+        withheld = sum(m.is_withheld("test_accuracy") or m.is_withheld("num_test_examples")
+                       for m in rec.reports.values())
+        if withheld == len(rec.reports):
+            return "acc withheld"
+        shown = [m for m in rec.reports.values()
+                 if not (m.is_withheld("test_accuracy") or m.is_withheld("num_test_examples"))]
+        n = sum(m.num_test_examples for m in shown)
         if n:
-            acc = sum(m.test_accuracy * m.num_test_examples for m in rec.reports.values()) / n
-            return f"acc {100 * acc:5.1f}%"
+            acc = sum(m.test_accuracy * m.num_test_examples for m in shown) / n
+            return f"acc {100 * acc:5.1f}%" + (f" ({withheld} withheld)" if withheld else "")
     return ""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from hetfed.cli.experiments import bytes_reference
 from hetfed.cli.prom import PNG_KEY, prom_query, prom_range
+from hetfed.wire.payloads import WITHHELD
 
 X_LABEL = "cumulative bytes (up + down, log scale)"
 Y_LABEL = "test accuracy"
@@ -44,20 +45,24 @@ class RunCurve:
     epsilon_points: list[tuple[float, float]] = field(default_factory=list)
     # The largest ε any organization spent in the run (None without DP).
     epsilon: float | None = None
+    # Every organization withheld its final accuracy (docs/privacy.md): the report says "withheld", not a number.
+    withheld: bool = False
 
 
 def curve_from_summary(summary: dict[str, Any], source: str) -> RunCurve:
     """A run of results.json: each round's reported accuracy against the bytes moved by the end of that round."""
-    c = RunCurve(summary["run"], summary["algorithm"], source, final_accuracy=summary.get("final_test_accuracy"),
+    final = summary.get("final_test_accuracy")
+    c = RunCurve(summary["run"], summary["algorithm"], source,
+                 final_accuracy=float(final) if isinstance(final, int | float) else None,
                  bytes_up=summary["bytes_up_total"], bytes_down=summary["bytes_down_total"],
-                 bytes_per_train_round=summary["bytes_per_train_round"])
+                 bytes_per_train_round=summary["bytes_per_train_round"], withheld=final == WITHHELD)
     total = 0
     spent: dict[str, float] = {}  # organization -> the last ε it reported
     for r in summary["rounds"]:
         total += sum(r["bytes_up"].values()) + sum(r["bytes_down"].values())
         spent.update({org: float(m["privacy_epsilon"]) for org, m in r.get("per_organization", {}).items()
                       if "privacy_epsilon" in m})
-        if r.get("test_accuracy") is not None:
+        if isinstance(r.get("test_accuracy"), int | float):  # a withheld round has no point
             c.points.append((float(total), float(r["test_accuracy"])))
             if spent:
                 c.epsilon_points.append((max(spent.values()), float(r["test_accuracy"])))
@@ -146,6 +151,11 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
+def _missing(c: RunCurve) -> str:
+    """A run's final accuracy where it has no number: withheld by every organization, or not reported."""
+    return WITHHELD if c.withheld else "-"
+
+
 def markdown_table(curves: list[RunCurve]) -> str:
     """Final accuracy, bytes up and down, bytes per train round and the ratio to the bytes reference's, one row
     per run."""
@@ -156,13 +166,13 @@ def markdown_table(curves: list[RunCurve]) -> str:
     for c in curves:
         ref = reference_run(c, curves)
         ratio = f"{c.bytes_per_train_round / ref.bytes_per_train_round:.3g}x" if ref is not None else "-"
-        acc = f"{100 * c.final_accuracy:.2f}%" if c.final_accuracy is not None else "-"
+        acc = f"{100 * c.final_accuracy:.2f}%" if c.final_accuracy is not None else _missing(c)
         rows.append(f"| {c.label} | {acc} | {fmt_bytes(c.bytes_up)} | {fmt_bytes(c.bytes_down)} | "
                     f"{fmt_bytes(c.bytes_per_train_round)} | {ratio} |")
     private = [c for c in curves if c.epsilon is not None]
     if private:
         at = "; ".join(f"{c.label} {100 * c.final_accuracy:.2f}% at ε = {c.epsilon:.2f}" if c.final_accuracy is not None
-                       else f"{c.label} - at ε = {c.epsilon:.2f}" for c in private)
+                       else f"{c.label} {_missing(c)} at ε = {c.epsilon:.2f}" for c in private)
         rows += ["", f"Accuracy against ε (the largest any organization spent): {at}."]
     return "\n".join(rows) + "\n"
 

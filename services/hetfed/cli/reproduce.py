@@ -35,6 +35,7 @@ from typing import Any
 from hetfed.cli.localrun import FederationFailedError, LocalFederation, LocalRunOptions, federate
 from hetfed.wire.config import from_mapping, to_mapping
 from hetfed.wire.messages import RunStatus
+from hetfed.wire.payloads import WITHHELD
 from hetfed.wire.phases import Phase
 
 GRID_SUFFIX = ".bench.toml"
@@ -297,11 +298,12 @@ def throughput(summary: Mapping[str, Any], aggregator_rate: float | None) -> dic
     if len(train) < 2:
         return {}
     a, b = train[0]["per_organization"], train[-1]["per_organization"]
-    if not all("train_cpu_seconds" in m for m in (*a.values(), *b.values())):
+    keys = ("train_cpu_seconds", "train_wall_seconds", "process_cpu_seconds")
+    # Under [privacy] an organization withholds its timing (it grows with its data): no throughput then.
+    if not all(m.get(k, WITHHELD) != WITHHELD for m in (*a.values(), *b.values()) for k in keys):
         return {}
     rounds = train[-1]["round"] - train[0]["round"]
     wall = sum(r["duration_seconds"] for r in train[1:])
-    keys = ("train_cpu_seconds", "train_wall_seconds", "process_cpu_seconds")
     d = {org: {k: b[org][k] - a[org][k] for k in keys} for org in a if org in b}
     clients_cpu = sum(x["process_cpu_seconds"] for x in d.values())
     train_cpu = sum(x["train_cpu_seconds"] for x in d.values())
@@ -320,11 +322,13 @@ def throughput(summary: Mapping[str, Any], aggregator_rate: float | None) -> dic
 
 def _over_organizations(kind: str, key: str, report: Mapping[str, Mapping[str, float]]) -> float | None:
     """A per-organization figure over one round's reports: their mean, or pooled (weighted by test examples)."""
+    # An organization that withheld the figure (or its test count, to pool) under its privacy settings is left out.
     if kind == "mean":
-        values = [m[key] for m in report.values() if key in m]
+        values = [m[key] for m in report.values() if key in m and m[key] != WITHHELD]
         return statistics.fmean(values) if values else None
-    n = sum(m["num_test_examples"] for m in report.values() if key in m)
-    return sum(m[key] * m["num_test_examples"] for m in report.values() if key in m) / n if n else None
+    shown = [m for m in report.values() if key in m and WITHHELD not in (m[key], m["num_test_examples"])]
+    n = sum(m["num_test_examples"] for m in shown)
+    return sum(m[key] * m["num_test_examples"] for m in shown) / n if n else None
 
 
 def per_round(kind: str, key: str, summary: Mapping[str, Any]) -> dict[int, float]:
@@ -370,7 +374,8 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
         eps = (summary.get("privacy") or {}).get("epsilon_max")
         return None if eps is None else float(eps)
     if kind == "figure":
-        return summary["final_figures"].get(key)
+        value = summary["final_figures"].get(key)
+        return None if value in (None, WITHHELD) else float(value)
     if kind in ("mean", "pooled"):
         if fig.best_rounds:
             return best_rounds_mean(per_round(kind, key, summary), fig.best_rounds)
@@ -383,7 +388,7 @@ def figure_value(fig: GridFigure, summary: Mapping[str, Any], workdir: Path, see
 
         return diagnostic(key, workdir, summary, seed)
     value = summary.get(fig.source)
-    return None if value is None else float(value)
+    return None if value in (None, WITHHELD) else float(value)  # a withheld figure has no number
 
 
 def federation_dir(root: Path, method: Method, cell: Mapping[str, Any], seed: int) -> Path:

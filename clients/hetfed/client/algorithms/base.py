@@ -68,6 +68,12 @@ class ClientContext(Generic[C]):
         own files streamed batch by batch."""
         return source_of(ds, self.device, num_workers=self.num_workers, pin_memory=self.pin_memory, seed=self.seed)
 
+    @property
+    def num_examples(self) -> int:
+        """The training examples this organization declares in what it sends: under DP its released count N̂
+        (the true count never leaves), else the true count."""
+        return self.privacy.num_examples if self.privacy is not None else len(self.train)
+
     def rng(self, round_seed: int) -> np.random.Generator:
         """A generator for this organization's draws in a round (seeded by the run, round and organization)."""
         return np.random.default_rng([self.seed, round_seed, zlib.crc32(self.organization.encode())])
@@ -79,22 +85,44 @@ class ClientContext(Generic[C]):
 
     def metrics(self, train_loss: float, evaluated_round: int, extra: Mapping[str, float] | None = None, *,
                 model: nn.Module | None = None,
-                predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EvalMetrics:
+                predict: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                under_dp: bool | None = None) -> EvalMetrics:
         """Evaluate ``model`` (default: the organization's model) on its own test set and every further held-out
         set the data provides, reported as ``<set>_accuracy`` and ``<set>_loss``, with ``extra`` figures; in a
-        round the round loop does not evaluate, the last evaluation's figures with this round's loss and extra."""
+        round the round loop does not evaluate, the last evaluation's figures with this round's loss and extra.
+
+        The figures are exact: they are the organization's. Under DP the runtime gates them before they leave
+        (``PrivacySession.protect``); here an evaluation is released through the metric mechanism when
+        ``release_metrics`` is set and the evaluated model is trained under DP (``under_dp``; default: only the
+        organization's own model, which the training loop trains with DP-SGD, not a model kept beside it)."""
         if not self.evaluates:
             assert self.last_evaluation is not None
             last = self.last_evaluation
             return dataclasses.replace(last, train_loss=train_loss, extra={**last.extra, **(extra or {})})
         net = model if model is not None else self.model
-        acc, loss = evaluate(net, self.test, predict=predict)
         figures = {"evaluated_round": float(evaluated_round), **(extra or {})}
-        for name, data in self.eval_sets.items():
-            figures[f"{name}_accuracy"], figures[f"{name}_loss"] = evaluate(net, data, predict=predict)
+        if self.privacy is None:
+            acc, loss = evaluate(net, self.test, predict=predict)
+            for name, data in self.eval_sets.items():
+                figures[f"{name}_accuracy"], figures[f"{name}_loss"] = evaluate(net, data, predict=predict)
+        else:
+            from hetfed.client.privacy.metrics import TEST_SET, evaluation_sums
+
+            bound = self.privacy.cfg.metric_loss_bound
+            sums = {TEST_SET: evaluation_sums(net, self.test, bound, predict=predict)}
+            sums.update({name: evaluation_sums(net, data, bound, predict=predict)
+                         for name, data in self.eval_sets.items()})
+            acc, loss = sums[TEST_SET].accuracy, sums[TEST_SET].mean_loss
+            for name, s in sums.items():
+                if name != TEST_SET:
+                    figures[f"{name}_accuracy"], figures[f"{name}_loss"] = s.accuracy, s.mean_loss
+            if self.privacy.cfg.release_metrics and (model is None if under_dp is None else under_dp):
+                self.privacy.release_evaluation(sums)
+            else:
+                self.privacy.withhold_evaluation()
         self.last_evaluation = EvalMetrics(
             train_loss=train_loss,
-            num_train_examples=len(self.train),
+            num_train_examples=self.num_examples,
             test_accuracy=acc,
             test_loss=loss,
             num_test_examples=len(self.test),
@@ -125,6 +153,10 @@ class ClientHalf(Generic[C]):
     # computed by models trained on private data through the training loop, "dp-sgd+gaussian-sums" when some are
     # computed from the data directly through the Gaussian class-sum release; None: the half cannot serve DP.
     privacy_mechanism: ClassVar[str | None] = None
+    # Whether the model this half deploys (``deployed_model``, the one its metrics evaluate) is trained under
+    # DP-SGD when [privacy] is on. False for a model kept in the organization and trained outside DP: its card
+    # then says it is not differentially private, and its figures are never released (docs/privacy.md).
+    deployed_under_dp: ClassVar[bool] = True
 
     def __init__(self, ctx: ClientContext[C]) -> None:
         self.ctx = ctx

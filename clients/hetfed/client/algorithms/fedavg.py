@@ -111,7 +111,7 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
 
     def upload(self) -> ModelWeights:
         """The trained model's shared state."""
-        return model_weights(self.ctx.model, len(self.ctx.train))
+        return model_weights(self.ctx.model, self.ctx.num_examples)
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Evaluate the received global model, then train on it and upload the result."""

@@ -43,7 +43,7 @@ class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
         result = fit([Objective(ctx.model, opt)], epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
         head = ctx.model.head
         return [
-            HeadWeights(head.weight.detach().cpu().numpy(), head.bias.detach().cpu().numpy(), len(ctx.train)),
+            HeadWeights(head.weight.detach().cpu().numpy(), head.bias.detach().cpu().numpy(), ctx.num_examples),
             dataclasses.replace(before, train_loss=result.loss),
         ]
 

@@ -30,13 +30,27 @@ class DatasetUnavailableError(RuntimeError):
     """A built-in dataset's files or package are not present in this environment."""
 
 
+def as_groups(groups: object, n: int, what: str) -> np.ndarray:
+    """``groups`` checked as one integer group id per example (a patient, a device, a site), as int64."""
+    if hasattr(groups, "detach"):  # a torch tensor, without importing torch here
+        groups = groups.detach().cpu().numpy()  # type: ignore[attr-defined]
+    g = np.asarray(groups)
+    if g.shape != (n,):
+        raise ValueError(f"{what} must hold one group id per example, shape ({n},), got {g.shape}")
+    if g.size and g.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {g.dtype}")
+    return g.astype(np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class ArrayDataset:
-    """Examples as arrays: ``x`` float32 (images NxCxHxW, tabular NxF), ``y`` int64 labels, optional int64 domains."""
+    """Examples as arrays: ``x`` float32 (images NxCxHxW, tabular NxF), ``y`` int64 labels, optional int64 domains
+    and optional int64 group ids (``privacy.unit = "group"``: the examples of one patient, device or site)."""
 
     x: np.ndarray
     y: np.ndarray
     domain: np.ndarray | None = None
+    groups: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         x = np.asarray(self.x, dtype=np.float32)
@@ -52,6 +66,8 @@ class ArrayDataset:
             if domain.shape != y.shape:
                 raise ValueError(f"ArrayDataset.domain must have shape {y.shape}, got {domain.shape}")
             object.__setattr__(self, "domain", domain)
+        if self.groups is not None:
+            object.__setattr__(self, "groups", as_groups(self.groups, y.shape[0], "ArrayDataset.groups"))
 
     def __len__(self) -> int:
         """Number of examples."""
@@ -66,7 +82,8 @@ class ArrayDataset:
         """A new dataset holding copies of the examples at ``indices`` (in that order)."""
         idx = np.asarray(indices, dtype=np.int64)
         domain = None if self.domain is None else self.domain[idx]
-        return ArrayDataset(self.x[idx], self.y[idx], domain)
+        groups = None if self.groups is None else self.groups[idx]
+        return ArrayDataset(self.x[idx], self.y[idx], domain, groups)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,13 +93,15 @@ class StreamedDataset:
     The client never holds the whole set: training and evaluation stream batches of it through a DataLoader
     (:mod:`hetfed.client.training`). ``y`` holds every example's label, known up front (a dataset's
     ``targets``, or read once), so that partitions, class counts and per-class draws need no example's
-    input. ``dataset[i]`` returns ``(x, label)`` with ``x`` a float tensor of ``input_shape``.
+    input. ``dataset[i]`` returns ``(x, label)`` with ``x`` a float tensor of ``input_shape``. ``groups``, when
+    given, holds every example's group id (``privacy.unit = "group"``).
     """
 
     dataset: Any
     y: np.ndarray
     input_shape: tuple[int, ...]
     name: str = ""
+    groups: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         y = np.asarray(self.y, dtype=np.int64)
@@ -90,6 +109,8 @@ class StreamedDataset:
             raise ValueError(f"StreamedDataset.y must have shape ({len(self.dataset)},), got {y.shape}")
         object.__setattr__(self, "y", y)
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        if self.groups is not None:
+            object.__setattr__(self, "groups", as_groups(self.groups, y.shape[0], "StreamedDataset.groups"))
 
     def __len__(self) -> int:
         """Number of examples."""
@@ -100,7 +121,8 @@ class StreamedDataset:
         from torch.utils.data import Subset
 
         idx = np.asarray(indices, dtype=np.int64)
-        return StreamedDataset(Subset(self.dataset, idx.tolist()), self.y[idx], self.input_shape, self.name)
+        groups = None if self.groups is None else self.groups[idx]
+        return StreamedDataset(Subset(self.dataset, idx.tolist()), self.y[idx], self.input_shape, self.name, groups)
 
 
 Examples = ArrayDataset | StreamedDataset

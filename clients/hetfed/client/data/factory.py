@@ -9,7 +9,8 @@ The factory takes one :class:`DataContext` and returns a mapping:
 - ``seed_set`` (a :class:`SeedSet`, for FedH2L) and ``domain`` (int);
 - ``name``: how the client shows the data.
 
-Labels come from a dataset's ``targets`` when it has them, else from one pass over the dataset. Everything is
+Labels come from a dataset's ``targets`` when it has them, else from one pass over the dataset; group ids (a
+patient, a device: ``privacy.unit = "group"``) from its ``groups`` when it has them. Everything is
 checked once, at load, with one-line :class:`DataFactoryError` messages. This module imports torch only when
 a factory is loaded, so validating a config stays light.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hetfed.client.data.config import DataConfig
-from hetfed.client.data.core import ClientData, Examples, StreamedDataset
+from hetfed.client.data.core import ClientData, Examples, StreamedDataset, as_groups
 from hetfed.client.data.seedset import SeedSet
 
 REQUIRED_KEYS = ("train", "test", "num_classes")
@@ -187,8 +188,14 @@ def _streamed(ref: str, what: str, ds: object, num_classes: int, num_workers: in
         values, counts = np.unique(labels[bad], return_counts=True)
         listed = ", ".join(f"{v} ({c} example{'s' if c > 1 else ''})" for v, c in zip(values, counts, strict=True))
         raise DataFactoryError(f"{where} has {int(bad.sum())} label(s) outside 0..{num_classes - 1}: {listed}")
+    groups = getattr(ds, "groups", None)
+    if groups is not None:  # one group id per example (a patient, a device): privacy.unit = "group"
+        try:
+            groups = as_groups(groups, n, "groups")
+        except ValueError as exc:
+            raise DataFactoryError(f"{where}: {exc}") from None
     examples = FactoryExamples(ds, x_shape, where)
-    return StreamedDataset(examples, labels, x_shape, name=f"{ref} {what}")
+    return StreamedDataset(examples, labels, x_shape, name=f"{ref} {what}", groups=groups)
 
 
 class FactoryExamples:

@@ -97,7 +97,7 @@ def _read_npz(file: Path) -> ArrayDataset:
             raise ValueError(
                 f"{file}: missing array {', '.join(repr(k) for k in missing)} (found: {', '.join(found) or 'none'})"
             )
-        for key in ("x", "y", "domain"):
+        for key in ("x", "y", "domain", "group"):
             if key in found:
                 try:
                     arrays[key] = archive[key]
@@ -118,7 +118,8 @@ def _read_npz(file: Path) -> ArrayDataset:
         raise ValueError(f"{file}: array 'x' contains NaN or infinite values")
     labels = _npz_int_array(file, "y", y, n)
     domain = _npz_int_array(file, "domain", arrays["domain"], n) if "domain" in arrays else None
-    return ArrayDataset(xf, labels, domain)
+    groups = _npz_int_array(file, "group", arrays["group"], n) if "group" in arrays else None
+    return ArrayDataset(xf, labels, domain, groups)
 
 
 def _npz_int_array(file: Path, key: str, a: np.ndarray, n: int) -> np.ndarray:

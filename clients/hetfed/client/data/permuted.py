@@ -60,8 +60,8 @@ class _Relabelled:
 def _relabel(data: Examples, perm: np.ndarray) -> Examples:
     if isinstance(data, StreamedDataset):
         return StreamedDataset(_Relabelled(data.dataset, perm), permute_labels(data.y, perm), data.input_shape,
-                               data.name)
-    return ArrayDataset(data.x, permute_labels(data.y, perm), data.domain)
+                               data.name, data.groups)
+    return ArrayDataset(data.x, permute_labels(data.y, perm), data.domain, data.groups)
 
 
 def permuted(data: ClientData, seed: int, organization: int) -> ClientData:

@@ -5,7 +5,9 @@ and noise multiplier, or an unsampled Gaussian release), and ε at δ is dp-acco
 Rényi DP (``rdp``, Mironov 2017; Mironov, Talwar and Zhang 2019 for the sampled Gaussian) or privacy loss
 distributions (``pld``, Koskela et al. 2020; Doroshenko et al. 2022), both under add-or-remove-one neighbours.
 With a state directory it lives in ``<state_dir>/<run>/privacy-ledger.json``, written atomically before each
-upload leaves, so a restarted client continues it: ε never goes down.
+upload leaves, so a restarted client continues it: ε never goes down. It also keeps the values the organization
+released (its example count N̂, an algorithm's noisy counts) in the same write as the releases that paid for them,
+so a restart sends them again instead of releasing new ones.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 import dp_accounting
 from dp_accounting import pld, rdp
 
-FORMAT = 1
+# 2: the released values and the round the ledger first joined at (format 1 kept neither).
+FORMAT = 2
 FILE_NAME = "privacy-ledger.json"
 
 
@@ -79,14 +82,19 @@ def epsilon_of(releases: Sequence[Release], delta: float, accountant: str = "rdp
 
 
 def solve_noise_multiplier(plan: Sequence[Release], target_epsilon: float, delta: float,
-                           accountant: str = "rdp") -> float:
+                           accountant: str = "rdp", fixed: Sequence[Release] = ()) -> float:
     """The smallest σ ≥ 0.05 (to 0.1%) at which the releases of ``plan`` (their ``sigma`` the multiple of σ each gets:
-    1 for a plain step, 1/√k for k objectives on one batch) spend at most ``target_epsilon`` at ``delta``."""
+    1 for a plain step, 1/√k for k objectives on one batch), composed with the ``fixed`` releases (their ``sigma``
+    their own noise multiplier, such as the example count's), spend at most ``target_epsilon`` at ``delta``."""
     if not merged(plan):
         raise ValueError("nothing to account: the run plans no private release")
+    if merged(fixed) and epsilon_of(fixed, delta, accountant) >= target_epsilon:
+        raise ValueError(f"the releases made before the run's plan (the example count) already spend "
+                         f"ε={epsilon_of(fixed, delta, accountant):.4g} of the target ε={target_epsilon} at "
+                         f"δ={delta:.3g}; allow a larger ε or a larger count_noise_multiplier")
 
     def spent(sigma: float) -> float:
-        return epsilon_of([Release(r.q, r.sigma * sigma, r.count) for r in plan], delta, accountant)
+        return epsilon_of([*[Release(r.q, r.sigma * sigma, r.count) for r in plan], *fixed], delta, accountant)
 
     lo, hi = 0.05, 1.0
     while spent(hi) > target_epsilon:
@@ -103,29 +111,47 @@ def solve_noise_multiplier(plan: Sequence[Release], target_epsilon: float, delta
 
 
 class Ledger:
-    """The releases one organization made in one run, with ε after each round; kept on disk when given a path."""
+    """The releases one organization made in one run, with ε after each round and the values it released; kept on
+    disk when given a path."""
 
-    def __init__(self, run: str, organization: str, delta: float, accountant: str, noise_multiplier: float,
-                 clip_norm: float, path: Path | None = None) -> None:
-        self.identity = {"run": run, "organization": organization, "delta": delta, "accountant": accountant}
+    def __init__(self, run: str, organization: str, delta: float | None, accountant: str, noise_multiplier: float,
+                 clip_norm: float, path: Path | None = None, unit: str = "record") -> None:
+        self.run, self.organization = run, organization
+        # The unit of privacy ("record" or "group"): releases accounted per record and per group do not compose
+        # into one ε, so a ledger kept under one unit cannot be continued under the other.
+        self.unit = unit
         self.delta, self.accountant = delta, accountant
         self.noise_multiplier, self.clip_norm = noise_multiplier, clip_norm
         self.path = path
+        # Whether this ledger was read from disk (False: it starts in this process).
+        self.loaded = False
         self.releases: list[Release] = []
         # ε after each round this ledger saw (round -> ε), for the operator and the tests.
         self.rounds: dict[int, float] = {}
+        # What the organization released, by name ("examples": N̂; an algorithm's noisy counts), JSON values.
+        self.released: dict[str, Any] = {}
+        # The run's round when this ledger first joined it (None: not yet).
+        self.joined_at: int | None = None
         self._pending: list[Release] = []
+        self._pending_values: dict[str, Any] = {}
         # ε of the committed releases, kept with the releases it was computed for: a round asks for it several
         # times (its declaration, the file, the budget check), and the PLD accountant takes most of a second.
         self._spent: tuple[tuple[Release, ...], float] = ((), 0.0)
 
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What a ledger on disk must match to be continued."""
+        return {"run": self.run, "organization": self.organization, "delta": self.delta, "accountant": self.accountant,
+                "unit": self.unit}
+
     @classmethod
-    def open(cls, state_dir: str | None, run: str, organization: str, *, delta: float, accountant: str,
-             noise_multiplier: float, clip_norm: float) -> Ledger:
+    def open(cls, state_dir: str | None, run: str, organization: str, *, delta: float | None = None, accountant: str,
+             noise_multiplier: float, clip_norm: float, unit: str = "record") -> Ledger:
         """The run's ledger: continued from ``<state_dir>/<run>/privacy-ledger.json`` when there is one (its σ
-        wins, so a restart keeps the noise it planned with), else a new one (in memory without ``state_dir``)."""
+        wins, so a restart keeps the noise it planned with), else a new one (in memory without ``state_dir``).
+        ``delta`` None: taken from the file, or fixed later by ``bind_delta`` (δ may depend on a released value)."""
         path = Path(state_dir) / run / FILE_NAME if state_dir else None
-        ledger = cls(run, organization, delta, accountant, noise_multiplier, clip_norm, path)
+        ledger = cls(run, organization, delta, accountant, noise_multiplier, clip_norm, path, unit)
         if path is not None and path.exists():
             ledger._load(path)
         return ledger
@@ -137,43 +163,75 @@ class Ledger:
             raise LedgerError(f"{path} cannot be read ({type(exc).__name__}: {exc}); a lost ledger cannot be "
                               "rebuilt, so this organization cannot go on in this run under DP") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else None
+            if isinstance(found, int) and found < FORMAT:
+                raise LedgerError(f"{path} is a privacy ledger of format {found}, which kept no released values, so "
+                                  "a restart could not send the same ones again; finish this run with the hetfed "
+                                  "version that wrote it, or start a new run")
             raise LedgerError(f"{path} is not a hetfed privacy ledger of format {FORMAT}")
         saved = raw.get("identity", {})
         saved = saved if isinstance(saved, dict) else {}
-        differ = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in self.identity.items() if saved.get(k) != v]
+        wanted = {k: v for k, v in self.identity.items() if not (k == "delta" and v is None)}
+        differ = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in wanted.items() if saved.get(k) != v]
         if differ:
             raise LedgerError(f"{path} was kept under other settings: {', '.join(differ)}; ε cannot be continued "
                               "across them")
         try:
+            self.delta = float(saved["delta"])
             self.noise_multiplier = float(raw["noise_multiplier"])
             self.clip_norm = float(raw["clip_norm"])
             self.releases = [Release(float(q), float(s), int(c)) for q, s, c in raw["releases"]]
             self.rounds = {int(k): float(v) for k, v in raw["rounds"].items()}
+            self.released = dict(raw["released"])
+            self.joined_at = None if raw["joined_at"] is None else int(raw["joined_at"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LedgerError(f"{path} is damaged ({type(exc).__name__}: {exc}); a lost ledger cannot be rebuilt, so "
                               "this organization cannot go on in this run under DP") from None
+        self.loaded = True
+
+    def bind_delta(self, delta: float) -> None:
+        """Fix δ (computed from a released value); a ledger kept under another δ cannot be continued."""
+        if self.delta is not None and self.delta != delta:
+            raise LedgerError(f"{self.path} was kept under other settings: delta {self.delta!r} (now {delta!r}); ε "
+                              "cannot be continued across them")
+        self.delta = delta
 
     # ------------------------------------------------------------------ recording
     def record(self, q: float, sigma: float, count: int = 1) -> None:
         """Note ``count`` releases of the current round (committed by ``close_round``)."""
         self._pending = merged([*self._pending, Release(q, sigma, count)])
 
+    def hold(self, name: str, value: Any) -> None:
+        """Keep a released value (JSON-serialisable), written with the releases that paid for it."""
+        self._pending_values[name] = value
+
     @property
     def pending(self) -> list[Release]:
         """The current round's releases so far."""
         return list(self._pending)
 
-    def close_round(self, round_: int) -> float:
-        """Commit the round's releases, write the ledger (atomically, before the upload leaves); ε so far."""
+    def commit(self, round_: int | None = None) -> float:
+        """Commit the pending releases and values and write the ledger (atomically, before anything they made
+        leaves); with ``round_``, note ε after that round. ε so far."""
         self.releases = merged([*self.releases, *self._pending])
-        self._pending = []
+        self.released.update(self._pending_values)
+        self._pending, self._pending_values = [], {}
         eps = self.epsilon()
-        self.rounds[int(round_)] = max(eps, self.rounds.get(int(round_), 0.0))
+        if round_ is not None:
+            self.rounds[int(round_)] = max(eps, self.rounds.get(int(round_), 0.0))
         self.save()
         return eps
 
+    def close_round(self, round_: int) -> float:
+        """Commit the round's releases and values, write the ledger (atomically, before the upload leaves); ε."""
+        return self.commit(round_)
+
     def epsilon(self, extra: Sequence[Release] = ()) -> float:
         """ε at δ of every committed release (and ``extra`` ones, to ask what a next round would cost)."""
+        if not merged([*self.releases, *extra]):
+            return 0.0
+        if self.delta is None:
+            raise LedgerError("δ is not fixed yet: the ledger cannot give ε")
         if extra:
             return epsilon_of([*self.releases, *extra], self.delta, self.accountant)
         committed = tuple(self.releases)
@@ -189,7 +247,8 @@ class Ledger:
         body = {"format": FORMAT, "identity": self.identity, "noise_multiplier": self.noise_multiplier,
                 "clip_norm": self.clip_norm, "epsilon": self.epsilon(),
                 "releases": [[r.q, r.sigma, r.count] for r in self.releases],
-                "rounds": {str(k): v for k, v in sorted(self.rounds.items())}}
+                "rounds": {str(k): v for k, v in sorted(self.rounds.items())},
+                "released": self.released, "joined_at": self.joined_at}
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             json.dump(body, f, indent=1)

@@ -38,13 +38,14 @@ def _traffic_from_json(d: dict[str, Any]) -> TrafficBreakdown:
 
 def _metrics_json(m: EvalMetrics) -> dict[str, Any]:
     return {"train_loss": m.train_loss, "num_train_examples": m.num_train_examples, "test_accuracy": m.test_accuracy,
-            "test_loss": m.test_loss, "num_test_examples": m.num_test_examples, "extra": dict(m.extra)}
+            "test_loss": m.test_loss, "num_test_examples": m.num_test_examples, "extra": dict(m.extra),
+            "withheld": list(m.withheld)}
 
 
 def _metrics_from_json(v: Any) -> EvalMetrics:
     if isinstance(v, list):  # older checkpoints: positional
         return EvalMetrics(v[0], v[1], v[2], v[3], v[4], dict(v[5]))
-    return EvalMetrics(**{**v, "extra": dict(v["extra"])})
+    return EvalMetrics(**{**v, "extra": dict(v["extra"]), "withheld": tuple(v.get("withheld", ()))})
 
 
 @dataclass

@@ -55,7 +55,13 @@ class AggregatorMetrics:
             "hetfed_reported_metric", "A named figure an organization reported for its last round "
             "(EvalMetrics.extra, e.g. wdp, cdp, acc)", ["run", "algorithm", "organization", "name"], registry=r,
         )
+        self.client_withheld = Gauge(
+            "hetfed_reported_withheld", "1 for each figure an organization withheld in its last round: computed "
+            "from private data and not released under its privacy settings (docs/privacy.md); its other gauges "
+            "then have no sample for it, never 0", ["run", "algorithm", "organization", "name"], registry=r,
+        )
         self.client_metric_mean = Gauge(
-            "hetfed_reported_metric_mean", "Mean over the organizations of a named figure in the last closed round",
+            "hetfed_reported_metric_mean", "Mean over the organizations of a named figure in the last closed round "
+            "(organizations that withheld it are left out)",
             ["run", "algorithm", "name"], registry=r,
         )

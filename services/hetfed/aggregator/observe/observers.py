@@ -28,12 +28,15 @@ class RunObserver:
         self.run_id, self.algorithm, self.metrics, self._declared = run_id, algorithm, metrics, figures
         self._figure_names: dict[str, set[str]] = {}
         self._mean_names: set[str] = set()
+        self._withheld_names: dict[str, set[str]] = {}
+        # (organization, figure) pairs of the fixed gauges that hold a sample.
+        self._sampled: set[tuple[str, str]] = set()
 
     def figures(self, m: EvalMetrics) -> dict[str, float]:
         """Every reported figure by name, the spec's declared figures (by their key) included."""
-        out = dict(m.extra)
+        out = dict(m.extra)  # a withheld extra figure is not in it
         for f in self._declared:
-            value = m.test_accuracy if f.source == "test_accuracy" else m.extra.get(f.source)
+            value = m.figure(f.source)
             if value is not None:
                 out[f.key] = value
         return out
@@ -43,8 +46,20 @@ class RunObserver:
         if m is None:
             return
         labels = (self.run_id, self.algorithm, organization)
-        self.metrics.client_train_loss.labels(*labels).set(m.train_loss)
-        self.metrics.client_test_accuracy.labels(*labels).set(m.test_accuracy)
+        for name, gauge in (("train_loss", self.metrics.client_train_loss),
+                            ("test_accuracy", self.metrics.client_test_accuracy)):
+            value = m.figure(name)
+            if value is not None:
+                gauge.labels(*labels).set(value)
+                self._sampled.add((organization, name))
+            elif (organization, name) in self._sampled:  # withheld: no sample, never a stale one or 0
+                gauge.remove(*labels)
+                self._sampled.discard((organization, name))
+        for name in m.withheld:
+            self.metrics.client_withheld.labels(*labels, name).set(1)
+        for gone in self._withheld_names.get(organization, set()) - set(m.withheld):
+            self.metrics.client_withheld.remove(*labels, gone)
+        self._withheld_names[organization] = set(m.withheld)
         figures = self.figures(m)
         for name, value in figures.items():
             self.metrics.client_metric.labels(*labels, name).set(value)

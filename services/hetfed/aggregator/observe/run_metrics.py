@@ -28,11 +28,14 @@ Family = CounterMetricFamily | GaugeMetricFamily
 
 
 def weighted_accuracy(reports: dict[str, EvalMetrics]) -> float | None:
-    """Test accuracy over every organization's test examples (as ``summarize_run`` computes it)."""
-    n = sum(m.num_test_examples for m in reports.values())
+    """Test accuracy over every organization's test examples (as ``summarize_run`` computes it); organizations
+    that withheld their accuracy or test count are left out, and None when none reported both."""
+    shown = [m for m in reports.values()
+             if m.figure("test_accuracy") is not None and m.figure("num_test_examples") is not None]
+    n = sum(m.num_test_examples for m in shown)
     if not n:
         return None
-    return sum(m.test_accuracy * m.num_test_examples for m in reports.values()) / n
+    return sum(m.test_accuracy * m.num_test_examples for m in shown) / n
 
 
 def rounds_missed(history: list[RoundRecord], organization: str) -> int:

@@ -119,10 +119,12 @@ def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization
                                                  f"limit is {max_examples}")
             if cfg.check_metric_domains:
                 check_metric_domains(p)
-            if len(p.extra) > limits.max_metrics_per_report:
-                raise WireError("oversized", f"eval_metrics carries {len(p.extra)} named figures; at most "
-                                             f"{limits.max_metrics_per_report} (server.max_metrics_per_report)")
-            for name in p.extra:
+            # A withheld figure's name is stored and shown like a reported one, so it counts against the same limits.
+            named = len(p.extra) + len(p.withheld)
+            if named > limits.max_metrics_per_report:
+                raise WireError("oversized", f"eval_metrics carries {named} named figures; "
+                                             f"at most {limits.max_metrics_per_report} (server.max_metrics_per_report)")
+            for name in (*p.extra, *p.withheld):
                 bad = bad_name(name, limits.max_name_chars)
                 if bad:
                     raise WireError("invalid_value", f"eval_metrics figure name {clip(name, 64)!r} {bad}")
@@ -132,13 +134,24 @@ def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaratio
                   last: PrivacyDeclaration | None) -> None:
     """An update's privacy declaration against the run (``declared``, already valid; None: the update declares
     none) and the organization's last accepted one (``last``): refused without one where the run requires it
-    (``privacy_required``), refused when its ε went down (``privacy_regressed``: the client's ledger was lost)."""
+    (``privacy_required``), refused when its ε went down (``privacy_regressed``: the client's ledger was lost), when
+    its ledger ends with its process where the run refuses that (``privacy_ephemeral_ledger``), and when its ε is
+    above the run's ``max_epsilon`` (``privacy_epsilon_exceeded``)."""
     if declared is None:
         if cfg.require_privacy:
             raise WireError("privacy_required", f"the update of organization {organization!r} declares no privacy; "
                                                 f"run {cfg.id!r} requires differential privacy of every organization "
                                                 "(require_privacy, docs/privacy.md)")
         return
+    if cfg.refuse_ephemeral_ledgers and declared.ephemeral_ledger:
+        raise WireError("privacy_ephemeral_ledger", f"organization {organization!r} keeps its privacy ledger only in "
+                                                    f"its client process (privacy.ephemeral_ledger); run {cfg.id!r} "
+                                                    "refuses such ledgers (refuse_ephemeral_ledgers): give the client "
+                                                    "a state_dir")
+    if cfg.max_epsilon is not None and declared.epsilon > cfg.max_epsilon:
+        raise WireError("privacy_epsilon_exceeded", f"organization {organization!r} declared ε={declared.epsilon:.6g}; "
+                                                    f"run {cfg.id!r} accepts at most ε={cfg.max_epsilon:g} "
+                                                    "(max_epsilon)")
     if last is not None and declared.epsilon < last.epsilon:
         new, old = _epsilons(declared.epsilon, last.epsilon)
         raise WireError("privacy_regressed", f"organization {organization!r} declared ε={new} after ε={old}: its "

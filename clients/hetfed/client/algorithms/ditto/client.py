@@ -122,6 +122,8 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
     """Ditto: ``ctx.model`` is the global model w_G (declared and uploaded); ``personal`` is w_L (never sent)."""
 
     private_attributes = ("personal",)
+    # w_L, the model this organization deploys, trains outside DP-SGD: it never leaves, but it is not DP either.
+    deployed_under_dp = False
 
     def __init__(self, ctx: ClientContext[DittoConfig]) -> None:
         super().__init__(ctx)
@@ -278,7 +280,7 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         losses = {"global_train_loss": result.losses[0]}
         metrics = ctx.metrics(result.losses[1], evaluated_round=round_, extra={**global_before, **losses},
                               model=self.personal)
-        return [model_weights(ctx.model, len(ctx.train)), metrics]
+        return [model_weights(ctx.model, ctx.num_examples), metrics]
 
     def evaluate(self, round_: int, received: Received) -> EvalMetrics:
         """The final personal model w_L on the organization's own test set, and the final global model w̄'s accuracy."""

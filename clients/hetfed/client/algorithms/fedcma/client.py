@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # dp-accounting is imported only by a client under DP (it tak
 
 # Stream of (run seed, organization) that draws the fixed batches B_i^k: the same after a restart.
 _BATCH_STREAM = 0xB1C
+# The name of the noisy class counts among the values the privacy ledger keeps.
+_RELEASED = "class_counts"
 
 
 class FedCMAClient(ClientHalf[FedCMAConfig]):
@@ -67,6 +69,10 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         super().__init__(ctx)
         self.cfg = ctx.config
         self.counts = class_counts(ctx.data.train.y, ctx.data.num_classes)
+        if ctx.privacy is not None and _RELEASED in ctx.privacy.ledger.released:
+            # Released before (this process or an earlier one): the organization works with what it sent, and a
+            # restart sends the same counts again rather than releasing new ones.
+            self.counts = np.asarray(ctx.privacy.ledger.released[_RELEASED], dtype=np.int64)
         self._batch: DeviceData | None = None
         self._batch_sizes = np.zeros(ctx.data.num_classes, dtype=np.int64)
         self._head_initialised = False
@@ -104,7 +110,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
 
     def setup(self, round_seed: int) -> list[Payload]:
         """Send n_i^k once and fix the per-class batches (under DP: n_i^k + N(0, σ²), rounded and floored at 0,
-        which this organization then uses as its counts too)."""
+        which this organization then uses as its counts too; kept in the privacy ledger with their release, so a
+        setup redone after a restart sends the same counts and releases nothing new)."""
         self._check_model()
         privacy = self.ctx.privacy
         if privacy is not None and not self.cfg.bounded_latent:
@@ -113,11 +120,14 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         if privacy is None:
             self.fixed_batch()
             return [ClassCounts(self.counts.copy())]
+        if _RELEASED in privacy.ledger.released:
+            return [ClassCounts(self.counts.copy())]
         from hetfed.client.privacy.mechanisms import noisy_counts
 
         sigma = privacy.direct_sigma
         self.counts = noisy_counts(self.counts, sigma, privacy.generator_now)
         privacy.ledger.record(1.0, sigma)
+        privacy.ledger.hold(_RELEASED, self.counts.tolist())
         return [ClassCounts(self.counts.copy())]
 
     # ------------------------------------------------------------------ privacy
@@ -129,19 +139,6 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         from hetfed.client.privacy.ledger import Release
 
         return [Release(1.0, m, 1)], [Release(q, 1.0, steps), Release(1.0, m / math.sqrt(2), 1)]
-
-    def private_state(self) -> dict[str, Any]:
-        """The model and attributes, and under DP the released counts this organization works with."""
-        state = super().private_state()
-        if self.ctx.privacy is not None:
-            state["released_counts"] = self.counts
-        return state
-
-    def load_private_state(self, state: Any) -> None:
-        """Resume, with the released counts under DP."""
-        super().load_private_state(state)
-        if self.ctx.privacy is not None and "released_counts" in state:
-            self.counts = np.asarray(state["released_counts"], dtype=np.int64)
 
     # ------------------------------------------------------------------ rounds
     def _receive(self, received: Received) -> None:
@@ -215,13 +212,15 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
     def _private_alignment(self, p_class: np.ndarray) -> LossTerm:
         """The alignment under DP-SGD, one value per example of the step's Poisson sample (a term over the fixed
         batches B_i^k, or divided by the batch's own class counts, would mix examples). Example x of class k
-        carries its share of the alignment over the N training examples: N times its class's weight over the
-        n_i^k examples of k. DP-SGD divides the sum over the sample by qN, so the step's gradient estimates the
-        alignment's, and no example's value depends on the others."""
+        carries its share of the alignment over the training examples: N̂ times its class's weight over the
+        n̂_i^k examples of k, both released counts. DP-SGD divides the sum over the sample by qN̂, so the step's
+        gradient estimates the alignment's, and no example's value depends on the others. The true N would not
+        do: adding one example would rescale every other example's weight. A class released as 0 counts as 1,
+        so its weight stays finite."""
         assert self.global_means is not None and self.global_present is not None
         privacy, net = self.ctx.privacy, self.ctx.model
         assert privacy is not None
-        share = privacy.num_train / np.maximum(self.counts.astype(np.float64), 1e-12)
+        share = privacy.num_examples / np.maximum(self.counts.astype(np.float64), 1.0)
         if self.cfg.alignment == "paper":  # (λ2/2)·(p_i^k / b_i^k)·Σ ‖g(x) − ē^k‖², b_i^k = n_i^k here
             weight, lam = p_class * share, self.cfg.lambda2
         else:  # the reference code's λ2·mean over class k's examples and dimensions of (g(x) − ē^k)²
@@ -279,7 +278,7 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         """v_i: the head's weight and bias."""
         head = self.ctx.model.head
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
-                           len(self.ctx.train))
+                           self.ctx.num_examples)
 
     def optimizer(self) -> torch.optim.Optimizer:
         """This round's optimiser: the same one throughout with ``keep_optimizer_state`` (the reference code's),

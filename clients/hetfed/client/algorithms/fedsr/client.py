@@ -115,7 +115,7 @@ class FedSRClient(ModelAveragingClient[FedSRConfig]):
         """The trained model's floating state, and r's parameters when shared."""
         tensors = {k: v.detach().cpu().numpy() for k, v in {**shared_state(self.ctx.model),
                                                              **self.reference_state()}.items()}
-        return ModelWeights(tensors, len(self.ctx.train))
+        return ModelWeights(tensors, self.ctx.num_examples)
 
     # ------------------------------------------------------------------------------------------ training
     def parameters(self) -> list[nn.Parameter]:

@@ -118,7 +118,7 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         self.load(received)
         result = fit([Objective(ctx.model, self.optimizer(), self.terms())],
                      epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
-        factors = encode_factors(ctx.model, self.config.mask_threshold, len(ctx.train), self.config.shared_factors)
+        factors = encode_factors(ctx.model, self.config.mask_threshold, ctx.num_examples, self.config.shared_factors)
         self.unsent = unsent_mask(ctx.model, self.config.mask_threshold)
         self.figures["mask_density"] = mask_density(factors)
         self.figures["trained_mask_density"] = trained_mask_density(ctx.model)
