@@ -113,7 +113,7 @@ def test_secure_mode_gets_no_noise_seed_from_the_runs_seed() -> None:
     """A local run fixes no noise seed under secure_mode, which refuses one: the clients draw fresh keys."""
     p = lr.plan(options("--seed", "7", "--set", "privacy.noise_multiplier=1.1", "--set", "privacy.secure_mode=true"))
     cfg = lr.client_config(p, "fedavg", 0, 1)["privacy"]
-    assert cfg == {"noise_multiplier": 1.1, "secure_mode": True, "noise_seed": -1}
+    assert cfg == {"noise_multiplier": 1.1, "secure_mode": True, "noise_seed": -1, "ephemeral_ledger": True}
 
 
 def test_without_privacy_nothing_changes(tmp_path: Path) -> None:

@@ -200,17 +200,20 @@ def test_released_metrics_are_noised_and_accounted_in_the_ledger(tmp_path: Path)
     finally:
         fed.stop()
 
-    q = BATCH / len(_train_examples(plan(opts)))
     metric_sigma = 30.0 / math.sqrt(3.0)
     ledger = _ledger(ledger_path)
-    assert sorted(ledger["releases"]) == [[q, 1.0, 2 * STEPS], [1.0, metric_sigma, 3]]
+    n_hat = ledger["released"]["examples"]  # q = B/N̂, from the released example count
+    q = BATCH / n_hat
+    assert n_hat != len(_train_examples(plan(opts)))
+    assert sorted(ledger["releases"]) == [[q, 1.0, 2 * STEPS], [1.0, metric_sigma, 3], [1.0, 20.0, 1]]
 
     def composed(steps: int, metric_releases: int) -> float:
         acc = rdp.RdpAccountant()
         acc.compose(dp_accounting.ComposedDpEvent([
             dp_accounting.SelfComposedDpEvent(
                 dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), steps),
-            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(metric_sigma), metric_releases)]))
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(metric_sigma), metric_releases),
+            dp_accounting.GaussianDpEvent(20.0)]))
         return float(acc.get_epsilon(DELTA))
 
     # Rounds 1 and 2 train (STEPS steps) and evaluate; round 3 is the final evaluation.
@@ -453,8 +456,9 @@ def test_fedcma_killed_between_its_ledger_write_and_its_setup_push_sends_the_sam
             kind = payload.WhichOneof("kind")
             if kind == "head_weights":
                 assert payload.head_weights.num_examples == n_hat
-            if kind == "eval_metrics":
-                assert payload.eval_metrics.num_train_examples == n_hat
+            if kind == "eval_metrics":  # figures of private data, the count among them, are withheld
+                assert "num_train_examples" in payload.eval_metrics.withheld
+                assert payload.eval_metrics.num_train_examples == 0
     # One release of N̂ and one of the class counts (σ_d = 10·σ), whatever the kill made it redo.
     releases = {(q, sigma): c for q, sigma, c in after["releases"]}
     assert releases[1.0, 20.0] == 1 and releases[1.0, 10.0 * SIGMA] == 1

@@ -1,6 +1,7 @@
 """Patient-level privacy end to end (docs/privacy.md#patient-level-privacy): a real aggregator and two real client
 processes whose npz data carry a group id per example train FedAvg under ``privacy.unit = "group"``; the ledger
-counts every step at the group sampling rate with δ = 1/G², and every upload declares that δ."""
+counts the group count's release and every step at the group sampling rate q = B/Ĝ (batch_size in groups) with
+δ = 1/Ĝ², and every upload declares that δ."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.conftest import wait_until
 
 pytestmark = pytest.mark.e2e
 
-N, G, BATCH, STEPS, ROUNDS, SIGMA = 120, 30, 12, 3, 2, 1.2
+N, G, BATCH, STEPS, ROUNDS, SIGMA = 120, 30, 3, 3, 2, 1.2
 
 
 def write_npz(path: Path, seed: int) -> None:
@@ -58,12 +59,14 @@ def test_fedavg_under_group_privacy_accounts_at_the_group_rate(tmp_path: Path) -
     finally:
         fed.stop()
     assert codes == {"org-0": 0, "org-1": 0}, status
-    q = BATCH / N  # groups sampled at the record rate B/N: B_g = qG = 3 patients per batch
-    want = epsilon_of([Release(q, SIGMA, STEPS * ROUNDS)], 1 / G**2)
     for i in range(2):
         ledger = json.loads((tmp_path / f"org-{i}-state" / "fedavg" / FILE_NAME).read_text())
-        assert ledger["identity"]["delta"] == 1 / G**2
-        assert ledger["releases"] == [[q, SIGMA, STEPS * ROUNDS]]
+        g_hat = ledger["released"]["groups"]  # the released group count; no example count is released
+        assert set(ledger["released"]) == {"groups"} and ledger["identity"]["unit"] == "group"
+        q = BATCH / g_hat  # 3 patients per batch in expectation
+        want = epsilon_of([Release(1.0, 20.0), Release(q, SIGMA, STEPS * ROUNDS)], 1 / g_hat**2)
+        assert ledger["identity"]["delta"] == 1 / g_hat**2
+        assert sorted(ledger["releases"]) == sorted([[1.0, 20.0, 1], [q, SIGMA, STEPS * ROUNDS]])
         assert ledger["epsilon"] == pytest.approx(want, rel=1e-12)
         org = next(o for o in status.organization_status if o.organization == f"org-{i}")
         assert org.privacy_epsilon == pytest.approx(want, rel=1e-12)
