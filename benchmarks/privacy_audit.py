@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import scipy.stats
@@ -65,6 +66,9 @@ BETA = 0.05  # 1 − the confidence of every bound
 DELTA = 1e-5
 CLIP = 1.0
 CLASSES, LATENT, REAL_FEATURES = 4, 4, 8
+# The guesses on each side, as a share of the canaries: fixed before any audit ran, from a simulation of the scores
+# a canary clipped to C (and to 2C) would get at the default q, steps and σ (the share that gave the highest bounds).
+GUESS_SHARE = 0.03
 # A canary's one feature: large enough that its gradient is several times C, so clipping scales it to C exactly.
 CANARY_INPUT = 100.0
 
@@ -137,29 +141,34 @@ class Plan:
     steps: int
     real: int = 1000  # real (non-canary) examples
     batch: int = 100  # expected batch: q = batch / training set size
-    guesses_per_side: int = 0  # k; 0: 2 % of the canaries
+    guesses_per_side: int = 0  # k; 0: GUESS_SHARE of the canaries
     broken: str = "none"
     seed: int = 0
 
     @property
     def k(self) -> int:
         """The guesses on each side."""
-        return self.guesses_per_side or max(1, self.canaries // 50)
+        return self.guesses_per_side or max(1, round(GUESS_SHARE * self.canaries))
 
 
 def audit_model(features: int, seed: int) -> SplitModel:
     """sigmoid(W x) into [0, 1]^d_e (bias-free, so a canary's gradient is its column of W alone) and a frozen head.
     The canaries' columns start at 0, so every canary has the same latent and the same gradient."""
     gen = torch.Generator().manual_seed(seed)
-    encoder = nn.Sequential(nn.Linear(features, LATENT, bias=False), nn.Sigmoid())
-    model = SplitModel(encoder, LATENT, CLASSES)
+    linear = nn.Linear(features, LATENT, bias=False)
+    model = SplitModel(nn.Sequential(linear, nn.Sigmoid()), LATENT, CLASSES)
     with torch.no_grad():
-        encoder[0].weight.copy_(torch.randn(LATENT, features, generator=gen) / math.sqrt(REAL_FEATURES))
-        encoder[0].weight[:, REAL_FEATURES:] = 0.0
+        linear.weight.copy_(torch.randn(LATENT, features, generator=gen) / math.sqrt(REAL_FEATURES))
+        linear.weight[:, REAL_FEATURES:] = 0.0
         model.head.weight.copy_(torch.randn(CLASSES, LATENT, generator=gen))
         model.head.bias.copy_(torch.randn(CLASSES, generator=gen) * 0.1)
     model.head.requires_grad_(False)
     return model
+
+
+def encoder_weight(model: SplitModel) -> torch.Tensor:
+    """W, the one privatised parameter of ``audit_model``."""
+    return cast(nn.Linear, model.encoder.get_submodule("0")).weight
 
 
 def audit_data(plan: Plan, included: np.ndarray) -> tuple[ClientData, np.ndarray]:
@@ -190,7 +199,8 @@ def sigma_for(plan: Plan, q: float) -> float:
 class Outcome:
     """What one audit measured."""
 
-    scores: np.ndarray
+    scores: np.ndarray  # the log-likelihood ratio, what the auditor guesses from
+    sums: np.ndarray  # the plain sum of the projections, in units of C
     included: np.ndarray
     sigma: float
     q: float
@@ -255,22 +265,29 @@ def run(plan: Plan) -> Outcome:
     sigma = sigma_for(plan, q)
     model = audit_model(REAL_FEATURES + plan.canaries, plan.seed)
     half = half_for(plan, model, data, sigma)
-    weight = model.encoder[0].weight
+    weight = encoder_weight(model)
     direction = canary_direction(model, half.terms, half.forward, int(columns[0]))
+    sums = torch.zeros(plan.canaries, dtype=torch.float64)
     scores = torch.zeros(plan.canaries, dtype=torch.float64)
+    log_out, log_q, var = math.log1p(-half.private.step.q), math.log(half.private.step.q), sigma**2
 
     def observe() -> None:
-        # The privatised sum (the step divides it by the expected batch), projected column by column.
+        # The privatised sum (the step divides it by the expected batch), projected on each canary's direction.
         assert weight.grad is not None
         released = weight.grad.detach().double()[:, columns] * half.private.step.expected_batch
-        scores.add_(direction @ released)
+        x = direction @ released / CLIP
+        sums.add_(x)
+        # The log-likelihood ratio of this step's projection between "in" (a Poisson-sampled shift of C) and
+        # "out": log(1 − q + q·exp((x − 1/2)/σ²)). Summed over the steps it is the optimal test of one canary
+        # when the steps are independent; the plain sum loses most of the power at small q.
+        scores.add_(torch.logaddexp(torch.full_like(x, log_out), log_q + (x - 0.5) / var))
 
     objective = Objective(model, half.optimizer, half.terms, half.forward, before_step=observe)
     with round_lr_factor(0.0):
         fit([objective], epoch_batches(half.private, half.ctx.config, half.ctx.rng(plan.seed)))
     spent = half.session.close_round(1).epsilon
     half.session.release()
-    return Outcome(scores.numpy(), included, sigma, q, spent, time.perf_counter() - start)
+    return Outcome(scores.numpy(), sums.numpy(), included, sigma, q, spent, time.perf_counter() - start)
 
 
 def neighbour_shift(plan: Plan) -> float:
@@ -280,12 +297,13 @@ def neighbour_shift(plan: Plan) -> float:
     and 1,000. DP-SGD's accounting assumes at most 1: one example moves the sum by at most C."""
     base = Plan(plan.objective, plan.epsilon, 1, 1, plan.real, plan.batch, broken=plan.broken, seed=plan.seed)
     data, columns = audit_data(base, np.zeros(1, dtype=bool))
-    model = audit_model(REAL_FEATURES + 1, plan.seed)
+    # In float64: a sum over 1,000 examples in float32 is off by about 1e-4 of C, enough to blur "at most C".
+    model = audit_model(REAL_FEATURES + 1, plan.seed).double()
     half = half_for(base, model, data, 1.0)
     step = half.private.step  # the same step at σ = 0: the clipped sum itself
     half.private.step = type(step)(0.0, step.clip_norm, step.q, step.expected_batch, step.generator, step.ledger,
                                    half.session.hooked)
-    weight = model.encoder[0].weight
+    weight = encoder_weight(model)
     sums: list[torch.Tensor] = []
 
     def observe() -> None:
@@ -293,10 +311,10 @@ def neighbour_shift(plan: Plan) -> float:
         sums.append(weight.grad.detach().double() * half.private.step.expected_batch)
 
     objective = Objective(model, half.optimizer, half.terms, half.forward, before_step=observe)
-    canary = torch.zeros(REAL_FEATURES + 1)
+    canary = torch.zeros(REAL_FEATURES + 1, dtype=torch.float64)
     canary[int(columns[0])] = 1.0
     worst = 0.0
-    for x0, size, scale in itertools.product((torch.as_tensor(data.train.x[0]), canary), (10, 100, 1000),
+    for x0, size, scale in itertools.product((torch.as_tensor(cast(ArrayDataset, data.train).x[0]).double(), canary), (10, 100, 1000),
                                              np.logspace(-3, 2, 26)):
         x = (x0 * float(scale)).expand(size, -1).contiguous()
         y = torch.zeros(size, dtype=torch.int64)
@@ -314,11 +332,11 @@ def canary_direction(model: SplitModel, terms: Sequence[LossTerm], forward: Call
     """The unit direction of a canary's gradient on its own column, computed apart from the step under audit: the
     objective's terms on a batch of that one canary (each term is a mean or a sum over the batch, equal on one
     example), by plain autograd; its norm must exceed C so that clipping scales it to C."""
-    features = model.encoder[0].weight.shape[1]
+    features = encoder_weight(model).shape[1]
     x = torch.zeros(1, features)
     x[0, column] = CANARY_INPUT
     batch = Batch(x, torch.zeros(1, dtype=torch.int64))
-    weight = model.encoder[0].weight
+    weight = encoder_weight(model)
     out = forward(model, batch)
     loss = sum((term(batch, out) for term in terms), torch.zeros(()))
     (grad,) = torch.autograd.grad(loss, [weight])
@@ -356,7 +374,7 @@ def audit(plan: Plan, shift: float) -> Row:
     out = run(plan)
     r, v = guesses(out.scores, out.included, plan.k)
     # The score's mean gap between canaries in and out, in units of C: q·T for a canary clipped to C.
-    separation = float(out.scores[out.included].mean() - out.scores[~out.included].mean()) / CLIP
+    separation = float(out.sums[out.included].mean() - out.sums[~out.included].mean())
     return Row(plan.objective, plan.broken, plan.epsilon, out.sigma, out.q, plan.steps, plan.canaries, r, v,
                epsilon_lower_bound(plan.canaries, r, v, DELTA), epsilon_lower_bound(plan.canaries, r, r, DELTA),
                separation, out.ledger_epsilon, shift, out.seconds)
@@ -381,18 +399,18 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--break", dest="broken", default="none,sensitivity2",
                         help="the steps to audit: none (hetfed's), sensitivity2 (each example clipped to 2C), or both; "
                              "the broken step runs on the first objective only")
-    parser.add_argument("--canaries", type=int, default=5000)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=350, help="expected batch (q = batch / training set size)")
+    parser.add_argument("--canaries", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=120, help="expected batch (q = batch / training set size)")
     parser.add_argument("--real", type=int, default=1000, help="real (non-canary) examples")
-    parser.add_argument("--guesses-per-side", type=int, default=0, help="k (default: 2%% of the canaries)")
+    parser.add_argument("--guesses-per-side", type=int, default=0, help="k (default: 3%% of the canaries)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     objectives = args.objectives.split(",")
     broken = args.broken.split(",")
-    k = args.guesses_per_side or max(1, args.canaries // 50)
+    k = args.guesses_per_side or max(1, round(GUESS_SHARE * args.canaries))
     started = time.perf_counter()
     shifts: dict[tuple[str, str], float] = {}
     rows = []
