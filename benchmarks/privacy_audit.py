@@ -104,6 +104,13 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = BETA
     return lo
 
 
+def reachable(m: int, delta: float, beta: float = BETA) -> tuple[float, int]:
+    """The highest bound ``m`` canaries can give, and the guesses it takes: every guess right, r from 100 up to
+    m (a grid of about three per decade; more guesses raise the binomial term's bound and the δ term's cost)."""
+    grid = sorted({min(m, int(g)) for g in np.logspace(2, math.log10(max(m, 100)), 13)} | {m})
+    return max((epsilon_lower_bound(m, r, r, delta, beta), r) for r in grid)
+
+
 def guesses(scores: np.ndarray, included: np.ndarray, k: int) -> tuple[int, int]:
     """(r, v): "in" for the ``k`` highest scores, "out" for the ``k`` lowest (ties broken by the canary's index),
     and how many of the 2k guesses are right."""
@@ -406,7 +413,15 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--guesses-per-side", type=int, default=0, help="k (default: 3%% of the canaries)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--reachable", default="",
+                        help="only print the highest bound these numbers of canaries can give (every guess right)")
     args = parser.parse_args(argv)
+    if args.reachable:
+        print("| canaries | highest ε lower bound | with guesses |\n|---|---|---|")
+        for m in (int(x) for x in args.reachable.split(",")):
+            bound, r = reachable(m, DELTA)
+            print(f"| {m} | {bound:.2f} | {r} |")
+        return []
     torch.set_num_threads(1)
     objectives = args.objectives.split(",")
     broken = args.broken.split(",")

@@ -41,6 +41,9 @@ def test_all_correct_without_delta_is_the_closed_form() -> None:
     for r in (10, 100, 600):
         p = 0.05 ** (1 / r)
         assert audit.epsilon_lower_bound(10_000, r, r, 0.0) == pytest.approx(math.log(p / (1 - p)), abs=1e-5)
+    # Without δ, the most m canaries can show is every one of them guessed right.
+    p = 0.05 ** (1 / 1000)
+    assert audit.reachable(1000, 0.0) == (pytest.approx(math.log(p / (1 - p)), abs=1e-5), 1000)
 
 
 def test_the_bound_is_the_largest_epsilon_at_level_beta() -> None:
