@@ -2,7 +2,8 @@
 
     python benchmarks/privacy_audit.py                                 # ε = 1, 4, 8: FedAvg, Fed-CMA, broken
     python benchmarks/privacy_audit.py --epsilons 8 --canaries 500     # a quick look
-    python benchmarks/privacy_audit.py --break sensitivity2 --objectives fedavg
+    python benchmarks/privacy_audit.py --break sensitivity2 --objectives fedavg   # the broken step alone
+    python benchmarks/privacy_audit.py --reachable 1000,10000,100000             # the highest bound m can give
 
 m canaries, each put in the training set or left out by a fair coin (a seeded draw); one run of the real training
 loop (``fit``) through the real client halves' objectives, the real Poisson sampling (``PrivateData``), Opacus'
@@ -10,14 +11,20 @@ hooks, hetfed's clipping and noise (``PrivateStep``) and its ledger. The auditor
 it sees every step's privatised gradient, which DP-SGD's guarantee covers (the sequence of noisy sums, by adaptive
 composition). Each canary is a "Dirac" canary: an input with one feature of its own (no other example has it),
 so its per-example gradient lives in one column of the encoder's weight that only it touches, clipped to C. Its
-score is the sum over the steps of the privatised sum's projection on that gradient's direction. The auditor
-guesses "in" for the k highest scores and "out" for the k lowest; from v correct of r = 2k guesses, the bound is
+score sums over the steps the log-likelihood ratio, "in" against "out", of the privatised sum's projection on that
+gradient's direction. The auditor guesses "in" for the k highest scores and "out" for the k lowest; from v correct of r = 2k guesses, the bound is
 the largest ε at which (ε, δ)-DP allows v or more correct guesses with probability at most β (the paper's
 Theorem with its δ term, Appendix D).
 
 The model is held where it starts (learning rate factor 0), so that every canary's gradient is the same known
 vector at every step: DP-SGD's guarantee holds whatever the parameters between two steps, holding them is one
-choice of them. The head is frozen, so the privatised parameters are the encoder's (bias-free) weight alone.
+choice of them. The head is frozen and the encoder has no bias, so the privatised parameter is the encoder's weight
+alone and a canary's gradient is its own column of it.
+
+A canary's contribution is clipped to C whatever the rest of the batch, so the canaries cannot see a step in which
+one example changes the others' contributions (Fed-CMA's alignment term scaled by the batch size). The neighbour
+probe (``neighbour_shift``) measures that directly: the clipped sum's largest move, at σ = 0, between a batch and
+the same batch less one example, in units of C.
 
 ``--break sensitivity2`` runs a ``PrivateStep`` that clips each example to 2C and adds the noise of σ·C, while the
 ledger still accounts noise multiplier σ: every example moves the sum by up to twice what is accounted.
@@ -147,7 +154,7 @@ class Plan:
     canaries: int
     steps: int
     real: int = 1000  # real (non-canary) examples
-    batch: int = 100  # expected batch: q = batch / training set size
+    batch: int = 120  # expected batch: q = batch / training set size
     guesses_per_side: int = 0  # k; 0: GUESS_SHARE of the canaries
     broken: str = "none"
     seed: int = 0
@@ -245,6 +252,8 @@ def half_for(plan: Plan, model: SplitModel, data: ClientData, sigma: float) -> H
         config = FedCMAConfig(latent_dim=LATENT, num_classes=CLASSES, local_steps=plan.steps, batch_size=plan.batch)
         ctx = ClientContext("org", model, data, cpu, config, seed=plan.seed, privacy=session)
         cma = FedCMAClient(ctx)
+        # The server's class means, taken as a round's download takes them (the half's own ``_receive``), so that
+        # the private alignment term is active.
         means = np.random.default_rng([plan.seed, 2]).uniform(0.2, 0.8, size=(CLASSES, LATENT)).astype(np.float32)
         totals = np.bincount(data.train.y, minlength=CLASSES).astype(np.int64)
         cma._receive(Received([ClassMeanEmbeddings(np.arange(CLASSES), means, totals, np.ones(CLASSES, bool))]))
