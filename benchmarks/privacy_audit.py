@@ -131,12 +131,13 @@ class DoubledStep(PrivateStep):
     """A deliberately wrong DP-SGD step: each example clipped to 2C, noise σ·C (as ``PrivateStep`` with C' = 2C and
     σ' = σ/2), while the ledger accounts σ: twice the sensitivity the accounting assumes."""
 
-    def backward(self, model: nn.Module, params: Sequence[nn.Parameter], loss: torch.Tensor, size: int) -> None:
+    def backward(self, model: nn.Module, params: Sequence[nn.Parameter], loss: torch.Tensor, size: int,
+                 groups: torch.Tensor | None = None) -> None:
         """``PrivateStep.backward`` at 2C and σ/2, then the step's own C and σ back for the ledger."""
         sigma, clip = self.sigma, self.clip_norm
         self.sigma, self.clip_norm = sigma / 2, clip * 2
         try:
-            super().backward(model, params, loss, size)
+            super().backward(model, params, loss, size, groups)
         finally:
             self.sigma, self.clip_norm = sigma, clip
 
@@ -204,6 +205,11 @@ def audit_data(plan: Plan, included: np.ndarray) -> tuple[ClientData, np.ndarray
     return ClientData(train, test, None, CLASSES, (features,), "audit"), REAL_FEATURES + np.arange(plan.canaries)
 
 
+def declared_size(plan: Plan) -> int:
+    """The training set size the audited organization declares: its real examples and half its canaries."""
+    return plan.real + plan.canaries // 2
+
+
 def sigma_for(plan: Plan, q: float) -> float:
     """hetfed's own σ for the planned steps at q, ε and δ (the RDP accountant, as a client solves it)."""
     return solve_noise_multiplier([Release(q, 1.0, plan.steps)], plan.epsilon, DELTA)
@@ -238,8 +244,13 @@ def half_for(plan: Plan, model: SplitModel, data: ClientData, sigma: float) -> H
     """The objective of FedAvg's or Fed-CMA's client half (the latter with the server's class means received, so
     its private alignment term is active), over ``data`` read through DP-SGD at noise multiplier ``sigma``."""
     n = len(data.train.y)
-    cfg = PrivacyConfig(noise_multiplier=sigma, clip_norm=CLIP, delta=DELTA, noise_seed=plan.seed)
+    cfg = PrivacyConfig(noise_multiplier=sigma, clip_norm=CLIP, delta=DELTA, noise_seed=plan.seed,
+                        ephemeral_ledger=True)
     session = PrivacySession(cfg, "audit", "org", None, n, torch.device("cpu"))
+    # The count the organization declares, held as a restarted client holds its released N̂: the expected size
+    # (the real examples and half the canaries), so q = B/N̂ does not depend on which canaries the coin put in.
+    session.ledger.released["examples"] = declared_size(plan)
+    session.release_examples()
     session.set_batch_size(plan.batch)
     cpu = torch.device("cpu")
     if plan.objective == "fedavg":
@@ -277,7 +288,7 @@ def run(plan: Plan) -> Outcome:
     torch.manual_seed(plan.seed)
     included = np.random.default_rng([plan.seed, 0]).random(plan.canaries) < 0.5
     data, columns = audit_data(plan, included)
-    q = min(1.0, plan.batch / len(data.train.y))
+    q = min(1.0, plan.batch / declared_size(plan))
     sigma = sigma_for(plan, q)
     model = audit_model(REAL_FEATURES + plan.canaries, plan.seed)
     half = half_for(plan, model, data, sigma)
