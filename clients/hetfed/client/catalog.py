@@ -24,6 +24,7 @@ from hetfed.client.data.core import DatasetUnavailableError
 from hetfed.client.data.partitions import TEST_SPLITS
 from hetfed.client.data.registry import DATASETS, DEFAULT_DATASET, FACTORY_DATASET, PARTITIONS, resolve
 from hetfed.client.model_registry import MODELS, input_mismatch, is_reference, models_for
+from hetfed.client.own_record import OWN_FIGURES, entry_at, read_own_record
 from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.wire.config import ConfigError
 
@@ -33,11 +34,11 @@ if TYPE_CHECKING:
 # The client config file's dataclasses, loaded when first asked for (``catalog.ClientConfig``).
 _CLIENT_CONFIG = ("ClientConfig", "ModelConfig", "RetryConfig")
 
-__all__ = ["CARD_FILE", "CARD_FORMAT", "DATASETS", "DEFAULT_DATASET", "FACTORY_DATASET", "MODELS", "PARTITIONS",
-           "TEST_SPLITS", "ClientConfig", "DataConfig", "ModelConfig", "OwnData", "PrivacyConfig", "RetryConfig",
+__all__ = ["CARD_FILE", "CARD_FORMAT", "DATASETS", "DEFAULT_DATASET", "FACTORY_DATASET", "MODELS", "OWN_FIGURES",
+           "PARTITIONS", "TEST_SPLITS", "ClientConfig", "DataConfig", "ModelConfig", "OwnData", "PrivacyConfig", "RetryConfig",
            "check_client_file", "check_dataset_available", "check_models", "check_own_data", "diagnostic",
-           "draw_picture", "file_sha256", "input_mismatch", "is_reference", "model_bytes", "models_for",
-           "seed_set_summary"]
+           "draw_picture", "entry_at", "file_sha256", "input_mismatch", "is_reference", "model_bytes", "models_for",
+           "read_own_record", "seed_set_summary"]
 
 
 def __getattr__(name: str) -> Any:

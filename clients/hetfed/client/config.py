@@ -79,7 +79,9 @@ class ClientConfig:
     tls: TlsConfig | None = None
     retry: RetryConfig = field(default_factory=RetryConfig)
     # Where this client writes local artifacts for its operator (model snapshots, probe latents;
-    # hetfed.client.artifacts). Nothing written here is ever sent. None: write nothing.
+    # hetfed.client.artifacts). Under [privacy] also own-figures.json: the organization's own exact figures per
+    # round, which its uploads withhold (hetfed.client.own_record). Nothing written here is ever sent. None:
+    # write nothing.
     output_dir: str | None = None
     # Where this client keeps its private state across restarts (private encoders and heads, personal
     # models, optimizer state, the round it last finished), written atomically after each round and

@@ -385,6 +385,11 @@ class ClientRuntime:
         labels = (cfg.run, joined.algorithm, cfg.organization)
         store = self._resume(half, joined.algorithm, int(joined.seed), int(joined.current_round))
         completed = self.resumed_round
+        own = None  # under [privacy], the organization's own exact figures (docs/configuration.md: output_dir)
+        if privacy is not None and cfg.output_dir:
+            from hetfed.client.own_record import OwnRecord
+
+            own = OwnRecord(cfg.output_dir, cfg.organization, cfg.run, resumed_round=completed)
         final: tuple[int, EvalMetrics] | None = None  # the evaluate round's figures, when this process reported them
         while True:
             ins = self.client.pull(completed, cfg.pull_wait_seconds, spec)
@@ -439,6 +444,8 @@ class ClientRuntime:
                 write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
                                half.ctx.source(data.probe_set()[1]))
             completed = round_
+            if own is not None and exact:  # the true count: the upload declared the released one
+                own.record(round_, exact, len(data.train))
             for p in exact:  # the organization's own record, its gauges and its card hold the exact figures
                 if privacy is not None:  # logged here for the operator; the upload carried them gated
                     log.info("%s: round %d (exact, not sent): train_loss=%.6g test_accuracy=%.6g test_loss=%.6g",
