@@ -694,6 +694,55 @@ def _numbers(text: str) -> set[float]:
     return {float(t) for t in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)}
 
 
+def _run_cli(out: Path, *args: str) -> dict[str, Any]:
+    """``hetfed run`` of FedAvg on two small synthetic organizations into ``out``; its one run's results."""
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--clients", "2",
+                           "--dataset", "synthetic", "--data", "synthetic_samples=200", "--local-epochs", "1",
+                           "--no-report", "--output", str(out), *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    return dict(run)
+
+
+def test_hetfed_run_reads_the_organizations_own_records_which_the_aggregator_never_saw(tmp_path: Path) -> None:
+    from hetfed.client.catalog import OWN_FIGURES
+    from hetfed.client.data import DataConfig, load_client_data
+
+    out = tmp_path / "out"
+    run = _run_cli(out, "--rounds", "1", "--set", "privacy.noise_multiplier=2")
+    assert run["final_test_accuracy"] == "withheld"
+    records = {org: json.loads((out / "artifacts" / "fedavg" / org / OWN_FIGURES).read_text())
+               for org in ("org-0", "org-1")}
+    final = {org: r["rounds"][-1] for org, r in records.items()}
+    assert all(e["round"] == 2 for e in final.values())  # one training round, then the evaluate round
+    n = sum(e["num_test_examples"] for e in final.values())
+    assert n > 0 and run["own_final_test_accuracy"] == sum(
+        e["test_accuracy"] * e["num_test_examples"] for e in final.values()) / n
+    assert 0 <= run["own_final_test_accuracy"] <= 1 and run["own_final"] == final
+    for org, record in records.items():
+        assert (record["organization"], record["run"], [e["round"] for e in record["rounds"]]) == (org, "fedavg", [1, 2])
+        cfg = json.loads((out / f"client-fedavg-{org}.json").read_text())
+        train = load_client_data(DataConfig(**cfg["data"])).train
+        assert {e["num_train_examples"] for e in record["rounds"]} == {len(train)}  # the true count, not N̂
+    # The record holds what the organizations logged as exact; none of it reached the aggregator's state.
+    exact = [v for r in records.values() for e in r["rounds"] for v in (e["train_loss"], e["test_accuracy"],
+                                                                         e["test_loss"]) if v != round(v)]
+    assert len(exact) >= 2 * 3  # per organization its three losses at least (the evaluate round trains none)
+    logged = _exact_figures(out)
+    assert logged and all(any(math.isclose(v, x, rel_tol=5e-6) for x in exact) for v in logged)
+    state = [f.read_bytes() for f in (out / "state").rglob("*") if f.is_file()]
+    assert state and not [v for v in exact if any(repr(v).encode() in b for b in state)]
+    shown = {x for b in state for x in _numbers(b.decode("utf-8", "replace"))}
+    assert not [v for v in exact if any(math.isclose(v, x, rel_tol=5e-6) for x in shown)]
+
+
+def test_hetfed_run_without_privacy_writes_no_own_record(tmp_path: Path) -> None:
+    run = _run_cli(tmp_path / "out", "--rounds", "1")
+    assert isinstance(run["final_test_accuracy"], float) and "own_final" not in run
+    assert run["own_final_test_accuracy"] == run["final_test_accuracy"]
+    assert list((tmp_path / "out").rglob("own-figures.json")) == []
+
+
 def test_hetfed_run_in_a_temporary_directory_declares_its_ledgers_ephemeral_in_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--rounds", "1",
                            "--set", "privacy.epsilon_budget=3", "--clients", "1", "--dataset", "synthetic",

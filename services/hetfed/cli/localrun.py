@@ -49,15 +49,18 @@ from hetfed.client.catalog import (
     DATASETS,
     DEFAULT_DATASET,
     MODELS,
+    OWN_FIGURES,
     PARTITIONS,
     ClientConfig,
     DataConfig,
     ModelConfig,
     PrivacyConfig,
     RetryConfig,
+    entry_at,
     input_mismatch,
     is_reference,
     models_for,
+    read_own_record,
 )
 from hetfed.wire.config import ConfigError, from_mapping, to_mapping, to_sparse_mapping
 from hetfed.wire.messages import RunStatus
@@ -678,6 +681,35 @@ def summarize_run(status: RunStatus, left: Sequence[str] = ()) -> dict[str, Any]
     }
 
 
+# An organization under [privacy] without an own record (its client had no output_dir): no own figures.
+NO_OWN_RECORD = "no own record"
+
+
+def own_final(summary: Mapping[str, Any], clients: Sequence[ClientConfig], workdir: Path) -> dict[str, Any]:
+    """What a run's summary gains from the organizations' own records: ``own_final_test_accuracy``, the final
+    test accuracy weighted by test examples, and under [privacy] ``own_final``, each organization's own final
+    figures. A local run owns every organization, so it reads their records on this machine; the aggregator saw
+    those figures withheld. Without [privacy] the uploads carried the exact figures: ``final_test_accuracy``."""
+    if not any(c.privacy.enabled for c in clients):
+        return {"own_final_test_accuracy": summary.get("final_test_accuracy")}
+    reported = [r for r in summary.get("rounds", []) if r["per_organization"]]
+    if not reported:
+        return {"own_final_test_accuracy": None, "own_final": {}}
+    final = reported[-1]
+    dirs = {c.organization: c.output_dir for c in clients}
+    figures: dict[str, Any] = {}
+    for org in sorted(final["per_organization"]):
+        # Clients run with the work directory as their current directory: a relative output_dir is under it.
+        folder = dirs.get(org)
+        record = read_own_record(workdir / folder / OWN_FIGURES) if folder else None
+        entry = entry_at(record, final["round"]) if record is not None else None
+        figures[org] = NO_OWN_RECORD if entry is None else entry
+    entries = [e for e in figures.values() if e != NO_OWN_RECORD]
+    n = sum(e["num_test_examples"] for e in entries)
+    mean = sum(e["test_accuracy"] * e["num_test_examples"] for e in entries) / n if n else None
+    return {"own_final_test_accuracy": None if len(entries) < len(figures) else mean, "own_final": figures}
+
+
 def _pct(v: float | str | None) -> str:
     if v == WITHHELD:
         return WITHHELD
@@ -846,6 +878,8 @@ def federate(opts: LocalRunOptions | LocalPlan, workdir: Path,
         results = []
         for s in status:
             summary = summarize_run(s, left.get(s.run_id, []))
+            clients = next((r.clients for r in p.runs if r.run_id == s.run_id), ())
+            summary.update(own_final(summary, clients, workdir))
             summary["wall_seconds"] = wall
             results.append(summary)
         return results
