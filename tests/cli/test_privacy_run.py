@@ -341,7 +341,7 @@ def test_the_page_shows_the_epsilon_spent_beside_accuracy_and_bytes() -> None:
                             "load": [0.0, 0.0], "rows": rows, "bytes_references": {}})
     assert "| FedAvg | `fedavg` | lenet | 8 | local_steps = 20, batch_size = 64, lr = 0.01, momentum = 0.9, " \
            'privacy = {"clip_norm": 1.0}, under DP = {"lr": 0.1} |' in text
-    assert "| method | own-test acc | ε spent (largest) | bytes / round |" in text
+    assert "| method | own-test acc (each organization's own record) | ε spent (largest) | bytes / round |" in text
     no_dp, dp = text.split("### epsilon = 0", 1)[1].split("### epsilon = 3", 1)
     assert "| FedAvg | 71.00 ± 1.41 | - | 3,280,968 ± 0 |" in no_dp
     assert "| FedAvg | 62.00 ± 2.83 | 2.98 ± 0.014 | 3,280,968 ± 0 |" in dp

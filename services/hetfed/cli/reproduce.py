@@ -81,7 +81,8 @@ class Axis:
 class GridFigure:
     """A figure every federation reports.
 
-    ``source``: a key of the run's summary (``final_test_accuracy``), ``figure:<key>`` (the algorithm's
+    ``source``: a key of the run's summary (``final_test_accuracy``; ``own_final_test_accuracy``, from the
+    organizations' own records, which stays a number under differential privacy), ``figure:<key>`` (the algorithm's
     declared figure), ``mean:<key>`` (mean over organizations of a per-organization figure of the final
     report), ``pooled:<key>`` (the same, weighted by each organization's test examples), ``bytes_per_round``
     (up + down per training round after the first), ``epsilon`` (the ε spent by the end of the run, the largest
@@ -249,6 +250,9 @@ def federation_options(grid: Grid, method: Method, cell: Mapping[str, Any], seed
         privacy = {**privacy, "epsilon_budget": cell[EPSILON_AXIS]} if cell[EPSILON_AXIS] else {}
     if privacy:
         config.update(method.private_config)
+        # Each organization then keeps its own exact figures in its artifacts (own_final_test_accuracy): its
+        # uploads withhold them.
+        artifacts = True
     return LocalRunOptions(
         algorithms=(method.algorithm,), seed=seed, rounds=rounds or method.rounds or grid.rounds,
         models=method.models, latent_dim=method.latent_dim, artifacts=artifacts, quiet=True, timeout=4 * 3600,
