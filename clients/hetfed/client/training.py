@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetfed.client.data.core import ArrayDataset, Examples, StreamedDataset
+from hetfed.client.errors import PrivacyError
 from hetfed.wire.specs import TrainConfig
 
 if TYPE_CHECKING:
@@ -370,14 +371,10 @@ def _per_example_values(terms: Sequence[LossTerm], batch: Batch, out: Forward, s
         values_of = getattr(term, "per_example", None)
         name = getattr(term, "__qualname__", None) or type(term).__name__
         if values_of is None:
-            from hetfed.client.privacy.mechanisms import PrivacyError
-
             raise PrivacyError(f"loss term {name!r} has no per-example form, so DP-SGD cannot bound one example's "
                                "influence on it: mark it data_free or give it a per-example form (PerExample)")
         values = values_of(batch, out)
         if tuple(values.shape) != (size,):
-            from hetfed.client.privacy.mechanisms import PrivacyError
-
             raise PrivacyError(f"loss term {name!r} gave per-example values of shape {tuple(values.shape)} on a batch "
                                f"of {size}; its per-example form must give one value per example")
         total = values if total is None else total + values

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetfed.client.errors import PrivacyError
 from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.client.privacy.ledger import Ledger
 
@@ -51,10 +52,6 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 # Relative tolerance of the check that Opacus' per-example gradients add up to the step's gradient.
 _DECOMPOSITION_RTOL = 1e-3
-
-
-class PrivacyError(ValueError):
-    """The mechanism cannot serve this model or algorithm (said in one line, before the organization joins)."""
 
 
 # ------------------------------------------------------------------------------------------------ secure mode

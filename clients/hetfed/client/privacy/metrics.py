@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetfed.client.privacy.ledger import Release
+from hetfed.client.privacy.mechanisms import NoiseSource, gaussian
 from hetfed.client.training import DataSource, eval_mode, log_softmax_of
 from hetfed.wire.payloads import EvalMetrics
 
@@ -86,11 +87,11 @@ class ReleasedSet:
 
 
 def release_set(sums: SetSums, noise_multiplier: float, loss_bound: float,
-                generator: torch.Generator) -> ReleasedSet:
+                generator: NoiseSource) -> ReleasedSet:
     """The Gaussian release of one set: N(0, σ_m²) on the correct count and on the count, N(0, σ_m²B²) on the
     clipped loss sum (one draw of three standard normals from ``generator``, in that order). Dividing by the
     noisy count (at least 1), clipping into the valid range and rounding the count are post-processing."""
-    z = torch.randn(3, generator=generator, dtype=torch.float64, device=generator.device).cpu().tolist()
+    z = gaussian(generator, 1.0, (3,), torch.float64).cpu().tolist()
     correct = sums.correct + noise_multiplier * z[0]
     loss = sums.clipped_loss + noise_multiplier * loss_bound * z[1]
     count = sums.count + noise_multiplier * z[2]
