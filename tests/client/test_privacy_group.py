@@ -280,6 +280,14 @@ def test_group_privacy_refuses_per_record_direct_releases() -> None:
     assert s.plan("dp-sgd", [], [Release(s.q, 1.0, 10)], 5) == 1.0
 
 
+def test_released_metrics_are_refused_under_group_privacy() -> None:
+    """A metric release bounds one held-out record, not a patient's many: refused in one line."""
+    with pytest.raises(ConfigError, match=r"^release_metrics releases figures per record, and under unit = \"group\"") as err:
+        PrivacyConfig(noise_multiplier=1.0, unit="group", release_metrics=True)
+    assert "\n" not in str(err.value)
+    assert PrivacyConfig(noise_multiplier=1.0, unit="record", release_metrics=True).release_metrics
+
+
 def test_max_examples_per_group_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"max_examples_per_group must be >= 1, got 0"):
         PrivacyConfig(noise_multiplier=1.0, unit="group", max_examples_per_group=0)

@@ -99,6 +99,11 @@ class PrivacyConfig:
               "leave noise_seed at -1")
         check(self.max_examples_per_group >= 1,
               f"max_examples_per_group must be >= 1, got {self.max_examples_per_group}")
+        # A metric release bounds one held-out example (sensitivity √3 per record); one patient may hold any number
+        # of held-out records, so under unit = "group" the figures stay withheld instead.
+        check(not (self.release_metrics and self.unit == "group"),
+              "release_metrics releases figures per record, and under unit = \"group\" one group may hold many "
+              "held-out records: leave release_metrics off (the figures stay withheld) or use unit = \"record\"")
 
     @property
     def enabled(self) -> bool:
