@@ -179,7 +179,10 @@ def test_every_panel_query_parses_and_returns_series(scraped: Scraped, tmp_path:
     unprotected = _by(scraped.prom.query("max by (run) (hetfed_privacy_unprotected_organizations)", at=scraped.last),
                       "run")
     assert unprotected == {(run,): CLIENTS for run in scraped.results}
-    empty = [(n, t, e) for n, t, e in empty if "hetfed_privacy_epsilon" not in e]
+    # Nor does any organization withhold a figure (one computed from private data, under DP), so the withheld-figures
+    # panel has no series either: checked here as absent, never as 0.
+    assert scraped.prom.query("hetfed_reported_withheld", at=scraped.last) == []
+    empty = [(n, t, e) for n, t, e in empty if "hetfed_privacy_epsilon" not in e and "hetfed_reported_withheld" not in e]
     assert empty == [], "queries without a series"
 
 
