@@ -74,3 +74,29 @@ def test_an_unknown_benchmark_is_one_line() -> None:
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "unknown benchmark 'nope'; available: ditto, ditto_draws, ditto_paper, fedcma, fedcma_fedgen, fedcma_hetero, fedh2l" in proc.stderr
+
+
+def test_bare_hetfed_prints_the_help_and_starts_nothing(tmp_path: Path) -> None:
+    """No subcommand: the top-level usage on stdout, exit 0, and no federation (it would take minutes)."""
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: hetfed ")
+    assert "{aggregator,client," in proc.stdout and "hetfed run" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    ("file", "exists and is not a directory"),
+    ("under_file", "cannot create the directory: {file} is a file"),
+], ids=["a-file", "under-a-file"])
+def test_a_bad_output_path_is_one_line(tmp_path: Path, make: str, message: str) -> None:
+    """--output naming a file, or a directory that cannot be made under one: one line, exit 2, nothing started."""
+    file = tmp_path / "results.txt"
+    file.write_text("kept\n")
+    out = file if make == "file" else file / "sub"
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--output", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"hetfed run: error: --output {out}: {message.format(file=file)}"]
+    assert file.read_text() == "kept\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]

@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *argv])
+        # A bare `hetfed` shows what it can do; starting a federation unasked takes minutes to interrupt.
+        parser.print_help()
+        return 0
     _setup_logging(args.verbose)
     if args.command in ("run", "bench"):
         signal.signal(signal.SIGTERM, _stop_federations_and_exit)

@@ -896,14 +896,30 @@ def _make_certs(clients: int, workdir: Path) -> FederationCerts:
     return make_federation_certs((workdir / "certs").resolve(), [*orgs, OPERATOR_ORGANIZATION], force=True)
 
 
+def output_dir(path: str) -> Path:
+    """``--output PATH`` as an absolute, writable directory (made when missing); ConfigError in one line when it
+    cannot be, so a mistake surfaces before any process starts rather than as a traceback."""
+    # Absolute: the processes it starts run inside it and are handed paths in it.
+    workdir = Path(path).resolve()
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--output {path}: exists and is not a directory")
+    blocker = next((a for a in workdir.parents if a.exists()), None)
+    if not workdir.exists() and blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"--output {path}: cannot create the directory: {blocker} is a file")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output {path}: cannot create the directory: {exc.strerror or exc}") from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {path}: the directory is not writable")
+    return workdir
+
+
 def run_local(opts: LocalRunOptions) -> int:
     """The ``hetfed run`` command: validate, federate, print the table, write results.json when asked."""
     p = plan(opts)  # every user error surfaces here, before any process starts
     if opts.output:
-        # Absolute: the processes it starts run inside it and are handed paths in it.
-        workdir = Path(opts.output).resolve()
-        workdir.mkdir(parents=True, exist_ok=True)
-        return _run_in(p, workdir)
+        return _run_in(p, output_dir(opts.output))
     with tempfile.TemporaryDirectory(prefix="hetfed-run-") as tmp:
         return _run_in(p, Path(tmp))
 
