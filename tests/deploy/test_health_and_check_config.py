@@ -231,3 +231,23 @@ def test_the_shared_health_page_falls_back_to_the_temp_directory(monkeypatch: py
     finally:
         page.close(unlink=True)
     assert not page.path.exists()
+
+
+def test_health_status_shows_a_finished_run_at_its_last_round(
+    aggregator: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished 3-round run reports round 4 (its final evaluation) on the wire: shown as round 3 of 3, finished."""
+    from hetfed.wire import rpc
+    from hetfed.wire.messages import RunStatus
+    from hetfed.wire.phases import Phase
+
+    agg = aggregator(run_config(id="demo"))
+    runs = [RunStatus("demo", "fedavg", Phase.FINISHED, 4, 3, ("a", "b")),
+            RunStatus("next", "fedavg", Phase.EVALUATE, 4, 3, ("a", "b"))]
+    monkeypatch.setattr(rpc, "status_of", lambda *a, **k: runs)
+    assert hetfed_main(["health", f"127.0.0.1:{agg.port}", "--status"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"127.0.0.1:{agg.port} hetfed.v1.Aggregator: SERVING",
+        "run demo (fedavg): round 3 of 3, finished, 2 organizations",
+        "run next (fedavg): evaluate, round 3 of 3, 2 organizations",
+    ]

@@ -257,3 +257,14 @@ def test_status_shows_the_epsilon_each_organization_declared() -> None:
                         OrganizationStatus("b", True, 1, 10, 10)))
     rows = build_rows([], [run])
     assert [(r.organization, r.epsilon) for r in rows] == [("(aggregator)", "-"), ("a", "1.23"), ("b", "-")]
+
+
+def test_status_shows_a_finished_run_at_its_last_round() -> None:
+    """The run line under the table: a finished 3-round run (round 4 on the wire) reads round 3 of 3, finished."""
+    from hetfed.cli.k8s_status import format_table
+    from hetfed.wire.messages import RunStatus
+    from hetfed.wire.phases import Phase
+
+    run = RunStatus(run_id="demo", algorithm="fedavg", phase=Phase.FINISHED, round=4, total_rounds=3,
+                    organizations=("a", "b"))
+    assert format_table([], [run]).splitlines()[-1] == "run demo (fedavg): round 3 of 3, finished"

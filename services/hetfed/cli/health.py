@@ -12,9 +12,19 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hetfed.wire.messages import RunStatus
     from hetfed.wire.transport import TlsConfig
 
 SERVICE_NAME = "hetfed.v1.Aggregator"
+
+
+def progress(run: RunStatus) -> str:
+    """Where a run stands, for a person: ``train, round 2 of 3``; ``round 3 of 3, finished`` once it ended."""
+    # The final evaluation counts as round R + 1 on the wire; a person reads the R-th of R as the last one.
+    shown = min(run.round, run.total_rounds)
+    if run.finished:
+        return f"round {shown} of {run.total_rounds}, finished"
+    return f"{run.phase.value}, round {shown} of {run.total_rounds}"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -81,6 +91,5 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{args.address}: Status failed: {err}", file=sys.stderr)
                 return 1
             for run in runs:
-                print(f"run {run.run_id} ({run.algorithm}): {run.phase.value}, round {run.round} of "
-                      f"{run.total_rounds}, {len(run.organizations)} organizations")
+                print(f"run {run.run_id} ({run.algorithm}): {progress(run)}, {len(run.organizations)} organizations")
     return 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetfed.cli.health import add_tls_arguments, tls_from_args
+from hetfed.cli.health import add_tls_arguments, progress, tls_from_args
 
 if TYPE_CHECKING:  # the gRPC layer loads when the command runs, not when `hetfed` builds its parser
     from hetfed.wire.messages import RunStatus
@@ -359,8 +359,7 @@ def format_table(rows: Sequence[Row], status: list[RunStatus] | None) -> str:
             if run.refused_reason:
                 lines.append(f"run {run.run_id} ({run.algorithm}): REFUSED: {run.refused_reason}")
                 continue
-            lines.append(f"run {run.run_id} ({run.algorithm}): {run.phase.value}, round {run.round} of "
-                         f"{run.total_rounds}")
+            lines.append(f"run {run.run_id} ({run.algorithm}): {progress(run)}")
             for r in run.refused:
                 lines.append(f"  organization {r.organization} refused for good ({r.reason}): {r.message}")
     return "\n".join(lines)
