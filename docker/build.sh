@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the hetfed images with buildah, without a Docker engine and without pulling from a registry:
 #   1. a local Debian base (debootstrap --variant=minbase with python3) imported as localhost/hetfed-base;
-#   2. a local torch base on it (CPU torch here; on a GPU cluster use a CUDA PyTorch image as BASE instead);
+#   2. a local torch base on it (CPU torch), unless HETFED_TORCH_BASE names one (a CUDA PyTorch image for GPUs);
 #   3. localhost/hetfed-aggregator:<version> from docker/aggregator.Dockerfile (no torch);
 #   4. localhost/hetfed-client:<version> from docker/client.Dockerfile on the torch base;
 #   5. with `example` only: localhost/hetfed-client-example:<version>, an organization's own image from
@@ -11,6 +11,9 @@
 #   HETFED_IMAGE_STORE  container storage directory (default build/images; vfs driver, no daemon)
 #   HETFED_SUITE        Debian suite of the base (default bookworm: python 3.11)
 #   HETFED_TORCH        pip requirement of the torch base (default torch==2.13.0)
+#   HETFED_TORCH_BASE   an image that already holds torch, used as the client's BASE instead of the local CPU
+#                       base (pulled by buildah). For GPU nodes: a CUDA PyTorch image, for example
+#                       HETFED_TORCH_BASE=docker.io/pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime docker/build.sh client
 #   PIP_FIND_LINKS      a local wheel directory, mounted into the torch base build when it exists
 #   HETFED_BUILD_CA     a CA bundle pip must trust inside the builds (a TLS-inspecting proxy); default
 #                       $PIP_CERT or $SSL_CERT_FILE when set. It is mounted for the build only, never kept.
@@ -25,7 +28,7 @@ suite=${HETFED_SUITE:-bookworm}
 torch=${HETFED_TORCH:-torch==2.13.0}
 version=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 base=localhost/hetfed-base:$suite
-torch_base=localhost/hetfed-torch-base:$suite
+torch_base=${HETFED_TORCH_BASE:-localhost/hetfed-torch-base:$suite}
 storage=(--root "$store/root" --runroot "$store/run" --storage-driver vfs)
 ca=${HETFED_BUILD_CA:-${PIP_CERT:-${SSL_CERT_FILE:-}}}
 ca_mount=()
@@ -54,7 +57,8 @@ mkdir -p "$store"
 
 has_image() { buildah "${storage[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 
-if ! has_image "$base"; then
+# The local Debian base carries the aggregator and the default torch base; a given torch base needs none.
+if [[ $what == all || $what == aggregator || -z ${HETFED_TORCH_BASE:-} ]] && ! has_image "$base"; then
   step "debootstrap $suite into a minimal root filesystem"
   rootfs=$(mktemp -d "$store/rootfs.XXXXXX")
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$suite" "$rootfs" >/dev/null
@@ -73,7 +77,8 @@ fi
 
 client=localhost/hetfed-client:$version
 if [[ $what == all || $what == client ]] || { [[ $what == example ]] && ! has_image "$client"; }; then
-  if ! has_image "$torch_base"; then
+  # A given base is the user's image: buildah pulls it if needed; only the default one is made here.
+  if [[ -z ${HETFED_TORCH_BASE:-} ]] && ! has_image "$torch_base"; then
     step "making $torch_base ($torch)"
     ctr=$(buildah "${storage[@]}" from "$base")
     mounts=("${ca_mount[@]}")
