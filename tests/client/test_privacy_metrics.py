@@ -177,6 +177,15 @@ def test_a_release_past_the_budget_is_withheld_instead(tmp_path: Path) -> None:
     assert s.released == {} and s.ledger.pending == []
 
 
+def test_a_release_past_the_target_alone_is_withheld_too(tmp_path: Path) -> None:
+    """With only target_epsilon, the target is the budget (as for the training rounds): a metric release whose
+    noise would take ε past it (σ_m = 0.01σ) is withheld, not sent."""
+    s = _session(tmp_path, target_epsilon=1.0, release_metrics=True, metrics_noise_multiple=0.01)
+    s.plan("dp-sgd", [], [Release(0.05, 1.0, 20)], 1)
+    s.release_evaluation({"test": SetSums(150, 90.0, 80.0, 200)}, generator=_gen(1))
+    assert s.released == {} and s.ledger.pending == []
+
+
 def test_the_card_of_a_model_trained_outside_dp_carries_no_epsilon(tmp_path: Path) -> None:
     from hetfed.client.export import NOT_DP_NOTE, card_privacy
 

@@ -237,14 +237,14 @@ class PrivacySession:
         assert self._data is not None
         return self._data.step.generator
 
-    def release_evaluation(self, sums: Mapping[str, SetSums], generator: torch.Generator | None = None) -> None:
+    def release_evaluation(self, sums: Mapping[str, SetSums], generator: NoiseSource | None = None) -> None:
         """Release one evaluation's sets through the metric mechanism (one Gaussian release per set, recorded in
         the ledger before the upload leaves); they stay withheld when the budget would not cover them."""
         self.released = {}
         if not sums:
             return
         entry = set_release(self.metrics_sigma, len(sums))
-        budget = self.cfg.epsilon_budget
+        budget = self.cfg.budget  # epsilon_budget, else the target: the same budget every other check enforces
         # Before the round's training (an algorithm that scores the model it received) its steps are not
         # recorded yet, so the planned ones stand in; at the final evaluation that errs on the safe side.
         round_ = self.ledger.pending or self.scaled(self._per_round)
