@@ -1,4 +1,4 @@
-"""What the wire's digest costs: CPU per message for SHA-256 (the digest before issue 35's change) and BLAKE3
+"""What the wire's digest costs: CPU per message for SHA-256 (the digest BLAKE3 replaced) and BLAKE3
 (``hetfed.wire.digest``), and the chunked framing and reassembly that hash every byte once on each side.
 
     python benchmarks/digest_cost.py [--size-mb 4] [--repeat 30]

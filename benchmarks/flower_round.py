@@ -4,7 +4,7 @@ A comparison harness, not part of hetfed's runtime: nothing in hetfed imports it
 environment of its own, since Flower pins a protobuf (< 7) older than the one hetfed's generated stubs need::
 
     python3 -m venv $FLWR_VENV
-    $FLWR_VENV/bin/pip install torch==2.13.0     # first: the CPU wheel, so flwr does not pull another torch
+    $FLWR_VENV/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   # first: the CPU build, kept by flwr
     $FLWR_VENV/bin/pip install flwr==1.42.0 grpcio==1.85.1   # hetfed's gRPC core (it excludes 1.85.3)
     $FLWR_VENV/bin/python benchmarks/flower_round.py --clients 4,8,32 --rounds 12 --json flower.json
 

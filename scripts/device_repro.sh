@@ -34,7 +34,7 @@ if [ -n "${RESUME_ROWS:-}" ]; then
   cp "$RESUME_ROWS" "$work/rows.json"
 fi
 # Each client process on CUDA holds 0.63-0.91 GiB of GPU memory, whatever its model's size (the CUDA context, the
-# cuBLAS workspace and the allocator's cache: LeNet clients on an H100, torch 2.11, 2026-12-05). Five 20-client
+# cuBLAS workspace and the allocator's cache: LeNet clients on an H100, torch 2.11). Five 20-client
 # federations at once (100 processes) ran an 80 GB card out of memory and their clients failed; so --jobs is
 # capped at what the card's free memory holds, counting GPU_GIB_PER_CLIENT (default 0.95) a client.
 args=("$@")

@@ -1,4 +1,4 @@
-"""IN-PROCESS PROTOTYPE, NOT A RESULT: tuning sketch for Ditto with latent drift constraints (issue 8, phase 1).
+"""IN-PROCESS PROTOTYPE, NOT A RESULT: tuning sketch for Ditto with latent drift constraints, written before the algorithm was.
 
 Every organization of several federations (hyperparameter configs × data seeds × clients) is simulated in ONE
 process, the models stacked along a leading "member" axis so that one batched step trains all of them; there is

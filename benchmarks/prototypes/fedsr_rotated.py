@@ -1,6 +1,6 @@
 """Prototype: FedSR's Rotated MNIST leave-one-domain-out protocol from MNIST-5k (numpy only).
 
-Not the data package (issue 9 phase 2 moves this there). The protocol (FedSR §4.1-4.2, after DIVA and
+Not the data package: hetfed.client.data.rotated is what runs. The protocol (FedSR §4.1-4.2, after DIVA and
 DIRT): 1000 base images, 100 per class drawn from MNIST-5k with the data seed; domain M_a is every base
 image rotated counter-clockwise by a degrees, a in (0, 15, 30, 45, 60, 75); so all six domains hold the
 same 1000 digits. Leaving target M_t out, each other domain is an organization with a 90/10

@@ -1,7 +1,7 @@
 """IN-PROCESS PROTOTYPE, not hetfed's runtime: FedSR vs FedAvg leave-one-domain-out on Rotated MNIST.
 
 This script simulates the federation inside one process (no aggregator, no gRPC, no wire) to choose
-FedSR's hyperparameters and a round count before the algorithm is wired into hetfed (issue 9 phase 2).
+FedSR's hyperparameters and a round count before the algorithm was wired into hetfed.
 Its numbers are a preview; the reproduction of record runs real processes.
 
 Protocol (FedSR §4.2 and the reference code atuannguyen/FedSR, read for understanding only): each source

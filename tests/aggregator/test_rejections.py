@@ -108,7 +108,7 @@ BAD: dict[str, tuple[Callable[[RawClient], object], grpc.StatusCode, str, str]] 
                         grpc.StatusCode.INVALID_ARGUMENT, "non_finite", "eval_metrics.train_loss"),
     "zero examples": (lambda a: a.push(1, good(n=0)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_value",
                       "num_examples must be > 0"),
-    # Implausible values, one at a time (issue 27): each refused with its reason, the round's model unchanged.
+    # Implausible values, one at a time, so each reason is seen alone: each refused with its reason, the round's model unchanged.
     "a billion examples, none declared": (
         lambda a: a.push(1, good(n=10**9)), grpc.StatusCode.INVALID_ARGUMENT, "invalid_value",
         "model_weights claims 1000000000 training examples; it declared none, and the limit is 10000000"),

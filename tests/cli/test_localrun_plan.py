@@ -214,7 +214,7 @@ def _run(run_id: str, phase: Phase, rounds: int = 3) -> RunStatus:
 
 
 def test_the_summary_waits_for_the_last_round_to_close_after_the_clients_exit() -> None:
-    """The race of 2026-12-05: the loop's last read came before the final round closed; later reads finish it."""
+    """A race once seen: the loop's last read came before the final round closed; later reads finish it."""
     running, done = _run("a", Phase.TRAIN), _run("a", Phase.FINISHED)
     fed = _Federation([[running], [running], [done]])
     by_run = {"a": ["client-a-org-0", "client-a-org-1"]}

@@ -172,7 +172,7 @@ def test_the_live_model_is_left_unchanged(tmp_path: Path) -> None:
 def test_a_probabilistic_model_is_recognised_although_its_head_is_a_submodule() -> None:
     # Python 3.12's isinstance on a runtime-checkable Protocol looks members up statically: an nn.Module's
     # submodules are not attributes there, so a Protocol check exported FedSR's models with a random draw of z
-    # per call (seen on the lent GPU machine's Python 3.12, 2026-11-27). The check must read them dynamically.
+    # per call (seen on the lent GPU machine's Python 3.12). The check must read them dynamically.
     import inspect
 
     from hetfed.client.algorithms.fedsr.losses import build_probabilistic_model

@@ -1,4 +1,4 @@
-"""Issue 13, failures 7-8: a waiting client costs no thread; waits are validated and bounded; stops are bounded.
+"""A waiting client costs no thread; waits are validated and bounded; stops are bounded.
 
 Long-polls are held open from one asyncio thread of the test (a grpc.aio channel), so the test's own thread
 count does not grow with them either.

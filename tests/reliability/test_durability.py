@@ -1,4 +1,4 @@
-"""Issue 13, failures 1-6: restarts from any state, and no acknowledged update lost through disk faults.
+"""Restarts from any state, and no acknowledged update lost through disk faults (docs/reliability.md).
 
 Each test drives a real aggregator over gRPC; disk faults come from the store's injectable file layer
 (``FaultyDisk``), restarts start a new aggregator on the same state directory (a real process where the

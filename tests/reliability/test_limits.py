@@ -1,4 +1,4 @@
-"""Issue 13, failures 9-12: limits wherever input arrives, each answered with a clear status and counted."""
+"""Limits wherever input arrives, each answered with a clear status and counted."""
 
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ class DataConfig:
     sampling_ratio: float = 1.0
     # Built-in image datasets ("mnist5k", "fmnist", "digits") under "iid" or "dirichlet": train on a stratified
     # random subsample of this many training images, drawn from the data seed before the split (0: all of them).
-    # hetfed's own, for a data set at another scale with everything else unchanged (issue 36 item 7: Fashion-MNIST
-    # at MNIST-5k's 4,000 training images).
+    # hetfed's own, for a data set at another scale with everything else unchanged (simfed_fmnist: Fashion-MNIST at
+    # MNIST-5k's 4,000 training images).
     train_size: int = 0
     # How `synthetic` holds out each organization's test rows: "stratified" 20% per class (hetfed's own choice),
     # or "random" 20% at random (FL4Health's split_data_and_targets). `validation_fraction` of the remaining rows

@@ -58,7 +58,8 @@ class SimFedConfig(TrainConfig):
     # modules/layers.py:87-89, modules/nets.py:23-44; their one drawn dense mask is their head's, layers.py:29-30,
     # which hetfed never factorises). "zero" is the same start, named for what it does. "dense": the masks of
     # dense layers drawn in full (layers.py:29-30 applied to the encoder's dense layers), convolution masks zero
-    # (hetfed's "reference" before December 2026). "sparse": a share mask_init_density non-zero, every layer.
+    # (what hetfed first called "reference", kept so earlier results can be rerun). "sparse": a share
+    # mask_init_density non-zero, every layer.
     mask_init: Literal["reference", "dense", "sparse", "zero"] = "reference"
     # Share of each mask's entries that start non-zero under mask_init = "sparse".
     mask_init_density: float = 0.1
@@ -77,7 +78,7 @@ class SimFedConfig(TrainConfig):
     random_partners: int = 2
     # How J_k's members are weighted: "softmax" as eq. 8, softmax(α·σ_kj) over J_k, for every matching (the
     # paper weights its ablations as its method: the text changes only who is picked); "equal" 1 / |J_k| (the
-    # weights of hetfed's random matching before 2026-12, which measure sharing strength, not who is picked).
+    # weights hetfed's random matching first had, which measure sharing strength, not who is picked).
     match_weights: Literal["softmax", "equal"] = "softmax"
 
     def __post_init__(self) -> None:

@@ -61,7 +61,7 @@ def rbf(sq: torch.Tensor, gammas: torch.Tensor, form: BandwidthForm) -> torch.Te
 
     On a large ``sq`` whose rates double every p kernels in ascending order (the paper's 2^{p/4} grid: p = 4),
     only the p smallest rates call exp and each other kernel is the square of the one whose rate is half its
-    own (exp(−2a) = exp(−a)²): the same values to a few ulp, at a fraction of the cost (issue 23's profile:
+    own (exp(−2a) = exp(−a)²): the same values to a few ulp, at a fraction of the cost (profiled:
     exp was most of a 500-row refit). Not on a graph: the in-place writes are gradient-free.
     """
     rates = gammas if form == "rate" else 1.0 / gammas

@@ -106,7 +106,7 @@ def mkmmd_statistics(x: torch.Tensor, y: torch.Tensor, gammas: torch.Tensor, for
     h_j(i, k) is symmetric in (i, k), so the pairs i < k carry every off-diagonal value twice; the diagonal
     counts for the biased estimator only. The pairs go in chunks whose mean and centred cross-products are
     merged exactly (Chan et al.'s pairwise update), so no (d, n, n) tensor is built: the refit on s = 50
-    batches (500 rows) took 0.4 s with the full tensors (issue 23's profile).
+    batches (500 rows) took 0.4 s with the full tensors (profiled).
     """
     check_choice("bandwidth_form", form, BANDWIDTH_FORMS)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -176,7 +176,7 @@ def _solve_passive(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndar
     s = np.zeros_like(b)
     idx = np.flatnonzero(passive)
     if idx.size:
-        try:  # a[idx][:, idx]: np.ix_ alone was a fifth of MK-MMD₋₁'s QP time (issue 23's profile)
+        try:  # a[idx][:, idx]: np.ix_ alone was a fifth of MK-MMD₋₁'s QP time when profiled
             s[idx] = np.linalg.solve(a[idx][:, idx], b[idx])
         except np.linalg.LinAlgError as exc:
             raise KernelQpError(f"singular subsystem in the active-set QP: {exc}") from exc
@@ -249,7 +249,7 @@ def block_pivoting_qp(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, warm:
     The same problem and KKT point as :func:`nonnegative_qp` (the LCP w = Az − b ≥ 0, z ≥ 0, zᵀw = 0, whose
     solution is unique for a positive definite A), found by exchanging every infeasible index at once
     (Júdice and Pires 1994; Portugal, Júdice and Vicente 1994): one linear solve per iteration and usually two
-    or three iterations, where the one-index-at-a-time active set takes about six (issue 23's profile). After
+    or three iterations, where the one-index-at-a-time active set takes about six (profiled). After
     three exchanges that do not reduce the infeasible count it moves one index per iteration (Murty's rule),
     which ends in finitely many steps. ``a`` and ``b`` must already be checked (finite, A positive definite).
     """
@@ -425,7 +425,7 @@ class MkMmdLoss(nn.Module):
         """(d̂ differentiable in x and y, the kernel stack k_j(z_a, z_b) for z = [x; y] without gradient).
 
         One distance matrix and one exp for all kernels and all three blocks (K_xx, K_yy, K_xy and its
-        transpose), and one autograd node (:class:`_StackEstimates`): the per-step path (issue 23's profile:
+        transpose), and one autograd node (:class:`_StackEstimates`): the per-step path (profiled:
         three distance matrices and three kernel stacks, each its own autograd nodes, cost as much as Ditto's
         whole step).
         """
@@ -467,7 +467,7 @@ class MkMmdLoss(nn.Module):
         (MK-MMD₋₁) with the kernels computed once; the same values as the two calls (to rounding).
 
         d̂ and Q̂ for the QP come from the kernel stack in numpy: on a 10-row batch every torch call costs more
-        than its arithmetic (issue 23's profile).
+        than its arithmetic (profiled).
         """
         d_hat, k = self._estimates_and_stack(x, y)
         d0 = d_hat.detach().cpu().numpy()

@@ -73,7 +73,7 @@ class _Workspace:
     """Four (2n, 2n) buffers and a mask reused by every kernel step of a refit and across refits.
 
     Each fresh 8 MB matrix of a 1,000-row refit cost page faults on first touch, about as much as the pass that
-    filled it (issue 23's profile); the buffers live as long as the MmdDLoss (about 33 MB at s = 50).
+    filled it (profiled); the buffers live as long as the MmdDLoss (about 33 MB at s = 50).
     """
 
     def __init__(self) -> None:
@@ -275,7 +275,7 @@ class MmdDLoss(nn.Module):
         term of MMD²_u and σ̂² is a sum of H's rows, and the rows of H for (x, y[perm]) are
         rowsum(K_xx)_i + rowsum(K_yy)_π(i) − rowsum(K_xy)_i − colsum(K_xy)_π(i), read off the (2n, 2) block row
         sums of the kernel matrices (:class:`_BlockRowSums`, whose backward is written out); the trace needs only
-        K_xy[i, π(i)]. Issue 23's profile: autograd through the (2n, 2n) matrices was most of a refit.
+        K_xy[i, π(i)]. Profiled: autograd through the (2n, 2n) matrices was most of a refit.
         """
         n = z.shape[0] // 2
         phi = self.featurizer(z)
