@@ -96,7 +96,7 @@ class Run:
     def __init__(self, cfg: RunConfig, state_dir: str, observer: Observer, limits: Limits,
                  disk: Disk | None = None) -> None:
         self.cfg, self.spec, self.observer, self.limits = cfg, cfg.spec, observer, limits
-        self.train_config = cfg.train_config()
+        self.train_config = cfg.algorithm_config
         self.keeper = Keeper(lambda: make_server_half(self.spec, self.train_config, self.cfg.run_info()))
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken, outside the lock.
