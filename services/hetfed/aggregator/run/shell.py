@@ -15,7 +15,6 @@ is acknowledged; a round's close is committed by a checkpoint; a restart replays
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -40,7 +39,6 @@ from hetfed.aggregator.run.keeper import Keeper
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
 from hetfed.aggregator.run.status import run_status
 from hetfed.wire import contract, messages
-from hetfed.wire.config import to_mapping
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import (
     JoinReply,
@@ -116,7 +114,7 @@ class Run:
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
         self._close_error = ""
-        self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
+        self._config_json = messages.encode_config(self.train_config)
         try:
             with self._lock:
                 self._restore_locked()
