@@ -105,7 +105,7 @@ def test_each_setting_is_parsed_once_and_read_back_through_the_same_dataclass(tm
     path = tmp_path / "aggregator.json"
     path.write_text(json.dumps(aggregator_config(p, str(tmp_path / "state"))))
     runs = load_aggregator_config(path).runs
-    assert [r.train_config() for r in runs] == [r.train for r in p.runs]
+    assert [r.algorithm_config for r in runs] == [r.train for r in p.runs]
     assert (p.runs[0].train.mu, p.runs[0].train.lr) == (0.5, 0.2)  # type: ignore[attr-defined]
 
 
@@ -141,7 +141,7 @@ def test_every_file_reads_back_as_the_plans_typed_config(tmp_path: Path, name: s
     loaded = load_aggregator_config(path)
     assert loaded == aggregator_settings(p, str(tmp_path / "state"))
     assert loaded.runs == tuple(r.run for r in p.runs)
-    assert [r.train_config() for r in loaded.runs] == [r.train for r in p.runs]
+    assert [r.algorithm_config for r in loaded.runs] == [r.train for r in p.runs]
     for r in p.runs:
         assert len(r.clients) == p.clients
         for i, planned in enumerate(r.clients):

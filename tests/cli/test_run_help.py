@@ -54,7 +54,7 @@ def what_a_run_uses(algorithm: str, dataset: str, tmp_path: Path) -> dict[str, o
     p = plan(run_options(args))
     (run,) = aggregator_config_from_mapping(aggregator_config(p, str(tmp_path))).runs
     clients = [client_config(p, run_id_of(algorithm), i, 1) for i in range(len(run.organizations))]
-    tc = run.train_config()
+    tc = run.algorithm_config
     return {"rounds": run.rounds, "epochs": tc.local_epochs, "steps": tc.local_steps, "lr": tc.lr,
             "momentum": tc.momentum, "batch": tc.batch_size, "clients": len(run.organizations),
             "partition": {c["data"]["partition"] for c in clients}, "models": [c["model"]["name"] for c in clients],

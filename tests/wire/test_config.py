@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -11,7 +12,8 @@ from typing import Any, Literal
 import pytest
 
 from hetfed.aggregator.config import AggregatorConfig, aggregator_config_from_mapping, load_aggregator_config
-from hetfed.wire.config import ConfigError, check, from_mapping, load_file, to_mapping
+from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file, to_mapping
+from hetfed.wire.specs.fedavg import FedAvgConfig
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,21 @@ def test_aggregator_config_paths() -> None:
     assert str(err.value) == "aggregator.runs[0].organizations: expected a list, got 'a'"
     with pytest.raises(ConfigError) as err:
         aggregator_config_from_mapping({"runs": [run(algorithm_config={"lrr": 0.1})]})
-    # RunConfig validates its algorithm_config itself; the path of the run comes first.
-    assert str(err.value) == "aggregator.runs[0]: algorithm_config: unknown field 'lrr' (did you mean 'lr'?)"
+    # The algorithm's spec parses the table where it sits, so its errors name the whole path.
+    assert str(err.value) == "aggregator.runs[0].algorithm_config: unknown field 'lrr' (did you mean 'lr'?)"
+    with pytest.raises(ConfigError) as err:
+        aggregator_config_from_mapping({"runs": [run(algorithm_config={"lr": "fast"})]})
+    assert str(err.value) == "aggregator.runs[0].algorithm_config.lr: expected a number, got 'fast'"
+    with pytest.raises(ConfigError) as err:
+        aggregator_config_from_mapping({"runs": [run(algorithm_config={"lr": -1})]})
+    assert str(err.value) == "aggregator.runs[0].algorithm_config: lr must be > 0, got -1.0"
+    with pytest.raises(ConfigError) as err:
+        aggregator_config_from_mapping({"runs": [run(algorithm="fedprox", algorithm_config={"mu": "x"})]})
+    assert str(err.value) == "aggregator.runs[0].algorithm_config.mu: expected a number, got 'x'"
+    for table in ({}, {"algorithm_config": {"lr": 0.1}}):  # an unknown algorithm has no config to parse either way
+        with pytest.raises(ConfigError) as err:
+            aggregator_config_from_mapping({"runs": [run(algorithm="fedavgg", **table)]})
+        assert str(err.value).startswith("aggregator.runs[0]: unknown algorithm 'fedavgg' (did you mean 'fedavg'?)")
     with pytest.raises(ConfigError) as err:
         aggregator_config_from_mapping({"runs": [{"id": "r", "organizations": ["a"]}]})
     assert str(err.value) == "aggregator.runs[0]: missing required field 'algorithm'"
@@ -188,7 +203,7 @@ def test_toml_and_json_files_load_the_same_config(tmp_path: Path) -> None:
     from_toml = load_aggregator_config(toml_path)
     assert from_toml.server.chunk_bytes == 4096
     assert from_toml.runs[0].rounds == 3
-    assert from_toml.runs[0].algorithm_config == {"lr": 0.1}
+    assert from_toml.runs[0].algorithm_config == FedAvgConfig(lr=0.1)
     json_path = tmp_path / "agg.json"
     json_path.write_text(json.dumps(to_mapping(from_toml)))
     assert load_file(AggregatorConfig, json_path) == from_toml
@@ -232,7 +247,8 @@ def test_a_sparse_mapping_leaves_out_defaults_and_reads_back_equal() -> None:
     from hetfed.aggregator.config import AggregatorConfig, RunConfig, ServerConfig
     from hetfed.wire.config import from_mapping, to_sparse_mapping
 
-    cfg = AggregatorConfig(runs=(RunConfig(id="a", algorithm="fedavg", organizations=("x", "y"), min_clients=1),),
+    cfg = AggregatorConfig(runs=(RunConfig(id="a", algorithm="fedavg", organizations=("x", "y"), min_clients=1,
+                                           algorithm_config=FedAvgConfig()),),
                            server=ServerConfig(state_dir="s"))
     sparse = to_sparse_mapping(cfg)
     assert sparse == {"runs": [{"id": "a", "algorithm": "fedavg", "organizations": ["x", "y"], "min_clients": 1}],
@@ -242,3 +258,84 @@ def test_a_sparse_mapping_leaves_out_defaults_and_reads_back_equal() -> None:
     assert kept["runs"][0]["rounds"] == 10 and kept["server"] == {"listen": "0.0.0.0:50051", "state_dir": "s"}
     assert to_sparse_mapping(AggregatorConfig(runs=cfg.runs))["runs"] == sparse["runs"]
     assert "server" not in to_sparse_mapping(AggregatorConfig(runs=cfg.runs))
+
+
+def test_a_sparse_run_writes_what_differs_from_its_algorithms_defaults_presets_included() -> None:
+    """A preset's config starts from the preset's values, not the config type's: a field set back to the type's
+    default differs from the preset and is written; the preset's own values are left out, and read back."""
+    from hetfed.aggregator.config import AggregatorConfig, RunConfig
+    from hetfed.wire.config import to_sparse_mapping
+    from hetfed.wire.specs import SPECS
+
+    cos = SPECS["ditto_cos"]
+    plain_lam = SPECS["ditto"].config().lam
+    assert cos.config().lam != plain_lam  # the case this test is about: the preset moves lam
+    config = cos.config(lam=plain_lam, local_epochs=3)
+    cfg = AggregatorConfig(runs=(RunConfig(id="a", algorithm="ditto_cos", organizations=("x",),
+                                           algorithm_config=config),))
+    (run,) = to_sparse_mapping(cfg)["runs"]
+    assert run["algorithm_config"] == {"lam": plain_lam, "local_epochs": 3}
+    assert aggregator_config_from_mapping(to_sparse_mapping(cfg)) == cfg
+    at_preset = AggregatorConfig(runs=(RunConfig(id="a", algorithm="ditto_cos", organizations=("x",),
+                                                 algorithm_config=cos.config()),))
+    assert "algorithm_config" not in to_sparse_mapping(at_preset)["runs"][0]
+    assert aggregator_config_from_mapping(to_sparse_mapping(at_preset)) == at_preset
+
+
+def test_a_run_holds_its_algorithms_typed_config_and_nothing_else() -> None:
+    from hetfed.aggregator.config import RunConfig
+    from hetfed.wire.specs import SPECS
+
+    loaded = aggregator_config_from_mapping({"runs": [run(algorithm="ditto_cos", algorithm_config={"mu": 2})]})
+    assert loaded.runs[0].algorithm_config == SPECS["ditto_cos"].config(mu=2.0)  # presets, then the table
+    assert aggregator_config_from_mapping({"runs": [run()]}).runs[0].algorithm_config == FedAvgConfig()
+    with pytest.raises(ConfigError) as err:
+        RunConfig(id="r", algorithm="fedprox", organizations=("a",), algorithm_config=FedAvgConfig())
+    assert str(err.value) == "algorithm_config must be a FedProxConfig (algorithm 'fedprox''s config), got FedAvgConfig"
+    with pytest.raises(ConfigError) as err:
+        RunConfig(id="r", algorithm="fedavg", organizations=("a",), algorithm_config={"lr": 0.1})  # type: ignore[arg-type]
+    assert str(err.value) == "algorithm_config must be a FedAvgConfig (algorithm 'fedavg''s config), got dict"
+
+
+@dataclass(frozen=True)
+class Circle:
+    radius: float = 1.0
+
+
+@dataclass(frozen=True)
+class Square:
+    side: float = 1.0
+    rounded: bool = False
+
+
+SHAPES: dict[str, type] = {"circle": Circle, "square": Square}
+
+
+def _shape(value: Any, siblings: Mapping[str, Any], where: str) -> Any:
+    return from_mapping(SHAPES[siblings["kind"]], value, where)
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """A field whose type its sibling ``kind`` names, declared with ``dependent``."""
+
+    name: str
+    kind: Literal["circle", "square"] = "circle"
+    shape: Any = field(kw_only=True, metadata=dependent(_shape, lambda siblings: SHAPES[siblings["kind"]]()))
+    scale: float = 1.0
+
+
+def test_a_dependent_field_is_built_after_its_siblings_by_its_own_parser() -> None:
+    from hetfed.wire.config import to_sparse_mapping
+
+    square = from_mapping(Drawing, {"shape": {"side": 2}, "kind": "square", "name": "d"})
+    assert square == Drawing("d", "square", shape=Square(2.0))
+    assert from_mapping(Drawing, {"name": "d"}) == Drawing("d", shape=Circle())  # left out: the default hook's
+    assert error_of({"name": "d", "kind": "square", "shape": {"radius": 1}}, Drawing) == (
+        "config.shape: unknown field 'radius'; valid fields: rounded, side")
+    assert error_of({"name": "d", "kind": "oval", "shape": {}}, Drawing) == (
+        "config.kind: must be one of 'circle', 'square', got 'oval'")  # the sibling is checked first
+    assert to_sparse_mapping(square) == {"name": "d", "kind": "square", "shape": {"side": 2.0}}
+    assert to_sparse_mapping(Drawing("d", "square", shape=Square())) == {"name": "d", "kind": "square"}
+    assert from_mapping(Drawing, to_sparse_mapping(square)) == square
+    assert from_mapping(Drawing, to_mapping(square)) == square

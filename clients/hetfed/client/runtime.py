@@ -9,7 +9,6 @@ gives (``RemoteError.retryable``), never by matching message text.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import time
@@ -338,7 +337,7 @@ class ClientRuntime:
             raise
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
-        config = spec.parse(json.loads(joined.config_json), f"runs[{cfg.run}].algorithm_config")
+        config = joined.config
         wire_dtype = None if config.wire_dtype == "float32" else config.wire_dtype
         # A run with one latent space (a SharedSpaceConfig) sets the width unless the model config does.
         shared = config.latent_dim if isinstance(config, SharedSpaceConfig) else None

@@ -2,7 +2,9 @@
 
 Validation happens once, on load: an unknown or misspelled field, a missing required field or a
 value of the wrong type is a ``ConfigError`` naming the field's full path (and the closest valid
-name for a typo). Dataclasses add their own range checks in ``__post_init__``.
+name for a typo). Dataclasses add their own range checks in ``__post_init__``. A field whose type
+depends on another field's value (a run's algorithm config on its algorithm) is declared with
+``dependent``: the loader hands its table to the field's own parser, once, with its siblings' values.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 import tomllib
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -22,6 +25,34 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value is missing, misspelled, mistyped or out of range."""
+
+
+@dataclass(frozen=True)
+class Dependent:
+    """How the loader builds a field whose type depends on its siblings' values (see ``dependent``)."""
+
+    # (value, siblings, where) -> the field's typed value; ``where`` is the field's path, for the parser's errors.
+    parse: Callable[[Any, Mapping[str, Any], str], Any]
+    # siblings -> the field's value when its table leaves it out. ``parse`` must fill what a given table leaves out
+    # from the same value: ``to_sparse_mapping`` writes only what differs from it.
+    default: Callable[[Mapping[str, Any]], Any]
+
+
+_DEPENDENT = "hetfed.wire.config.dependent"
+
+
+def dependent(parse: Callable[[Any, Mapping[str, Any], str], Any],
+              default: Callable[[Mapping[str, Any]], Any]) -> dict[str, Dependent]:
+    """The metadata of a dataclass field that ``from_mapping`` builds with ``parse(value, siblings, where)``, or
+    ``default(siblings)`` when the table leaves it out, after every other field of its table (``siblings`` holds
+    their values, converted or defaulted): ``field(kw_only=True, metadata=dependent(parse, default))``. The field's type hint
+    is not used, the parser decides the type; with ``kw_only`` it needs no Python default. A ``ValueError`` (not a
+    ``ConfigError``) from either is reported at the table's path, like a range check's."""
+    return {_DEPENDENT: Dependent(parse, default)}
+
+
+def _dependent_of(f: dataclasses.Field[Any]) -> Dependent | None:
+    return f.metadata.get(_DEPENDENT)
 
 
 def _describe(tp: Any) -> str:
@@ -102,12 +133,25 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config") -
         close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f"; valid fields: {', '.join(sorted(fields))}"
         raise ConfigError(f"{where}: unknown field '{key}'{hint}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    dependents = {name: dep for name, f in fields.items() if (dep := _dependent_of(f)) is not None}
     for name, f in fields.items():
+        if name in dependents:
+            continue
         if name in data:
             kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing required field '{name}'")
+    # A dependent field sees every other field's value, given or defaulted, as the built object will hold it.
+    others = {name: _default_of(f) for name, f in fields.items() if name not in dependents and name not in kwargs}
+    for name, dep in dependents.items():
+        siblings = {**others, **kwargs}
+        try:
+            kwargs[name] = dep.parse(data[name], siblings, f"{where}.{name}") if name in data else dep.default(siblings)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -134,22 +178,30 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
-def to_sparse_mapping(obj: Any, keep: Collection[str] = (), _path: str = "") -> dict[str, Any]:
+def to_sparse_mapping(obj: Any, keep: Collection[str] = (), _path: str = "", _baseline: Any = None) -> dict[str, Any]:
     """A config dataclass as ``to_mapping`` writes it, less every field equal to its default (nested tables and
-    lists of tables too): ``from_mapping`` reads it back equal. ``keep`` names fields written whatever their
-    value, by dotted path ("data.partition"; a list's tables share their list's name, "runs.rounds")."""
+    lists of tables too): ``from_mapping`` reads it back equal. A ``dependent`` field's default is its
+    ``default(siblings)``, and its table leaves out what equals that value's fields. ``keep`` names fields written
+    whatever their value, by dotted path ("data.partition"; a list's tables share their list's name, "runs.rounds")."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        if not f.init:
-            continue
+    init = [f for f in dataclasses.fields(obj) if f.init]
+    for f in init:
         path = f"{_path}{f.name}"
         value = getattr(obj, f.name)
-        default = _default_of(f)
+        dep = _dependent_of(f)
+        if _baseline is not None:
+            default = getattr(_baseline, f.name)
+        elif dep is not None:
+            default = dep.default({g.name: getattr(obj, g.name) for g in init if g is not f})
+        else:
+            default = _default_of(f)
         kept = path in keep or any(k.startswith(f"{path}.") for k in keep)
         if default is not dataclasses.MISSING and not kept and type(value) is type(default) and value == default:
             continue
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out[f.name] = to_sparse_mapping(value, keep, f"{path}.")
+            # A dependent field's parser fills what its table leaves out from its default's fields.
+            baseline = default if dep is not None and type(default) is type(value) else None
+            out[f.name] = to_sparse_mapping(value, keep, f"{path}.", baseline)
         elif isinstance(value, (list, tuple)) and any(dataclasses.is_dataclass(v) for v in value):
             out[f.name] = [to_sparse_mapping(v, keep, f"{path}.") if dataclasses.is_dataclass(v) else to_mapping(v)
                            for v in value]

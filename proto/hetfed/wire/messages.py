@@ -8,6 +8,8 @@ message must satisfy (envelope, payload kinds, schema, finite values) is checked
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +21,12 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec, contract, framing
 from hetfed.wire.chunks import Bytes
+from hetfed.wire.config import ConfigError, to_mapping
 from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.specs import AlgorithmSpec
+from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
 _Lifted = TypeVar("_Lifted", apb.Update, apb.Instructions)
@@ -66,12 +69,33 @@ class JoinRequest:
     input_shape: tuple[int, ...] = ()
 
 
+def encode_config(config: TrainConfig) -> str:
+    """The run's algorithm config as a Join reply carries it: every field of the spec's typed config as JSON.
+
+    JSON, not a Protobuf message per algorithm: the config dataclass is the schema, each algorithm's in one place,
+    and its loader checks names, types (an int stays an int) and ranges exactly as it checks a file."""
+    return json.dumps(to_mapping(config), sort_keys=True)
+
+
+def decode_config(algorithm: str, config_json: str, where: str) -> TrainConfig:
+    """The typed config ``encode_config`` wrote, parsed by ``algorithm``'s spec: the client's one parse of it.
+
+    Raises ConfigError, naming ``where`` (an algorithm this client does not know, a field it does not know)."""
+    try:
+        spec = get_spec(algorithm)
+        data = json.loads(config_json)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise ConfigError(f"{where}: {exc}") from None
+    return spec.parse(data, where)
+
+
 @dataclass(frozen=True)
 class JoinReply:
-    """The run's algorithm, configuration (JSON), current round, seed and participants."""
+    """The run's algorithm, configuration, current round, seed and participants."""
 
     run_id: str
     algorithm: str
+    # The algorithm's config as ``encode_config`` writes it; ``config`` is its typed form.
     config_json: str
     current_round: int
     total_rounds: int
@@ -79,6 +103,12 @@ class JoinReply:
     organizations: tuple[str, ...]
     # The run still needs this organization's tensor declaration: join again with ``declared``.
     declare_required: bool = False
+
+    @functools.cached_property
+    def config(self) -> TrainConfig:
+        """The run's typed algorithm config, decoded on first use and kept (a reply's config is parsed once;
+        a reply read only for its other fields, as a second Join's, is not parsed at all)."""
+        return decode_config(self.algorithm, self.config_json, f"runs[{self.run_id}].algorithm_config")
 
 
 def join_request_to_proto(req: JoinRequest) -> apb.JoinRequest:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
-from hetfed.wire.config import ConfigError, check, from_mapping, load_file
+from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.transport import TlsConfig
 
@@ -46,6 +47,16 @@ class SeedSetConfig:
         return SeedSetInfo(self.id, self.size, dict(self.parts))
 
 
+def _algorithm_config(value: Any, run: Mapping[str, Any], where: str) -> TrainConfig:
+    """A run's ``algorithm_config`` table parsed by its algorithm's spec (presets first): once, on load."""
+    return get_spec(run["algorithm"]).parse(value, where)
+
+
+def _algorithm_defaults(run: Mapping[str, Any]) -> TrainConfig:
+    """The config of a run whose table names none: its algorithm's defaults (presets included)."""
+    return get_spec(run["algorithm"]).config()
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One federated run: its algorithm, participants, rounds, quorum and deadline."""
@@ -58,7 +69,9 @@ class RunConfig:
     min_clients: int = 0
     round_deadline_seconds: float = 600.0
     seed: int = 0
-    algorithm_config: dict[str, Any] = field(default_factory=dict)
+    # The algorithm's typed config, an instance of its spec's config type. A file's table is parsed by the spec
+    # when the file is loaded, and what it leaves out takes the algorithm's defaults; in Python it is required.
+    algorithm_config: TrainConfig = field(kw_only=True, metadata=dependent(_algorithm_config, _algorithm_defaults))
     seed_set: SeedSetConfig | None = None
     # Bytes of the float32 weights each organization would exchange under FedAvg with the same model; only the
     # dashboards' FedAvg comparison (hetfed_run_fedavg_reference_bytes_total) reads it. 0: not declared.
@@ -102,8 +115,11 @@ class RunConfig:
         check(self.fedavg_model_bytes >= 0, "fedavg_model_bytes must be >= 0")
         check(self.max_epsilon is None or (math.isfinite(self.max_epsilon) and self.max_epsilon > 0),
               f"max_epsilon must be a number > 0 (leave it out for no limit), got {self.max_epsilon!r}")
-        self.train_config()  # validates algorithm and algorithm_config now, with a precise message
-        if self.spec.needs_seed_set:
+        spec = self.spec
+        check(type(self.algorithm_config) is spec.config_type,
+              f"algorithm_config must be a {spec.config_type.__name__} (algorithm {self.algorithm!r}'s config), "
+              f"got {type(self.algorithm_config).__name__}")
+        if spec.needs_seed_set:
             check(self.seed_set is not None, f"algorithm {self.algorithm!r} needs the run's seed_set "
                                              "({id, sha256}, and size and parts to check uploads)")
         if self.seed_set is not None:
@@ -122,10 +138,6 @@ class RunConfig:
             return get_spec(self.algorithm)
         except ValueError as exc:
             raise ConfigError(f"runs[{self.id}].algorithm: {exc}") from None
-
-    def train_config(self) -> TrainConfig:
-        """The algorithm's typed, validated config."""
-        return self.spec.parse(self.algorithm_config, "algorithm_config")
 
     def run_info(self) -> RunInfo:
         """What the run's server half is told besides its config."""

@@ -154,8 +154,8 @@ class RunPlan:
     rounds: int
     models: tuple[str, ...]
     latent_dim: int | None
-    # The algorithm's config, parsed once here (the command line's values included); the aggregator's file
-    # carries its mapping, which the aggregator and the clients read back through the same dataclass.
+    # The algorithm's config, parsed once here (the command line's values included); ``run`` holds this object,
+    # and the aggregator's file carries its mapping, which the aggregator reads back through the same dataclass.
     train: TrainConfig
     seed_set: SeedSetConfig | None
     # The aggregator's run, as its file carries it.
@@ -166,8 +166,8 @@ class RunPlan:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The algorithm's config as written to the aggregator's file (every field, typed values)."""
-        return dict(self.run.algorithm_config)
+        """The algorithm's config as a mapping (every field, typed values)."""
+        return dict(to_mapping(self.run.algorithm_config))
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,7 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             reference = catalog.model_bytes(data[0], models[0], latent)
         try:
             run = RunConfig(id=run_id, algorithm=spec.name, organizations=tuple(f"org-{i}" for i in range(clients)),
-                            rounds=rounds, seed=opts.seed, algorithm_config=to_mapping(typed), seed_set=seed_set,
+                            rounds=rounds, seed=opts.seed, algorithm_config=typed, seed_set=seed_set,
                             fedavg_model_bytes=reference,
                             # Every organization trains under differential privacy: the aggregator refuses an update
                             # that does not declare it. One whose budget is spent sends a leave notice and exits

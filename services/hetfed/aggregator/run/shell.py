@@ -15,7 +15,6 @@ is acknowledged; a round's close is committed by a checkpoint; a restart replays
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -40,7 +39,6 @@ from hetfed.aggregator.run.keeper import Keeper
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
 from hetfed.aggregator.run.status import run_status
 from hetfed.wire import contract, messages
-from hetfed.wire.config import to_mapping
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import (
     JoinReply,
@@ -96,7 +94,7 @@ class Run:
     def __init__(self, cfg: RunConfig, state_dir: str, observer: Observer, limits: Limits,
                  disk: Disk | None = None) -> None:
         self.cfg, self.spec, self.observer, self.limits = cfg, cfg.spec, observer, limits
-        self.train_config = cfg.train_config()
+        self.train_config = cfg.algorithm_config
         self.keeper = Keeper(lambda: make_server_half(self.spec, self.train_config, self.cfg.run_info()))
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken, outside the lock.
@@ -116,7 +114,7 @@ class Run:
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = False
         self._close_error = ""
-        self._config_json = json.dumps(to_mapping(self.train_config), sort_keys=True)
+        self._config_json = messages.encode_config(self.train_config)
         try:
             with self._lock:
                 self._restore_locked()
