@@ -24,6 +24,7 @@ from hetfed.client.training import (
 )
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
+from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
 C = TypeVar("C", bound=FedAvgConfig)
@@ -129,5 +130,6 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         return self.measure(round_ - 1)
 
 
+@fedavg.SPEC.client_half
 class FedAvgClient(ModelAveragingClient[FedAvgConfig]):
     """FedAvg: plain cross-entropy."""

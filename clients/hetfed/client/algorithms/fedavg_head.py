@@ -11,9 +11,11 @@ from hetfed.client.algorithms.base import ClientHalf
 from hetfed.client.training import Objective, epoch_batches, fit, make_optimizer, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, HeadWeights, Payload, PayloadKind, Received
+from hetfed.wire.specs import fedavg_head
 from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 
 
+@fedavg_head.SPEC.client_half
 class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
     """Evaluate own encoder + global head, train the whole model, upload the head."""
 

@@ -10,9 +10,11 @@ import torch
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.training import Objective, epoch_batches, fit, make_optimizer, trainable
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.specs import local
 from hetfed.wire.specs.local import LocalConfig
 
 
+@local.SPEC.client_half
 class LocalClient(ClientHalf[LocalConfig]):
     """Trains on its own data only; reports metrics of its own model after each round."""
 

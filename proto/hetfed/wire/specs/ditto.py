@@ -93,7 +93,6 @@ SPEC = fedavg.SPEC.derive(
     "averaged global model (Li et al. 2021; Ayromlou and Emerson); only the global model crosses the wire.",
     config_type=DittoConfig,
     figures=(Figure("global", "global_model_test_accuracy"),),
-    client="hetfed.client.algorithms.ditto:DittoClient",
 )
 
 # The paper's Table 3 values for Synthetic(0.5, 0.5): λ = 0.01 and μ = 1 with each drift measure.

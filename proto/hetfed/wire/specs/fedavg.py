@@ -71,6 +71,4 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.MODEL_WEIGHTS, K.EVAL_METRICS}),
     download=frozenset({K.MODEL_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
-    server="hetfed.aggregator.algorithms.fedavg:FedAvgServer",
-    client="hetfed.client.algorithms.fedavg:FedAvgClient",
 )

@@ -83,8 +83,6 @@ SPEC = AlgorithmSpec(
     model_private=True,
     bounded_latent=True,
     figures=(Figure("global_head", "global_head_test_accuracy"),),
-    server="hetfed.aggregator.algorithms.fedcma:FedCMAServer",
-    client="hetfed.client.algorithms.fedcma:FedCMAClient",
 )
 
 # The reference code's run script (ajavvadi/FedCMA-ktboi, code/script_cifar.sh:99, read through code/main_full.py):

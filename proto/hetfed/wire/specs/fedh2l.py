@@ -60,6 +60,4 @@ SPEC = AlgorithmSpec(
     needs_seed_set=True,
     figures=(Figure("wdp", "test_accuracy"), Figure("cdp", "cross_test_accuracy"),
              Figure("acc", "global_test_accuracy")),
-    server="hetfed.aggregator.algorithms.fedh2l:FedH2LServer",
-    client="hetfed.client.algorithms.fedh2l:FedH2LClient",
 )

@@ -32,6 +32,4 @@ SPEC = AlgorithmSpec(
     model_private=True,
     shared_label_space=False,  # nothing is shared
     shared_input_shape=False,
-    server="hetfed.aggregator.algorithms.local:LocalServer",
-    client="hetfed.client.algorithms.local:LocalClient",
 )

@@ -113,8 +113,6 @@ SPEC = AlgorithmSpec(
     shared_label_space=False,  # heads stay local: organizations may count their classes differently
     figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density"),
              Figure("kept_mask_density", "kept_mask_density")),
-    server="hetfed.aggregator.algorithms.simfed:SimFedServer",
-    client="hetfed.client.algorithms.simfed:SimFedClient",
 )
 
 

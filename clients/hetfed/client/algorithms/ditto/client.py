@@ -45,6 +45,7 @@ from hetfed.client.training import (
     trainable,
 )
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.specs import ditto
 from hetfed.wire.specs.ditto import DittoConfig
 
 # Random streams of (run seed, round seed, organization) beside the batch order's: the refit samples' rows and
@@ -118,6 +119,7 @@ class LayerDrift:
         return value
 
 
+@ditto.SPEC.client_half
 class DittoClient(ModelAveragingClient[DittoConfig]):
     """Ditto: ``ctx.model`` is the global model w_G (declared and uploaded); ``personal`` is w_L (never sent)."""
 

@@ -44,6 +44,7 @@ from hetfed.client.training import (
     trainable,
 )
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, Received
+from hetfed.wire.specs import fedcma
 from hetfed.wire.specs.fedcma import FedCMAConfig
 
 if TYPE_CHECKING:  # dp-accounting is imported only by a client under DP (it takes over a second)
@@ -55,6 +56,7 @@ _BATCH_STREAM = 0xB1C
 _RELEASED = "class_counts"
 
 
+@fedcma.SPEC.client_half
 class FedCMAClient(ClientHalf[FedCMAConfig]):
     """Fed-CMA worker: private encoder and head, class-conditional alignment to the global means."""
 

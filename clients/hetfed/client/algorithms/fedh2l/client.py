@@ -36,9 +36,11 @@ from hetfed.client.training import (
     trainable,
 )
 from hetfed.wire.payloads import EvalMetrics, Payload, Received, SeedPosteriors
+from hetfed.wire.specs import fedh2l
 from hetfed.wire.specs.fedh2l import FedH2LConfig
 
 
+@fedh2l.SPEC.client_half
 class FedH2LClient(ClientHalf[FedH2LConfig]):
     """One FedH2L node: a private model of any architecture, two optimisers, the shared seed set."""
 

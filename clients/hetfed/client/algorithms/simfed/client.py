@@ -43,6 +43,7 @@ from hetfed.client.training import (
     trainable,
 )
 from hetfed.wire.payloads import CriteriaEmbeddings, EvalMetrics, FactorizedWeights, Payload, Received
+from hetfed.wire.specs import simfed
 from hetfed.wire.specs.simfed import SimFedConfig
 
 __all__ = ["SimFedClient", "criteria_set_id"]
@@ -53,6 +54,7 @@ def criteria_set_id(seed: int, count: int, input_shape: tuple[int, ...]) -> str:
     return f"normal(0,1) seed={seed} count={count} shape={'x'.join(map(str, input_shape))}"
 
 
+@simfed.SPEC.client_half
 class SimFedClient(ClientHalf[SimFedConfig]):
     """Trains the factorised model from its personalised factors; uploads factors and criteria embeddings.
 
