@@ -48,6 +48,9 @@ class TrainConfig:
     # A cap on the L2 norm of each step's gradient, over every parameter an optimiser built from this config
     # steps (torch's clip_grad_norm_ before the step). 0.0: no cap, as every paper here trains.
     max_grad_norm: float = 0.0
+    # Keep each organization's optimisers (their SGD momentum) from round to round, and across a restart,
+    # instead of fresh ones every round: what reference implementations that build their optimiser once do.
+    keep_optimizer_state: bool = False
 
     def lr_factor(self, round_: int) -> float:
         """The factor on every base learning rate in training round ``round_`` (1-based)."""

@@ -80,11 +80,6 @@ class DittoConfig(FedAvgConfig):
         check(self.mmdd_steps >= 0, f"mmdd_steps must be >= 0, got {self.mmdd_steps}")
         check(self.mmdd_lr > 0, f"mmdd_lr must be > 0, got {self.mmdd_lr}")
         check(self.qp_epsilon > 0, f"qp_epsilon must be > 0, got {self.qp_epsilon}")
-        check(self.mkmmd_qp in ("paper", "fl4health"), f"mkmmd_qp must be paper or fl4health, got {self.mkmmd_qp!r}")
-        check(self.mkmmd_beta_init in ("uniform", "random"),
-              f"mkmmd_beta_init must be uniform or random, got {self.mkmmd_beta_init!r}")
-        check(self.kernel_dtype in ("float64", "float32"),
-              f"kernel_dtype must be float64 or float32, got {self.kernel_dtype!r}")
 
 
 SPEC = fedavg.SPEC.derive(

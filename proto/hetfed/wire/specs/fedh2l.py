@@ -39,6 +39,8 @@ class FedH2LConfig(PeriodicEvalConfig):
     peers_per_round: int = 0
     # Evaluate on the test sets every this many rounds (and in the final round); others resend the last figures.
     eval_every: int = 50
+    # Both optimisers live for the whole run (Algorithm 1 builds them once); false: fresh ones every round.
+    keep_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -39,8 +39,6 @@ from hetfed.client.training import (
     data_free,
     epoch_batches,
     fit,
-    make_optimizer,
-    trainable,
 )
 from hetfed.wire.payloads import CriteriaEmbeddings, EvalMetrics, FactorizedWeights, Payload, Received
 from hetfed.wire.specs import simfed
@@ -91,7 +89,6 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         # that the organization never loses its own parameters.
         self.unsent: list[torch.Tensor | None] | None = None
         self.figures: dict[str, float] = {}
-        self._optimizer: torch.optim.Optimizer | None = None
 
     def load(self, received: Received) -> None:
         """Take the personalised factors, when the aggregator sent some (never in round 1)."""
@@ -100,12 +97,6 @@ class SimFedClient(ClientHalf[SimFedConfig]):
             return
         load_factors(self.ctx.model, fw, self.config.shared_factors, self.unsent)
         self.figures["received_mask_density"] = mask_density(fw)
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        """This round's optimiser: the same one throughout with ``keep_optimizer_state``, else a fresh one."""
-        if self._optimizer is None or not self.config.keep_optimizer_state:
-            self._optimizer = make_optimizer(trainable(self.ctx.model), self.config)
-        return self._optimizer
 
     def terms(self) -> list[LossTerm]:
         """Cross-entropy plus λ₁·Σ‖μ‖₁ over every mask (eq. 7)."""
