@@ -73,8 +73,10 @@ def register(spec: AlgorithmSpec | str) -> AlgorithmSpec:
     return spec
 
 
-for _spec in (*REGISTERED, *filter(None, os.environ.get(ENVIRONMENT, "").split(","))):
+for _spec in REGISTERED:
     register(_spec)
+for _reference in filter(None, os.environ.get(ENVIRONMENT, "").split(",")):
+    register(_reference)
 
 
 def load_half(spec: AlgorithmSpec, base: type[H], side: str) -> type[H]:
