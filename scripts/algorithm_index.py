@@ -29,10 +29,17 @@ def _link(path: Path, text: str | None = None) -> str:
     return f"[`{shown}`]({Path(os.path.relpath(path, INDEX.parent)).as_posix()})"
 
 
+def _in_repo(path: Path) -> Path:
+    """``path`` in this checkout: the module may have been imported from another one (an editable install)."""
+    parts = path.parts
+    roots = [i for i, part in enumerate(parts) if part in ("proto", "services", "clients")]
+    return REPO.joinpath(*parts[roots[-1]:]) if roots else path
+
+
 def _source(cls: type) -> Path:
     """The file a class is defined in; a half in a package's ``client.py`` is shown as its package (its losses
     live beside it)."""
-    path = Path(inspect.getsourcefile(cls) or "").resolve()
+    path = _in_repo(Path(inspect.getsourcefile(cls) or "").resolve())
     if path.name == "client.py" and (path.parent / "__init__.py").exists():
         return path.parent
     return path
@@ -43,7 +50,7 @@ def _spec_module(spec: object) -> Path:
     first = sys.modules[spec.config_type.__module__]  # type: ignore[attr-defined]
     modules = [first, *(m for name, m in sorted(sys.modules.items()) if name.startswith("hetfed.wire.specs."))]
     home = next((m for m in modules if any(value is spec for value in vars(m).values())), first)
-    return Path(inspect.getsourcefile(home) or "").resolve()
+    return _in_repo(Path(inspect.getsourcefile(home) or "").resolve())
 
 
 def _grids(families: set[str]) -> dict[str, list[Path]]:
