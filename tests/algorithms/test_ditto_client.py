@@ -281,13 +281,13 @@ def test_keep_optimizer_state_carries_both_models_momentum_across_rounds() -> No
     for a, b in zip([*kept.ctx.model.parameters(), *kept.personal.parameters()],
                     [*fresh.ctx.model.parameters(), *fresh.personal.parameters()], strict=True):
         assert torch.equal(a, b)
-    global_opt, personal_opt = kept.optimizer(), kept._personal_optimizer
+    global_opt, personal_opt = kept.optimizer(), kept.optimizer("personal_optimizer")
     assert personal_opt is not None and personal_opt is not global_opt
     assert all("momentum_buffer" in personal_opt.state[p] for p in kept.personal.parameters())
     received = _perturbed_global(kept)
     for half in (kept, fresh):
         half.train(2, 5, Received([received], frozenset()))
-    assert kept.optimizer() is global_opt and kept._personal_optimizer is personal_opt
+    assert kept.optimizer() is global_opt and kept.optimizer("personal_optimizer") is personal_opt
     assert fresh.optimizer() is not fresh.optimizer()
     # The carried momentum moves both models differently from a fresh optimiser's first steps.
     for a, b in ((kept.ctx.model, fresh.ctx.model), (kept.personal, fresh.personal)):

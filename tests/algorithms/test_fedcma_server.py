@@ -259,7 +259,7 @@ def test_separate_head_step_follows_the_reference_codes_two_etas() -> None:
 def test_the_authors_preset_carries_their_run_script() -> None:
     """fedcma_authors: code/script_cifar.sh:99 through main_full.py's anneal_cons_alpha (η·λ per term)."""
     spec = SPECS["fedcma_authors"]
-    assert spec.family == "fedcma" and spec.server == SPECS["fedcma"].server
+    assert spec.family == "fedcma" and spec.half("server") is SPECS["fedcma"].half("server") is FedCMAServer
     cfg = spec.config()
     assert (cfg.lambda1, cfg.lambda2) == (5.0, 1.0)
     assert cfg.lambda1 * cfg.head_eta == 1.0 and cfg.lambda2 * cfg.server_lr == 0.18

@@ -98,5 +98,5 @@ def test_the_round_loop_trains_each_round_at_the_configs_scheduled_rate() -> Non
     rates = []
     for t in (1, 2, 3, 4):
         run_round(half, Action.TRAIN, t, 100 + t, Received([], frozenset()))
-        rates.append(half._optimizer.param_groups[0]["lr"])  # type: ignore[attr-defined]
+        rates.append(half.optimizer().param_groups[0]["lr"])
     assert rates == [0.01, 0.01, 0.01 * 0.99, 0.01 * 0.99 ** 2]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import types
+import typing
 from fractions import Fraction
 from typing import Any
 
@@ -506,3 +508,24 @@ def test_fill_payload_builds_in_place_inside_a_parent() -> None:
         codec.fill_payload(update.payloads.add(), p)
     expected = apb.Update(payloads=[codec.payload_to_proto(p) for p in payloads])
     assert update.SerializeToString() == expected.SerializeToString()
+
+
+def test_the_codec_tables_follow_the_payload_declarations() -> None:
+    """One declaration per kind: each member of ``Payload`` and its kind's pair, nothing written twice."""
+    declared = set(typing.get_args(Payload))
+    assert set(codec._TO_PROTO) == declared
+    assert {field for field, _ in codec._TO_PROTO.values()} == set(codec._FROM_PROTO) == {k.value for k in PayloadKind}
+    assert codec._TO_PROTO[HeadWeights] == ("head_weights", codec.head_weights_to_proto)
+    assert codec._FROM_PROTO["head_weights"] is codec.head_weights_from_proto
+
+
+def test_a_payload_kind_without_its_pair_fails_the_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    new = type("NewKind", (), {"kind": types.SimpleNamespace(value="new_kind")})
+    monkeypatch.setattr(codec, "Payload", HeadWeights | new)
+    with pytest.raises(RuntimeError, match=r"^payload NewKind: needs field 'new_kind' in the Payload oneof of "
+                                           r"payloads.proto and new_kind_to_proto and new_kind_from_proto in "
+                                           r"hetfed.wire.codec$"):
+        codec._tables()
+    monkeypatch.setattr(codec, "Payload", HeadWeights)
+    with pytest.raises(RuntimeError, match=r"without one class in payloads.Payload.*'class_counts'"):
+        codec._tables()

@@ -7,12 +7,14 @@ would copy the finished sub-message once more. Decoding reads each ``data`` fiel
 of a bytes field is a fresh copy) and returns a read-only ``np.frombuffer`` view of that copy.
 
 Each payload kind has one flat pair, ``x_to_proto`` (fills the kind's field of a Payload in place) and
-``x_from_proto``; two tables pick them, by payload type when encoding and by the oneof field when decoding.
+``x_from_proto``, named after the kind's value; two tables derived from ``payloads.Payload`` pick them, by
+payload type when encoding and by the oneof field when decoding.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -473,28 +475,32 @@ def eval_metrics_from_proto(m: pb.EvalMetrics, lifted: list[memoryview] | None) 
 _ToProto = Callable[[Any, Any, str | None], None]
 _FromProto = Callable[[Any, list[memoryview] | None], Payload]
 
-# Payload type -> (its field of the Payload oneof, its to_proto).
-_TO_PROTO: dict[type, tuple[str, _ToProto]] = {
-    ModelWeights: ("model_weights", model_weights_to_proto),
-    HeadWeights: ("head_weights", head_weights_to_proto),
-    ClassCounts: ("class_counts", class_counts_to_proto),
-    ClassMeanEmbeddings: ("class_mean_embeddings", class_mean_embeddings_to_proto),
-    SeedPosteriors: ("seed_posteriors", seed_posteriors_to_proto),
-    FactorizedWeights: ("factorized_weights", factorized_weights_to_proto),
-    CriteriaEmbeddings: ("criteria_embeddings", criteria_embeddings_to_proto),
-    EvalMetrics: ("eval_metrics", eval_metrics_to_proto),
-}
-# Field of the Payload oneof -> its from_proto.
-_FROM_PROTO: dict[str, _FromProto] = {
-    "model_weights": model_weights_from_proto,
-    "head_weights": head_weights_from_proto,
-    "class_counts": class_counts_from_proto,
-    "class_mean_embeddings": class_mean_embeddings_from_proto,
-    "seed_posteriors": seed_posteriors_from_proto,
-    "factorized_weights": factorized_weights_from_proto,
-    "criteria_embeddings": criteria_embeddings_from_proto,
-    "eval_metrics": eval_metrics_from_proto,
-}
+
+def _tables() -> tuple[dict[type, tuple[str, _ToProto]], dict[str, _FromProto]]:
+    """(payload type -> its field of the Payload oneof and its to_proto, field -> its from_proto), derived from
+    the declarations: each member of ``payloads.Payload`` declares its ``kind``, whose value names its oneof
+    field and its ``x_to_proto`` / ``x_from_proto`` pair above. A kind missing any of them fails the import."""
+    oneof = {f.name for f in pb.Payload.DESCRIPTOR.oneofs_by_name["kind"].fields}
+    types = typing.get_args(Payload)
+    pairs = globals()
+    to_proto: dict[type, tuple[str, _ToProto]] = {}
+    from_proto: dict[str, _FromProto] = {}
+    for cls in types:
+        field = cls.kind.value
+        missing = [name for name in (f"{field}_to_proto", f"{field}_from_proto") if name not in pairs]
+        if field not in oneof or missing:
+            raise RuntimeError(f"payload {cls.__name__}: needs field {field!r} in the Payload oneof of "
+                               f"payloads.proto and {' and '.join(missing) or 'its pair'} in hetfed.wire.codec")
+        to_proto[cls] = (field, pairs[f"{field}_to_proto"])
+        from_proto[field] = pairs[f"{field}_from_proto"]
+    undeclared = sorted({k.value for k in PayloadKind} ^ set(from_proto))
+    if undeclared or set(from_proto) != oneof:
+        raise RuntimeError(f"payload kinds without one class in payloads.Payload, or oneof fields without a kind: "
+                           f"{undeclared or sorted(oneof ^ set(from_proto))}")
+    return to_proto, from_proto
+
+
+_TO_PROTO, _FROM_PROTO = _tables()
 
 
 def _to_proto_of(payload: Payload) -> tuple[str, _ToProto]:

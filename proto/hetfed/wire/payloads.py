@@ -157,6 +157,8 @@ class EvalMetrics:
         return name in self.withheld
 
 
+# Every payload type, each declaring its kind: the codec derives its tables from this union (a new kind is a
+# message in payloads.proto, a PayloadKind member, its dataclass here and its pair in hetfed.wire.codec).
 Payload = (
     ModelWeights
     | HeadWeights

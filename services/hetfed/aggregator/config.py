@@ -99,8 +99,6 @@ class RunConfig:
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
         check(self.max_examples >= 1, f"max_examples must be >= 1, got {self.max_examples}")
-        check(self.example_weights in ("claimed", "declared"),
-              f"example_weights must be 'claimed' or 'declared', got {self.example_weights!r}")
         check(len(self.organizations) >= 1, "organizations must name at least one organization")
         for org in self.organizations:
             check(bool(NAME_RE.match(org)), f"organization {org!r} must match {NAME_RE.pattern}")

@@ -1,4 +1,4 @@
-"""Client halves of the algorithms (torch), found through the spec (its ``client``, ``"module:Class"``)."""
+"""Client halves of the algorithms (torch), bound to their specs by import (``@SPEC.client_half``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ __all__ = ["ClientContext", "ClientHalf", "client_half_type", "make_client_half"
 
 
 def client_half_type(spec: AlgorithmSpec) -> type[ClientHalf]:  # type: ignore[type-arg]
-    """The client half class ``spec`` names, imported on first use (its ``make_model`` builds the model)."""
-    return load_half(spec, spec.client, ClientHalf, "client")
+    """The client half bound to ``spec`` (its ``make_model`` builds the model); hetfed's own client halves are
+    imported on first use."""
+    import hetfed.client.algorithms.registered  # noqa: F401 (binds each half to its spec)
+    return load_half(spec, ClientHalf, "client")
 
 
 def make_client_half(spec: AlgorithmSpec, ctx: ClientContext) -> ClientHalf:  # type: ignore[type-arg]
-    """The client half ``spec`` names, built on a context holding a config of ``spec.config_type``."""
+    """The client half bound to ``spec``, built on a context holding a config of ``spec.config_type``."""
     return client_half_type(spec)(ctx)

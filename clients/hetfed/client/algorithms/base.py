@@ -20,7 +20,7 @@ from torch import nn
 from hetfed.client.data import ClientData
 from hetfed.client.data.core import Examples
 from hetfed.client.models import SplitModel, build_model
-from hetfed.client.training import DataSource, evaluate, source_of
+from hetfed.client.training import DataSource, evaluate, make_optimizer, source_of, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.specs import TrainConfig
@@ -161,6 +161,24 @@ class ClientHalf(Generic[C]):
     def __init__(self, ctx: ClientContext[C]) -> None:
         self.ctx = ctx
         self.config: C = ctx.config
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    def optimized(self) -> dict[str, list[nn.Parameter]]:
+        """Each optimiser this half trains with, by name (its key in the private state), and the parameters it
+        steps; default: one, ``"optimizer"``, over the model's trainable parameters."""
+        return {"optimizer": trainable(self.ctx.model)}
+
+    def optimizer_config(self, name: str) -> TrainConfig:
+        """The config optimiser ``name`` is built from (its kind, rate, momentum, decay); default: the run's."""
+        return self.config
+
+    def optimizer(self, name: str = "optimizer") -> torch.optim.Optimizer:
+        """This round's optimiser ``name`` (called once a round): a fresh one every round, or with
+        ``keep_optimizer_state`` the same one throughout, its momentum carried over rounds and restarts."""
+        kept = self._optimizers.get(name)
+        if kept is None or not self.config.keep_optimizer_state:
+            kept = self._optimizers[name] = make_optimizer(self.optimized()[name], self.optimizer_config(name))
+        return kept
 
     @classmethod
     def make_model(cls, name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
@@ -199,12 +217,15 @@ class ClientHalf(Generic[C]):
         raise NotImplementedError
 
     def private_state(self) -> dict[str, Any]:
-        """What this organization keeps across rounds: the model's state and every ``private_attributes`` entry
-        (live references; the runtime copies them when it writes the state directory)."""
+        """What this organization keeps across rounds: the model's state, every ``private_attributes`` entry and,
+        with ``keep_optimizer_state``, each optimiser built so far (live references; the runtime copies them when
+        it writes the state directory)."""
         state: dict[str, Any] = {"model": self.ctx.model.state_dict()}
         for name in self.private_attributes:
             value = getattr(self, name)
             state[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        if self.config.keep_optimizer_state:
+            state.update((name, opt.state_dict()) for name, opt in self._optimizers.items())
         return state
 
     def load_private_state(self, state: Mapping[str, Any]) -> None:
@@ -216,6 +237,9 @@ class ClientHalf(Generic[C]):
                 current.load_state_dict(saved)
             else:
                 setattr(self, name, on_device(saved, self.ctx.device))
+        for name in self.optimized():
+            if name in state:
+                self.optimizer(name).load_state_dict(state[name])
 
     def deployed_model(self) -> SplitModel:
         """The model this organization would deploy (what local artifacts snapshot)."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
-from hetfed.client.algorithms.base import ClientContext, ClientHalf
+from hetfed.client.algorithms.base import ClientHalf
 from hetfed.client.training import (
     Batch,
     Forward,
@@ -18,12 +17,12 @@ from hetfed.client.training import (
     cross_entropy,
     epoch_batches,
     fit,
-    make_optimizer,
     plain_forward,
     trainable,
 )
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
+from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
 C = TypeVar("C", bound=FedAvgConfig)
@@ -58,29 +57,9 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
     # Under DP the model trains with DP-SGD; the weights it uploads are post-processing.
     privacy_mechanism = "dp-sgd"
 
-    def __init__(self, ctx: ClientContext[C]) -> None:
-        super().__init__(ctx)
-        self._optimizer: torch.optim.Optimizer | None = None
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        """This round's optimiser over the trainable parameters: a fresh one every round, or the same one
-        throughout with ``keep_optimizer_state`` (its momentum carries over)."""
-        if self._optimizer is None or not self.config.keep_optimizer_state:
-            self._optimizer = make_optimizer(self.parameters(), self.config)
-        return self._optimizer
-
-    def private_state(self) -> dict[str, Any]:
-        """The model's state, and the optimiser's when it carries over rounds (``keep_optimizer_state``)."""
-        state = super().private_state()
-        if self.config.keep_optimizer_state and self._optimizer is not None:
-            state["optimizer"] = self._optimizer.state_dict()
-        return state
-
-    def load_private_state(self, state: Mapping[str, Any]) -> None:
-        """Resume the model (and the optimiser it kept)."""
-        super().load_private_state(state)
-        if "optimizer" in state:
-            self.optimizer().load_state_dict(state["optimizer"])
+    def optimized(self) -> dict[str, list[torch.nn.Parameter]]:
+        """One optimiser over ``parameters()``."""
+        return {"optimizer": self.parameters()}
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """What the local optimiser updates (the model's trainable parameters)."""
@@ -129,5 +108,6 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         return self.measure(round_ - 1)
 
 
+@fedavg.SPEC.client_half
 class FedAvgClient(ModelAveragingClient[FedAvgConfig]):
     """FedAvg: plain cross-entropy."""

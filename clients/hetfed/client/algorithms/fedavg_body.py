@@ -7,11 +7,13 @@ import dataclasses
 from hetfed.client.algorithms.fedavg import ModelAveragingClient
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import ModelWeights, Payload, Received
+from hetfed.wire.specs import fedavg_body
 from hetfed.wire.specs.fedavg_body import FedAvgBodyConfig
 
 HEAD = "head."
 
 
+@fedavg_body.SPEC.client_half
 class FedAvgBodyClient(ModelAveragingClient[FedAvgBodyConfig]):
     """Shares every state entry but the head's; loading takes only what arrives, so the head stays local."""
 

@@ -8,12 +8,14 @@ import numpy as np
 import torch
 
 from hetfed.client.algorithms.base import ClientHalf
-from hetfed.client.training import Objective, epoch_batches, fit, make_optimizer, trainable
+from hetfed.client.training import Objective, epoch_batches, fit
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, HeadWeights, Payload, PayloadKind, Received
+from hetfed.wire.specs import fedavg_head
 from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 
 
+@fedavg_head.SPEC.client_half
 class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
     """Evaluate own encoder + global head, train the whole model, upload the head."""
 
@@ -39,8 +41,7 @@ class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
         ctx = self.ctx
         self.load(received)
         before = ctx.metrics(0.0, evaluated_round=round_ - 1)
-        opt = make_optimizer(trainable(ctx.model), self.config)
-        result = fit([Objective(ctx.model, opt)], epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
+        result = fit([Objective(ctx.model, self.optimizer())], epoch_batches(ctx.train, self.config, ctx.rng(round_seed)))
         head = ctx.model.head
         return [
             HeadWeights(head.weight.detach().cpu().numpy(), head.bias.detach().cpu().numpy(), ctx.num_examples),

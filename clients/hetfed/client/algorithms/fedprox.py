@@ -5,9 +5,11 @@ from __future__ import annotations
 from hetfed.client.algorithms.fedavg import ModelAveragingClient
 from hetfed.client.losses import ProximalTerm
 from hetfed.client.training import LossTerm, data_free, trainable
+from hetfed.wire.specs import fedprox
 from hetfed.wire.specs.fedprox import FedProxConfig
 
 
+@fedprox.SPEC.client_half
 class FedProxClient(ModelAveragingClient[FedProxConfig]):
     """FedAvg's client with the proximal term toward the received global weights."""
 

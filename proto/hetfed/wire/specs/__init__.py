@@ -1,11 +1,12 @@
 """Algorithm specs: the declared wire contract of every algorithm, shared by aggregator and clients.
 
-One module per algorithm holds its config dataclass and its ``SPEC``, which names the algorithm's server
-half and client half as ``"module:Class"`` (imported only by the side that runs them). ``REGISTERED`` below
-is the one registration: adding an algorithm adds its files and one line there. An algorithm kept outside
-hetfed registers the same way through the ``HETFED_ALGORITHMS`` environment variable (comma-separated
-``"module:NAME"`` references, read by every process). Presets (``ditto_cos``, ``fedl2r``, ...) are another
-algorithm's config under their own names. This package imports no half.
+One module per algorithm holds its config dataclass and its ``SPEC``; ``REGISTERED`` below lists every spec
+by import, so adding an algorithm adds its files and one import here. Each half binds itself to its spec by
+import (``@fedcma.SPEC.server_half``), and each side's package imports only its own halves, on first use. An
+algorithm kept outside hetfed registers through the ``HETFED_ALGORITHMS`` environment variable
+(comma-separated ``"module:NAME"`` references, read by every process) and names its halves in its spec as
+``"module:Class"``, since no package of hetfed imports them. Presets (``ditto_cos``, ``fedl2r``, ...) are
+another algorithm's config under their own names. This package imports no half.
 """
 
 from __future__ import annotations
@@ -14,40 +15,56 @@ import importlib
 import os
 from typing import TypeVar
 
-from hetfed.wire.specs.base import AlgorithmSpec, Figure, TrainConfig, WireDtype
-
-__all__ = ["REGISTERED", "SPECS", "AlgorithmSpec", "Figure", "TrainConfig", "WireDtype", "get_spec", "load_half", "register"]
-
-# Every algorithm's spec, as "module:NAME" (one line per algorithm or preset).
-REGISTERED: tuple[str, ...] = (
-    "hetfed.wire.specs.local:SPEC",
-    "hetfed.wire.specs.fedavg:SPEC",
-    "hetfed.wire.specs.fedprox:SPEC",
-    "hetfed.wire.specs.fedavg_head:SPEC",
-    "hetfed.wire.specs.fedcma:SPEC",
-    "hetfed.wire.specs.fedcma:AUTHORS_SPEC",
-    "hetfed.wire.specs.fedh2l:SPEC",
-    "hetfed.wire.specs.fedsr:SPEC",
-    "hetfed.wire.specs.fedsr:FEDL2R",
-    "hetfed.wire.specs.fedsr:FEDCMI",
-    "hetfed.wire.specs.fedavg_body:SPEC",
-    "hetfed.wire.specs.simfed:SPEC",
-    "hetfed.wire.specs.ditto:SPEC",
-    "hetfed.wire.specs.ditto:COS_SPEC",
-    "hetfed.wire.specs.ditto:MKMMD_SPEC",
-    "hetfed.wire.specs.ditto:MMDD_SPEC",
+from hetfed.wire.specs import (
+    ditto,
+    fedavg,
+    fedavg_body,
+    fedavg_head,
+    fedcma,
+    fedh2l,
+    fedprox,
+    fedsr,
+    local,
+    simfed,
 )
-# Further specs from outside hetfed, same form, comma-separated.
+from hetfed.wire.specs.base import SIDES, AlgorithmSpec, Figure, TrainConfig, WireDtype
+
+__all__ = ["REGISTERED", "SPECS", "AlgorithmSpec", "Figure", "TrainConfig", "WireDtype", "get_spec", "load_half",
+           "register"]
+
+# Every algorithm and preset, in the order `hetfed run --help` lists them.
+REGISTERED: tuple[AlgorithmSpec, ...] = (
+    local.SPEC,
+    fedavg.SPEC,
+    fedprox.SPEC,
+    fedavg_head.SPEC,
+    fedcma.SPEC,
+    fedcma.AUTHORS_SPEC,
+    fedh2l.SPEC,
+    fedsr.SPEC,
+    fedsr.FEDL2R,
+    fedsr.FEDCMI,
+    fedavg_body.SPEC,
+    simfed.SPEC,
+    ditto.SPEC,
+    ditto.COS_SPEC,
+    ditto.MKMMD_SPEC,
+    ditto.MMDD_SPEC,
+)
+# Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
 
 SPECS: dict[str, AlgorithmSpec] = {}
 H = TypeVar("H")
 
 
-def register(reference: str) -> AlgorithmSpec:
-    """Import the spec ``"module:NAME"`` names and add it to ``SPECS`` (each name once); returns it."""
-    module, _, attr = reference.strip().partition(":")
-    spec = getattr(importlib.import_module(module), attr or "SPEC")
+def register(spec: AlgorithmSpec | str) -> AlgorithmSpec:
+    """Add a spec to ``SPECS`` (each name once), given as itself or as ``"module:NAME"`` (imported); returns it."""
+    if isinstance(spec, str):
+        module, _, attr = spec.strip().partition(":")
+        reference, spec = spec, getattr(importlib.import_module(module), attr or "SPEC")
+    else:
+        reference = repr(spec.name)
     if not isinstance(spec, AlgorithmSpec):
         raise TypeError(f"{reference} is not an AlgorithmSpec")
     if SPECS.get(spec.name, spec) is not spec:
@@ -56,20 +73,31 @@ def register(reference: str) -> AlgorithmSpec:
     return spec
 
 
-for _reference in (*REGISTERED, *filter(None, os.environ.get(ENVIRONMENT, "").split(","))):
+for _spec in REGISTERED:
+    register(_spec)
+for _reference in filter(None, os.environ.get(ENVIRONMENT, "").split(",")):
     register(_reference)
 
 
-def load_half(spec: AlgorithmSpec, reference: str, base: type[H], side: str) -> type[H]:
-    """The class ``reference`` (``"module:Class"``, one of ``spec``'s halves) names, imported on first use and
-    checked to be a ``base``; ValueError names the algorithm and the ``side`` ("server", "client")."""
-    module, _, name = reference.partition(":")
-    try:
-        half = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"algorithm {spec.name!r}: its {side} half {reference!r} cannot be loaded: {exc}") from None
+def load_half(spec: AlgorithmSpec, base: type[H], side: str) -> type[H]:
+    """``spec``'s ``side`` half ("server" or "client"): the class bound to it by import, else the one its
+    ``"module:Class"`` names (an algorithm kept outside hetfed), imported now; checked to be a ``base``.
+    ValueError names the algorithm and the side. The caller imports its side's own halves first."""
+    assert side in SIDES, side
+    half = spec.half(side)
+    reference = getattr(spec, side)
+    if half is None and not reference:
+        raise ValueError(f"algorithm {spec.name!r}: its {side} half cannot be loaded: no class is bound to it "
+                         f"(@SPEC.{side}_half) and the spec names none ({side}='module:Class')")
+    if half is None:
+        module, _, name = reference.partition(":")
+        try:
+            half = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"algorithm {spec.name!r}: its {side} half {reference!r} cannot be loaded: {exc}") \
+                from None
     if not (isinstance(half, type) and issubclass(half, base)):
-        raise ValueError(f"algorithm {spec.name!r}: {reference!r} is not a {base.__name__}")
+        raise ValueError(f"algorithm {spec.name!r}: {reference or half!r} is not a {base.__name__}")
     return half
 
 

@@ -1,9 +1,11 @@
 """What every algorithm spec is made of: the shared training config and the spec itself.
 
 A spec says what crosses the wire and no more: an algorithm's name, its frozen config dataclass, the payload
-kinds each side may send in each phase, what stays private, the figures its metrics carry, and where its
-two halves live (``"module:Class"``, imported only by the side that runs them). The aggregator (numpy) and
-the clients (torch) both read it; this module imports neither. Local-run defaults, labels, documentation
+kinds each side may send in each phase, what stays private and the figures its metrics carry. Its two halves
+bind themselves to it by import (``@fedcma.SPEC.server_half`` on the server half's class, ``client_half`` on
+the client's), so the link from a half to its spec is an import an editor follows; each side's package
+imports its own halves only (``hetfed.aggregator.algorithms.registered``, ``hetfed.client.algorithms.registered``).
+The aggregator (numpy) and the clients (torch) both read a spec; this module imports neither. Local-run defaults, labels, documentation
 and reproduction grids are the experiment side's (``hetfed.cli.experiments``).
 """
 
@@ -46,6 +48,9 @@ class TrainConfig:
     # A cap on the L2 norm of each step's gradient, over every parameter an optimiser built from this config
     # steps (torch's clip_grad_norm_ before the step). 0.0: no cap, as every paper here trains.
     max_grad_norm: float = 0.0
+    # Keep each organization's optimisers (their SGD momentum) from round to round, and across a restart,
+    # instead of fresh ones every round: what reference implementations that build their optimiser once do.
+    keep_optimizer_state: bool = False
 
     def lr_factor(self, round_: int) -> float:
         """The factor on every base learning rate in training round ``round_`` (1-based)."""
@@ -97,6 +102,11 @@ class SharedSpaceConfig(TrainConfig):
 
 
 C = TypeVar("C", bound=TrainConfig)
+T = TypeVar("T", bound=type)
+SIDES = ("server", "client")
+# (family, side) -> the half class bound to it. A preset shares its family's halves; a derived spec (FedProx
+# from FedAvg) is a family of its own and binds its halves itself.
+_HALVES: dict[tuple[str, str], type] = {}
 
 
 @dataclass(frozen=True)
@@ -147,7 +157,9 @@ class AlgorithmSpec(Generic[C]):
     shared_input_shape: bool = True
     # Figures the algorithm's metrics carry beyond accuracy (the aggregator exports them by key).
     figures: tuple[Figure, ...] = ()
-    # The two halves, as "module:Class": the server half (numpy, in the aggregator) and the client half (torch).
+    # Only for an algorithm kept outside hetfed, whose spec no side's package imports: its halves as
+    # "module:Class" (the server half numpy, in the aggregator; the client half torch), imported by the side
+    # that runs them. hetfed's own halves bind by import instead (``server_half``, ``client_half``).
     server: str = ""
     client: str = ""
     # Config fields this name sets over the config type's defaults (a preset of another algorithm's config).
@@ -166,7 +178,7 @@ class AlgorithmSpec(Generic[C]):
             raise ValueError(f"{self.name}: config_type must be a TrainConfig dataclass")
         for side, ref in (("server", self.server), ("client", self.client)):
             module, _, cls = ref.partition(":")
-            if not module or not cls:
+            if ref and (not module or not cls):
                 raise ValueError(f"{self.name}: {side} must name its half as 'module:Class', got {ref!r}")
         self.config()  # the presets are fields of the config type, with valid values
 
@@ -207,6 +219,25 @@ class AlgorithmSpec(Generic[C]):
     def derive(self, **changes: Any) -> AlgorithmSpec[Any]:
         """A new spec from this one (for example FedProx from FedAvg: another name, config type and client)."""
         return dataclasses.replace(self, **changes)
+
+    def server_half(self, half: T) -> T:
+        """Class decorator: ``half`` is this algorithm's server half (its presets' too)."""
+        return self._bind("server", half)
+
+    def client_half(self, half: T) -> T:
+        """Class decorator: ``half`` is this algorithm's client half (its presets' too)."""
+        return self._bind("client", half)
+
+    def _bind(self, side: str, half: T) -> T:
+        bound = _HALVES.setdefault((self.family, side), half)
+        if bound is not half:
+            raise ValueError(f"algorithm {self.family!r} has a {side} half already: {bound.__qualname__}, "
+                             f"not {half.__qualname__}")
+        return half
+
+    def half(self, side: str) -> type | None:
+        """The class bound as this algorithm's ``side`` half ("server" or "client"), if its module was imported."""
+        return _HALVES.get((self.family, side))
 
     def preset(self, name: str, summary: str, **fields: Any) -> AlgorithmSpec[C]:
         """This algorithm under another name whose config defaults are ``fields`` (same halves, same wire)."""

@@ -34,13 +34,9 @@ class AveragingConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.aggregation in ("mean", "trimmed_mean", "median"),
-              f"aggregation must be 'mean', 'trimmed_mean' or 'median', got {self.aggregation!r}")
         check(self.trim >= 1, f"trim must be >= 1, got {self.trim}")
         check(math.isfinite(self.max_update_norm_ratio) and self.max_update_norm_ratio >= 0,
               f"max_update_norm_ratio must be a finite number >= 0, got {self.max_update_norm_ratio}")
-        check(self.update_norm_policy in ("refuse", "clip"),
-              f"update_norm_policy must be 'refuse' or 'clip', got {self.update_norm_policy!r}")
         check(math.isfinite(self.max_abs_weight) and self.max_abs_weight >= 0,
               f"max_abs_weight must be a finite number >= 0, got {self.max_abs_weight}")
 
@@ -53,9 +49,6 @@ class FedAvgConfig(AveragingConfig, PeriodicEvalConfig):
     # "uniform": every organization counts the same (the leave-one-domain-out papers' FedAvg over source domains).
     # The trimmed mean is unweighted whatever this says.
     weighting: Literal["examples", "uniform"] = "examples"
-    # Keep each organization's optimiser state (SGD momentum) from round to round instead of starting a fresh
-    # optimiser every round (what reference implementations that never rebuild their optimiser do).
-    keep_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +64,4 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.MODEL_WEIGHTS, K.EVAL_METRICS}),
     download=frozenset({K.MODEL_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
-    server="hetfed.aggregator.algorithms.fedavg:FedAvgServer",
-    client="hetfed.client.algorithms.fedavg:FedAvgClient",
 )

@@ -22,5 +22,4 @@ SPEC = fedavg.SPEC.derive(
     summary="FedAvg of the body: encoders averaged, classifier heads kept local (FedPer style).",
     config_type=FedAvgBodyConfig,
     shared_label_space=False,  # heads stay local: organizations may name and count their classes differently
-    client="hetfed.client.algorithms.fedavg_body:FedAvgBodyClient",
 )

@@ -23,6 +23,4 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.HEAD_WEIGHTS}),
     shared_schema=frozenset({K.HEAD_WEIGHTS}),
     model_private=True,
-    server="hetfed.aggregator.algorithms.fedavg_head:HeadFedAvgServer",
-    client="hetfed.client.algorithms.fedavg_head:HeadFedAvgClient",
 )

@@ -62,13 +62,7 @@ class FedCMAConfig(SharedSpaceConfig):
             lam, eta = getattr(self, name), getattr(self, eta_field)
             check(0 < lam * eta <= 1, f"{name}·{eta_field} must lie in (0, 1] (eq. 7), got {lam}·{eta} = {lam * eta:g}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
-        check(self.alignment in ("paper", "reference"), f"alignment must be 'paper' or 'reference', got {self.alignment!r}")
-        check(self.head_consensus in ("paper", "reference"),
-              f"head_consensus must be 'paper' or 'reference', got {self.head_consensus!r}")
-        check(self.alignment_bn in ("train", "eval"), f"alignment_bn must be 'train' or 'eval', got {self.alignment_bn!r}")
         check(isinstance(self.bounded_latent, bool), f"bounded_latent must be true or false, got {self.bounded_latent!r}")
-        check(isinstance(self.keep_optimizer_state, bool),
-              f"keep_optimizer_state must be true or false, got {self.keep_optimizer_state!r}")
 
 
 SPEC = AlgorithmSpec(
@@ -83,8 +77,6 @@ SPEC = AlgorithmSpec(
     model_private=True,
     bounded_latent=True,
     figures=(Figure("global_head", "global_head_test_accuracy"),),
-    server="hetfed.aggregator.algorithms.fedcma:FedCMAServer",
-    client="hetfed.client.algorithms.fedcma:FedCMAClient",
 )
 
 # The reference code's run script (ajavvadi/FedCMA-ktboi, code/script_cifar.sh:99, read through code/main_full.py):

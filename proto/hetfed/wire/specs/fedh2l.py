@@ -39,6 +39,8 @@ class FedH2LConfig(PeriodicEvalConfig):
     peers_per_round: int = 0
     # Evaluate on the test sets every this many rounds (and in the final round); others resend the last figures.
     eval_every: int = 50
+    # Both optimisers live for the whole run (Algorithm 1 builds them once); false: fresh ones every round.
+    keep_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +62,4 @@ SPEC = AlgorithmSpec(
     needs_seed_set=True,
     figures=(Figure("wdp", "test_accuracy"), Figure("cdp", "cross_test_accuracy"),
              Figure("acc", "global_test_accuracy")),
-    server="hetfed.aggregator.algorithms.fedh2l:FedH2LServer",
-    client="hetfed.client.algorithms.fedh2l:FedH2LClient",
 )

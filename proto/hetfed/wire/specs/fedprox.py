@@ -24,5 +24,4 @@ SPEC = fedavg.SPEC.derive(
     name="fedprox",
     summary="FedProx (Li et al. 2020): FedAvg with a proximal term in the local objective.",
     config_type=FedProxConfig,
-    client="hetfed.client.algorithms.fedprox:FedProxClient",
 )

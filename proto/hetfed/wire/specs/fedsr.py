@@ -69,7 +69,6 @@ SPEC = fedavg.SPEC.derive(
     "information regularisers, uniform FedAvg of the whole model; domain generalisation.",
     config_type=FedSRConfig,
     figures=(Figure("target", "target_test_accuracy"), Figure("source_val", "test_accuracy")),
-    client="hetfed.client.algorithms.fedsr:FedSRClient",
 )
 
 # FedL2R (paper §3.3.2): FedSR's L2R term alone, on the deterministic network.

@@ -5,21 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetfed.wire.payloads import PayloadKind as K
-from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig, check
+from hetfed.wire.specs.base import AlgorithmSpec, TrainConfig
 
 
 @dataclass(frozen=True)
 class LocalConfig(TrainConfig):
-    """Local training: no federation, metrics only."""
-
-    # Keep the optimiser (SGD momentum) from round to round instead of a fresh one every round: the baseline
-    # at the optimiser of a method that keeps its own (Fed-CMA's authors' code builds it once, worker.py:132-137).
-    keep_optimizer_state: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(isinstance(self.keep_optimizer_state, bool),
-              f"keep_optimizer_state must be true or false, got {self.keep_optimizer_state!r}")
+    """Local training: no federation, metrics only. ``keep_optimizer_state`` (false) is the baseline at the
+    optimiser of a method that keeps its own (Fed-CMA's authors' code builds it once, worker.py:132-137)."""
 
 
 SPEC = AlgorithmSpec(
@@ -32,6 +24,4 @@ SPEC = AlgorithmSpec(
     model_private=True,
     shared_label_space=False,  # nothing is shared
     shared_input_shape=False,
-    server="hetfed.aggregator.algorithms.local:LocalServer",
-    client="hetfed.client.algorithms.local:LocalClient",
 )

@@ -88,17 +88,9 @@ class SimFedConfig(TrainConfig):
         check(self.lambda1 >= 0.0, f"lambda1 must be >= 0, got {self.lambda1}")
         check(self.mask_threshold >= 0.0, f"mask_threshold must be >= 0, got {self.mask_threshold}")
         check(self.min_similarity_set >= 1, f"min_similarity_set must be >= 1, got {self.min_similarity_set}")
-        check(self.shared_factors in ("u", "uv", "uvm"),
-              f"shared_factors must be 'u', 'uv' or 'uvm', got {self.shared_factors!r}")
-        check(self.mask_init in ("reference", "dense", "sparse", "zero"),
-              f"mask_init must be 'reference', 'dense', 'sparse' or 'zero', got {self.mask_init!r}")
         check(0.0 <= self.mask_init_density <= 1.0,
               f"mask_init_density must lie in [0, 1], got {self.mask_init_density}")
         check(1 <= self.criteria_inputs <= 1024, f"criteria_inputs must lie in [1, 1024], got {self.criteria_inputs}")
-        check(self.matching in ("similarity", "random", "top", "bottom"),
-              f"matching must be 'similarity', 'random', 'top' or 'bottom', got {self.matching!r}")
-        check(self.match_weights in ("softmax", "equal"),
-              f"match_weights must be 'softmax' or 'equal', got {self.match_weights!r}")
         check(self.random_partners >= 0, f"random_partners must be >= 0, got {self.random_partners}")
 
 
@@ -114,8 +106,6 @@ SPEC = AlgorithmSpec(
     shared_label_space=False,  # heads stay local: organizations may count their classes differently
     figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density"),
              Figure("kept_mask_density", "kept_mask_density")),
-    server="hetfed.aggregator.algorithms.simfed:SimFedServer",
-    client="hetfed.client.algorithms.simfed:SimFedClient",
 )
 
 

@@ -1,4 +1,4 @@
-"""Server halves of the algorithms (numpy only), found through the spec (its ``server``, ``"module:Class"``)."""
+"""Server halves of the algorithms (numpy only), bound to their specs by import (``@SPEC.server_half``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from hetfed.wire.specs import AlgorithmSpec, TrainConfig, load_half
 
 
 def server_half_type(spec: AlgorithmSpec) -> type[ServerHalf]:  # type: ignore[type-arg]
-    """The server half class ``spec`` names, imported on first use."""
-    return load_half(spec, spec.server, ServerHalf, "server")
+    """The server half bound to ``spec``; hetfed's own server halves are imported on first use."""
+    import hetfed.aggregator.algorithms.registered  # noqa: F401 (binds each half to its spec)
+    return load_half(spec, ServerHalf, "server")
 
 
 def make_server_half(spec: AlgorithmSpec, config: TrainConfig, run: RunInfo) -> ServerHalf:  # type: ignore[type-arg]
-    """The server half ``spec`` names, built with the run's typed config (of ``spec.config_type``)."""
+    """The server half bound to ``spec``, built with the run's typed config (of ``spec.config_type``)."""
     return server_half_type(spec)(config, run)

@@ -18,6 +18,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ModelWeights, Payload, Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.specs import ditto, fedavg, fedavg_body, fedprox, fedsr
 from hetfed.wire.specs.fedavg import AveragingConfig, FedAvgConfig
 
 A = TypeVar("A", bound=AveragingConfig)
@@ -134,6 +135,11 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         self._global_norm = self._global_max_abs = None
 
 
+@fedavg.SPEC.server_half
+@fedprox.SPEC.server_half
+@fedsr.SPEC.server_half
+@fedavg_body.SPEC.server_half
+@ditto.SPEC.server_half
 class FedAvgServer(AveragingServer[FedAvgConfig]):
     """FedAvg: average whole models (FedProx shares it: its difference is in the client objective)."""
 

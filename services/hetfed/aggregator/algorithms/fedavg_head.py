@@ -6,9 +6,11 @@ import numpy as np
 
 from hetfed.aggregator.algorithms.fedavg import AveragingServer
 from hetfed.wire.payloads import HeadWeights, Payload, Received
+from hetfed.wire.specs import fedavg_head
 from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 
 
+@fedavg_head.SPEC.server_half
 class HeadFedAvgServer(AveragingServer[HeadFedAvgConfig]):
     """Averages the head Linear(d_e, K), weighted by example counts."""
 

@@ -21,6 +21,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.specs import fedcma
 from hetfed.wire.specs.fedcma import FedCMAConfig
 
 # Stream of the run seed that draws v̄⁰ (independent of every other draw made from the seed).
@@ -48,6 +49,7 @@ def p_weights(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return p_ik, p_i
 
 
+@fedcma.SPEC.server_half
 class FedCMAServer(ServerHalf[FedCMAConfig]):
     """Fed-CMA (Algorithm 1, server side): global class means ē and global head v̄ by eq. 7."""
 

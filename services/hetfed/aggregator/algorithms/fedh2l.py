@@ -21,9 +21,11 @@ from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import Payload, Received, SeedPosteriors
 from hetfed.wire.phases import Phase
+from hetfed.wire.specs import fedh2l
 from hetfed.wire.specs.fedh2l import FedH2LConfig
 
 
+@fedh2l.SPEC.server_half
 class FedH2LServer(ServerHalf[FedH2LConfig]):
     """Relays each organization's latest posteriors to its teachers' students; one instance per run."""
 

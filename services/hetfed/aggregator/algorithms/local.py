@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.wire.specs import local
 from hetfed.wire.specs.local import LocalConfig
 
 
+@local.SPEC.server_half
 class LocalServer(ServerHalf[LocalConfig]):
     """Local training: organizations only report metrics."""

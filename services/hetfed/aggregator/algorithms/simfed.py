@@ -55,6 +55,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import CriteriaEmbeddings, FactorizedLayer, FactorizedWeights, Payload, Received
 from hetfed.wire.phases import Phase
+from hetfed.wire.specs import simfed
 from hetfed.wire.specs.simfed import SimFedConfig, decode_mask
 
 Layout = tuple[tuple[str, int, int, tuple[int, ...]], ...]
@@ -313,6 +314,7 @@ def personalised_downloads(
 RANDOM_MATCHING_STREAM = 0x5AD
 
 
+@simfed.SPEC.server_half
 class SimFedServer(ServerHalf[SimFedConfig]):
     """Similarity matching and personalised reflection; each organization receives its own factors."""
 

@@ -40,11 +40,11 @@ from hetfed.client.training import (
     eval_mode,
     evaluate,
     fit,
-    make_optimizer,
     plain_forward,
     trainable,
 )
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.specs import ditto
 from hetfed.wire.specs.ditto import DittoConfig
 
 # Random streams of (run seed, round seed, organization) beside the batch order's: the refit samples' rows and
@@ -118,6 +118,7 @@ class LayerDrift:
         return value
 
 
+@ditto.SPEC.client_half
 class DittoClient(ModelAveragingClient[DittoConfig]):
     """Ditto: ``ctx.model`` is the global model w_G (declared and uploaded); ``personal`` is w_L (never sent)."""
 
@@ -141,15 +142,15 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
                 named_layer(self.personal, layer)  # a clear error naming the model's layers
         self.schedule = RefitSchedule(self.config.refit_every, self.config.refit_batches)
         self.drifts: dict[str, LayerDrift] = {}
-        # w_L's optimiser, kept across rounds with keep_optimizer_state (w_G's is the base class's).
-        self._personal_optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ private state
+    def optimized(self) -> dict[str, list[nn.Parameter]]:
+        """w_G's optimiser (FedAvg's) and w_L's."""
+        return {**super().optimized(), "personal_optimizer": trainable(self.personal)}
+
     def private_state(self) -> dict[str, Any]:
         """FedAvg's state, w_L, w_L's optimiser when kept, and each layer's drift measure (kernel and its optimiser)."""
         state = super().private_state()
-        if self.config.keep_optimizer_state and self._personal_optimizer is not None:
-            state["personal_optimizer"] = self._personal_optimizer.state_dict()
         drifts: dict[str, Any] = {}
         for layer, d in self.drifts.items():
             entry: dict[str, Any] = {"width": d.width, "refits": d.refits, "module": d.module.state_dict()}
@@ -163,9 +164,6 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
     def load_private_state(self, state: Mapping[str, Any]) -> None:
         """Resume w_G, w_L, their optimisers and the drift measures."""
         super().load_private_state(state)
-        if "personal_optimizer" in state:
-            self._personal_optimizer = make_optimizer(trainable(self.personal), self.config)
-            self._personal_optimizer.load_state_dict(state["personal_optimizer"])
         for layer, entry in state.get("drifts", {}).items():
             d = self.drift_for(layer, int(entry["width"]))
             d.module.load_state_dict(entry["module"])
@@ -256,10 +254,8 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
         def penalty() -> None:
             add_proximal_gradient(params, reference, lam)
 
-        if self._personal_optimizer is None or not self.config.keep_optimizer_state:
-            self._personal_optimizer = make_optimizer(params, self.config)
         # w_L never leaves the organization (only its metrics do), so DP-SGD leaves it alone.
-        return Objective(self.personal, self._personal_optimizer, terms, forward,
+        return Objective(self.personal, self.optimizer("personal_optimizer"), terms, forward,
                          before_step=penalty if lam > 0 else None, kept=True)
 
     # ------------------------------------------------------------------ hooks

@@ -40,10 +40,9 @@ from hetfed.client.training import (
     eval_mode,
     evaluate,
     fit,
-    make_optimizer,
-    trainable,
 )
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, EvalMetrics, HeadWeights, Payload, Received
+from hetfed.wire.specs import fedcma
 from hetfed.wire.specs.fedcma import FedCMAConfig
 
 if TYPE_CHECKING:  # dp-accounting is imported only by a client under DP (it takes over a second)
@@ -55,6 +54,7 @@ _BATCH_STREAM = 0xB1C
 _RELEASED = "class_counts"
 
 
+@fedcma.SPEC.client_half
 class FedCMAClient(ClientHalf[FedCMAConfig]):
     """Fed-CMA worker: private encoder and head, class-conditional alignment to the global means."""
 
@@ -81,7 +81,6 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         self.global_present: torch.Tensor | None = None
         self.class_totals: np.ndarray | None = None
         self.global_head: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_model(self) -> None:
@@ -279,13 +278,6 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         head = self.ctx.model.head
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
                            self.ctx.num_examples)
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        """This round's optimiser: the same one throughout with ``keep_optimizer_state`` (the reference code's),
-        else a fresh one every round."""
-        if self._optimizer is None or not self.cfg.keep_optimizer_state:
-            self._optimizer = make_optimizer(trainable(self.ctx.model), self.cfg)
-        return self._optimizer
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
         """Evaluate after the download (FedGen's protocol), run eq. 6 on eq. 5 for the round's local steps,

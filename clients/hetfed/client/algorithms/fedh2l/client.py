@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 import torch
+from torch import nn
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.algorithms.fedh2l.losses import ConfidenceWeightedDistillation, ConflictProjection
@@ -31,14 +32,15 @@ from hetfed.client.training import (
     cross_entropy,
     eval_mode,
     fit,
-    make_optimizer,
     sampled_batches,
     trainable,
 )
 from hetfed.wire.payloads import EvalMetrics, Payload, Received, SeedPosteriors
+from hetfed.wire.specs import fedh2l
 from hetfed.wire.specs.fedh2l import FedH2LConfig
 
 
+@fedh2l.SPEC.client_half
 class FedH2LClient(ClientHalf[FedH2LConfig]):
     """One FedH2L node: a private model of any architecture, two optimisers, the shared seed set."""
 
@@ -46,8 +48,9 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
     # model on the shared seed set, and its accuracy on the seed set's labels, are post-processing.
     privacy_mechanism = "dp-sgd"
 
-    # Both optimisers, and g_loc with the confidence it waits to be used with in the next round's learn step.
-    private_attributes = ("opt_local", "opt_global", "g_loc", "private_batch_accuracy")
+    # g_loc with the confidence it waits to be used with in the next round's learn step (the two optimisers,
+    # "opt_local" and "opt_global", are the base class's: kept with keep_optimizer_state).
+    private_attributes = ("g_loc", "private_batch_accuracy")
 
     def __init__(self, ctx: ClientContext[FedH2LConfig]) -> None:
         super().__init__(ctx)
@@ -57,8 +60,6 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
                              "use data.partition 'rotated'")
         self.cfg = ctx.config
         self.params = trainable(ctx.model)
-        self.opt_local = make_optimizer(self.params, self.cfg)
-        self.opt_global = make_optimizer(self.params, dataclasses.replace(self.cfg, lr=self.cfg.global_lr or self.cfg.lr))
         self.seed_set_id = public.id
         self.pub_x = torch.as_tensor(public.features(), device=ctx.device)
         self.pub_y = torch.as_tensor(np.array(public.y), device=ctx.device)
@@ -69,6 +70,16 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
         self.project = ConflictProjection()
         self.g_loc: torch.Tensor | None = None  # g_loc of the last local step(s), waiting for its learn step
         self.private_batch_accuracy = 0.0
+
+    def optimized(self) -> dict[str, list[nn.Parameter]]:
+        """The local step's optimiser and the mutual-learning step's, over the same parameters."""
+        return {"opt_local": self.params, "opt_global": self.params}
+
+    def optimizer_config(self, name: str) -> FedH2LConfig:
+        """The global step's optimiser steps at ``global_lr`` (0: ``lr``)."""
+        if name == "opt_global":
+            return dataclasses.replace(self.cfg, lr=self.cfg.global_lr or self.cfg.lr)
+        return self.cfg
 
     def check_privacy(self) -> None:
         """Unlabelled seed data take the teaching confidence from a private batch's accuracy, which no mechanism
@@ -89,7 +100,7 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
             self.g_loc = flat_grad(self.params).detach().clone()
 
         batches = list(sampled_batches(self.ctx.train, self.cfg.batch_size, e, rng))
-        result = fit([Objective(model, self.opt_local, [cross_entropy],
+        result = fit([Objective(model, self.optimizer("opt_local"), [cross_entropy],
                                 before_step=keep_local_gradient if e == 1 else None)], batches)
         if start is not None:
             self.g_loc = start - torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -147,7 +158,8 @@ class FedH2LClient(ClientHalf[FedH2LConfig]):
 
         at = torch.cat(idx)
         seed_batch = Batch(self.pub_x[at], self.pub_y[at])
-        fit([Objective(self.ctx.model, self.opt_global, [distillation], before_step=project)], [seed_batch])
+        fit([Objective(self.ctx.model, self.optimizer("opt_global"), [distillation], before_step=project)],
+            [seed_batch])
         self.g_loc = None
         return stats
 

@@ -34,6 +34,7 @@ from hetfed.client.models import SplitModel, default_latent_dim, make_built
 from hetfed.client.training import Batch, Forward, LossTerm, PerExample, cross_entropy, trainable
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind, Received
+from hetfed.wire.specs import fedsr
 from hetfed.wire.specs.fedsr import FedSRConfig
 
 REFERENCE_PREFIX = "reference."
@@ -44,6 +45,7 @@ def _seed(*parts: object) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
+@fedsr.SPEC.client_half
 class FedSRClient(ModelAveragingClient[FedSRConfig]):
     """FedAvg's client with a probabilistic model, the L2R and CMI terms and sampled predictions."""
 

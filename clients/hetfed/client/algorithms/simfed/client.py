@@ -39,10 +39,9 @@ from hetfed.client.training import (
     data_free,
     epoch_batches,
     fit,
-    make_optimizer,
-    trainable,
 )
 from hetfed.wire.payloads import CriteriaEmbeddings, EvalMetrics, FactorizedWeights, Payload, Received
+from hetfed.wire.specs import simfed
 from hetfed.wire.specs.simfed import SimFedConfig
 
 __all__ = ["SimFedClient", "criteria_set_id"]
@@ -53,6 +52,7 @@ def criteria_set_id(seed: int, count: int, input_shape: tuple[int, ...]) -> str:
     return f"normal(0,1) seed={seed} count={count} shape={'x'.join(map(str, input_shape))}"
 
 
+@simfed.SPEC.client_half
 class SimFedClient(ClientHalf[SimFedConfig]):
     """Trains the factorised model from its personalised factors; uploads factors and criteria embeddings.
 
@@ -89,7 +89,6 @@ class SimFedClient(ClientHalf[SimFedConfig]):
         # that the organization never loses its own parameters.
         self.unsent: list[torch.Tensor | None] | None = None
         self.figures: dict[str, float] = {}
-        self._optimizer: torch.optim.Optimizer | None = None
 
     def load(self, received: Received) -> None:
         """Take the personalised factors, when the aggregator sent some (never in round 1)."""
@@ -98,12 +97,6 @@ class SimFedClient(ClientHalf[SimFedConfig]):
             return
         load_factors(self.ctx.model, fw, self.config.shared_factors, self.unsent)
         self.figures["received_mask_density"] = mask_density(fw)
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        """This round's optimiser: the same one throughout with ``keep_optimizer_state``, else a fresh one."""
-        if self._optimizer is None or not self.config.keep_optimizer_state:
-            self._optimizer = make_optimizer(trainable(self.ctx.model), self.config)
-        return self._optimizer
 
     def terms(self) -> list[LossTerm]:
         """Cross-entropy plus λ₁·Σ‖μ‖₁ over every mask (eq. 7)."""
