@@ -1,10 +1,11 @@
 """A run's ``Journal``: its store, the group commit of pushed updates, and the pending checkpoint of a close.
 
-A pushed update is appended to the log under the run's lock (``log_locked``), made durable outside it, where
-concurrent pushes share one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run
-folds it in: nothing is folded, nor acknowledged, before it is on disk. At most one update per organization is
-being made durable at a time. A round's close writes its history line at once (``append_history``) and leaves its
-checkpoint pending (``set_close_locked``) until ``commit_pending`` writes it outside the lock.
+A push claims its organization's place (``claim_locked``) before its update is checked; the checked update is
+appended to the log under the run's lock (``log_locked``), made durable outside it, where concurrent pushes share
+one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run folds it in: nothing is
+folded, nor acknowledged, before it is on disk. At most one update per organization is on its way in at a time.
+A round's close writes its history line at once (``append_history``) and leaves its checkpoint pending
+(``set_close_locked``) until ``commit_pending`` writes it outside the lock.
 
 ``lock`` is the run's lock: methods whose name ends in ``_locked`` are called with it held, the others without.
 """
@@ -32,7 +33,7 @@ class Journal:
         self.store = RunStore(state_dir, run_id, disk)
         self._lock = lock
         self._committer = CloseCommitter(run_id, lock, self.store, on_error)
-        self._syncing: set[str] = set()  # organizations whose logged update is being made durable
+        self._syncing: set[str] = set()  # organizations whose update is on its way in (claimed, not settled)
 
     @property
     def dir(self) -> Path:
@@ -75,19 +76,18 @@ class Journal:
         """Make a closing round's history line durable; ``StorageError`` on failure."""
         self.store.append_history(record)
 
-    def check_free_locked(self, organization: str, round_: int) -> None:
-        """``too_many_streams`` while an earlier update of the organization is being made durable."""
+    def claim_locked(self, organization: str, round_: int) -> None:
+        """Hold the organization's place in the log from its push's checks until ``settle_locked``:
+        ``too_many_streams`` while another update of it is on its way in (being checked or made durable)."""
         if organization in self._syncing:
             raise WireError("too_many_streams", f"an update of {organization!r} for round {round_} is being "
-                                                "made durable; try again in a moment")
+                                                "received; try again in a moment")
+        self._syncing.add(organization)
 
     def log_locked(self, organization: str, round_: int, data: bytes | memoryview, digest: bytes) -> WalTicket:
-        """Append a checked update to the log (not yet durable); ``too_many_streams`` while an earlier update of
-        the organization is being made durable, ``StorageError`` when the append fails."""
-        self.check_free_locked(organization, round_)
-        ticket = self.store.append_update(round_, organization, data, digest)
-        self._syncing.add(organization)
-        return ticket
+        """Append a checked update of a claimed organization to the log (not yet durable); ``StorageError`` when
+        the append fails."""
+        return self.store.append_update(round_, organization, data, digest)
 
     def sync(self, organization: str, round_: int, ticket: WalTicket) -> bool:
         """Make the record durable (concurrent pushes share one fsync). False when a failed fsync of another
@@ -101,7 +101,7 @@ class Journal:
             raise StorageError(self.store.failed_update(organization, round_, exc)) from None
 
     def settle_locked(self, organization: str) -> None:
-        """The organization's update is no longer being made durable (it is, or it was cut)."""
+        """The organization's update is no longer on its way in (durable, cut, or refused before it was logged)."""
         self._syncing.discard(organization)
 
     def cut_message(self, organization: str, round_: int) -> str:

@@ -1,7 +1,7 @@
 """What a run admits: limits on Join requests and on the values inside updates, and declared example weights.
 
-Pure checks: each raises ``WireError`` with the reason a client sees, or returns. The engine calls them before
-a request can change the run's state.
+Pure checks: each raises ``WireError`` with the reason a client sees, or returns. The run (``conductor.Run``)
+calls them before a request can change its state.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import unicodedata
 from dataclasses import dataclass
 from typing import NoReturn
 
+from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
-from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError
-from hetfed.wire.messages import JoinRequest
+from hetfed.aggregator.run.state import RunState
+from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError, clip
+from hetfed.wire.messages import JoinRequest, ParsedUpdate
 from hetfed.wire.payloads import (
     EvalMetrics,
     FactorizedWeights,
@@ -24,7 +26,6 @@ from hetfed.wire.payloads import (
     training_examples,
 )
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.rpc import clip
 
 # Payloads whose example count is an aggregation weight.
 WEIGHTED = (ModelWeights, HeadWeights, FactorizedWeights)
@@ -156,6 +157,23 @@ def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaratio
         new, old = _epsilons(declared.epsilon, last.epsilon)
         raise WireError("privacy_regressed", f"organization {organization!r} declared ε={new} after ε={old}: its "
                                              "privacy ledger was lost; keep the client's state_dir")
+
+
+def check_push(cfg: RunConfig, limits: Limits, max_examples: int, state: RunState, organization: str, round_: int,
+               update: ParsedUpdate, half: ServerHalf, last: PrivacyDeclaration | None) -> Received:  # type: ignore[type-arg]
+    """A pushed update checked against the run in ``state``, decoded: a leave notice is refused (``refuse_leave``);
+    an update must keep the algorithm's payload contract (``ParsedUpdate.check``), the example counts and named
+    figures (``check_update``), the privacy declaration (``check_privacy``, after ``last``, the organization's
+    last accepted one) and what only the server half can check (``validate``)."""
+    if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
+        update.check_leave(cfg.id, round_, organization)
+        refuse_leave(cfg, organization, update.privacy, update.leave_reason)
+    received = update.check(cfg.spec, state.phase, state.schema, limits.max_tensor_elements, cfg.id, round_,
+                            organization)
+    check_update(cfg, limits, max_examples, organization, state.examples.get(organization, 0), received)
+    check_privacy(cfg, organization, update.privacy, last)
+    half.validate(state.phase, organization, received)
+    return received
 
 
 def refuse_leave(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None,

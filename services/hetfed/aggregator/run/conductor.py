@@ -1,4 +1,4 @@
-"""The run's shell: one round loop for every algorithm, durable, with quorum, deadlines and contract checks.
+"""The run's conductor: one round loop for every algorithm, durable, with quorum, deadlines and contract checks.
 
 A run moves through phases (``hetfed.wire.phases.Phase``): setup (round 0, only when the algorithm uploads
 something once), train (rounds 1..R), evaluate (round R+1: clients evaluate the final state and report
@@ -6,11 +6,12 @@ metrics) and finished. A round closes when every organization still expected has
 has passed with at least the quorum.
 
 The rules live in ``hetfed.aggregator.run.state``: a frozen ``RunState`` and pure transitions that return the
-next state and its effects. ``Run`` is the concurrency shell around them: it holds the lock and dispatches every
-effect in one loop (``_apply_locked``) to its collaborators, through their public methods: the ``Journal``
-(``hetfed.aggregator.journal``), the ``Keeper`` of the numpy server half, the instruction cache, the
-organizations' ledger and an ``Observer`` (metrics, Events, the log). Every accepted update is on disk before it
-is acknowledged; a round's close is committed by a checkpoint; a restart replays the open round's logged updates.
+next state and its effects. ``Run`` conducts them: it holds the lock and dispatches every effect in one loop
+(``_apply_locked``) to its collaborators, through their public methods: the ``Journal``
+(``hetfed.aggregator.journal``), the ``Aggregation`` (the numpy server half, kept in step with the journal), the
+admission checks, the instruction cache, the organizations' ledger and an ``Observer`` (metrics, Events, the log).
+Every accepted update is on disk before it is acknowledged; a round's close is committed by a checkpoint; a
+restart replays the open round's logged updates.
 """
 
 from __future__ import annotations
@@ -32,20 +33,41 @@ from hetfed.aggregator.journal.history import RoundRecord
 from hetfed.aggregator.journal.journal import Journal
 from hetfed.aggregator.journal.store import Disk, StateError, StorageError, WalTicket
 from hetfed.aggregator.run import admission, resume
-from hetfed.aggregator.run import state as rs
 from hetfed.aggregator.run.admission import Limits
-from hetfed.aggregator.run.changes import Changes
+from hetfed.aggregator.run.aggregation import Aggregation
 from hetfed.aggregator.run.instructions import InstructionCache, round_seed
-from hetfed.aggregator.run.keeper import Keeper
+from hetfed.aggregator.run.notifier import ChangeNotifier
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.state import (
+    Close,
+    DataShape,
+    Duplicate,
+    Fold,
+    Persist,
+    RefusalChanged,
+    Refused,
+    Rules,
+    RunState,
+    Step,
+    Stranger,
+    accept,
+    check_member,
+    check_round,
+    close,
+    due,
+    join,
+    refuse,
+    seen,
+)
 from hetfed.aggregator.run.status import run_status
 from hetfed.wire import contract, messages
 from hetfed.wire.config import to_mapping
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import WireError, clip
 from hetfed.wire.messages import (
     JoinReply,
     JoinRequest,
     ParsedUpdate,
+    Pulled,
     PullRequest,
     PushReply,
     RoundSummary,
@@ -54,7 +76,6 @@ from hetfed.wire.messages import (
 from hetfed.wire.payloads import EvalMetrics, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.rpc import Pulled, clip
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -74,10 +95,10 @@ class Observer(Protocol):
     def round_opened(self, round_: int) -> None:
         """The run's current round."""
 
-    def refusal(self, change: rs.RefusalChanged, released: bool) -> None:
+    def refusal(self, change: RefusalChanged, released: bool) -> None:
         """A member's refusal was recorded or lifted; ``released``: rounds no longer wait for it."""
 
-    def restored(self, refused: Mapping[str, rs.Refused]) -> None:
+    def restored(self, refused: Mapping[str, Refused]) -> None:
         """Refusals read back at start-up."""
 
     def storage_error(self) -> None:
@@ -97,18 +118,19 @@ class Run:
                  disk: Disk | None = None) -> None:
         self.cfg, self.spec, self.observer, self.limits = cfg, cfg.spec, observer, limits
         self.train_config = cfg.train_config()
-        self.keeper = Keeper(lambda: make_server_half(self.spec, self.train_config, self.cfg.run_info()))
         self._lock = threading.RLock()
         # A closed round's checkpoint is written after its clients are woken, outside the lock.
         self.journal = Journal(cfg.id, state_dir, disk, self._lock, observer.storage_error)
+        self.aggregation = Aggregation(lambda: make_server_half(self.spec, self.train_config, self.cfg.run_info()),
+                                       cfg, self.journal, limits.max_tensor_elements)
         self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
-        self.rules = rs.Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
-                              self.spec.first_phase, str(self.journal.dir))
-        self.state = rs.RunState.start(self.rules)
+        self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
+                           self.spec.first_phase, str(self.journal.dir))
+        self.state = RunState.start(self.rules)
         dtype = self.train_config.wire_dtype
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
         self._traffic_lock = threading.Lock()  # never held across I/O: the event loop counts traffic
-        self.changes = Changes()
+        self.notifier = ChangeNotifier()
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self._strangers: OrderedDict[str, tuple[str, str]] = OrderedDict()
@@ -136,42 +158,9 @@ class Run:
     pushed = property(lambda self: self.state.pushed)
     refused = property(lambda self: self.state.refused)
 
-    @property
-    def half(self) -> ServerHalf:  # type: ignore[type-arg]
-        """The run's server half."""
-        return self.keeper.half
-
     # ----------------------------------------------------------------- durability
-    def _meta(self, state: rs.RunState | None = None) -> CheckpointMeta:
+    def _meta(self, state: RunState | None = None) -> CheckpointMeta:
         return CheckpointMeta((state or self.state).to_json(), self.cfg.algorithm, self.ledger.to_json())
-
-    def _persist_locked(self, state: rs.RunState) -> None:
-        """Write ``state``'s checkpoint, then adopt it; ``storage_unavailable`` (nothing changed) on failure."""
-        self._fresh_locked()
-        try:
-            self.journal.save_checkpoint(self._meta(state), self.keeper.state())
-        except StorageError as exc:
-            self._storage_failed(exc)
-        self.state = state
-
-    def _fresh_locked(self) -> None:
-        """Rebuild the server half from the journal when a failed close left it ahead of the disk."""
-        if not self.keeper.stale:
-            return
-        try:
-            _, arrays = self.journal.read_checkpoint()
-            updates = [(u.organization, self._weighted(u.organization, u.received)) for u in self._logged()
-                       if u.organization in self.pushed]
-            self.keeper.rebuild(arrays, self.phase, updates)
-        except (StateError, OSError) as exc:
-            raise WireError("storage_unavailable", f"run {self.cfg.id!r} cannot reload its state after a failed "
-                                                   f"write ({exc})") from None
-        log.info("run %s: server state rebuilt from the checkpoint and %d logged updates", self.cfg.id,
-                 len(self.pushed))
-
-    def _logged(self) -> list[resume.Logged]:
-        return resume.logged_updates(self.journal.logged(self.round), self.cfg, self.phase, self.round, self.schema,
-                                     self.limits.max_tensor_elements)
 
     def _storage_failed(self, exc: StorageError) -> NoReturn:
         self.observer.storage_error()
@@ -186,14 +175,14 @@ class Run:
             raise StateError(f"run {self.cfg.id!r}: {exc}") from None
         if loaded is None:
             try:
-                self.journal.save_checkpoint(self._meta(), self.keeper.state())
+                self.journal.save_checkpoint(self._meta(), self.aggregation.half.state())
             except StorageError as exc:
                 raise StateError(f"run {self.cfg.id!r}: cannot write its first checkpoint: {exc}") from None
             return
         store = self.journal.store
         back = resume.restored(loaded, self.cfg, self.rules, store.checkpoint_path, store.history_path)
         self.history, self.state, self.ledger = back.history, back.state, back.ledger
-        resume.load_arrays(self.keeper.load, back.arrays, self.cfg, store.checkpoint_path)
+        self.aggregation.load(back.arrays, store.checkpoint_path)
         self.observer.restored(self.refused)
         self.current = RoundRecord(self.round, self.phase, time.monotonic())
         self._deadline_armed = bool(self.joined)
@@ -201,9 +190,9 @@ class Run:
             self.journal.drop_rounds_before(self.round + 1)
             log.info("run %s resumed finished after %d rounds", self.cfg.id, len(self.history))
             return
-        replayed = self._logged()
+        replayed = self.aggregation.logged(self.state)
         for u in replayed:  # their declarations bring the ledger's last ε up to date
-            self._apply_locked(rs.accept(self.state, self.rules, u.organization, self.round, u.digest), u.received,
+            self._apply_locked(accept(self.state, self.rules, u.organization, self.round, u.digest), u.received,
                                u.privacy)
         log.info("run %s resumed at %s round %d with %d stored updates", self.cfg.id, self.phase.value,
                  self.round, len(replayed))
@@ -218,22 +207,21 @@ class Run:
     # ----------------------------------------------------------------- join and instructions
     def check_member(self, organization: str) -> None:
         """Refuse an organization that is not in the run, has not joined, or owes its declaration (lock-free)."""
-        rs.check_member(self.state, self.rules, organization)
+        check_member(self.state, self.rules, organization)
 
     def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization of this run; the first declaration fixes the run's tensor schema, the first
         declared label count and input shape (those the algorithm shares) the run's data."""
-        declared = None  # rs.join refuses a non-member or a finished run first
+        declared = None  # join() refuses a non-member or a finished run first
         if organization in self.cfg.organizations and self.phase is not Phase.FINISHED:
             admission.check_join(self.cfg, self.limits, self.max_examples, request)
             if request.declared and self.spec.shared_schema:
                 declared = contract.schema_from_declared(request.declared, self.spec)
-        data = rs.DataShape(request.num_classes if self.spec.shared_label_space else 0,
-                            request.input_shape if self.spec.shared_input_shape else ())
+        data = DataShape(request.num_classes if self.spec.shared_label_space else 0,
+                         request.input_shape if self.spec.shared_input_shape else ())
         with self._lock:
             self.journal.await_commit_locked(self.round - 1)  # a join's checkpoint must not overtake the last close's
-            step = rs.join(self.state, self.rules, organization, declared, request.num_train_examples, data)
-            self._apply_locked(step)
+            self._apply_locked(join(self.state, self.rules, organization, declared, request.num_train_examples, data))
             if not self._deadline_armed:  # the first round's clock starts when the first organization arrives
                 self._deadline_armed = True
                 self.current.started = time.monotonic()
@@ -247,7 +235,7 @@ class Run:
         return round_seed(self.cfg.seed, round_)
 
     def poll(self, organization: str, request: PullRequest) -> Pulled | None:
-        """The organization's next instructions if there are any now, else None (it waits on ``changes``).
+        """The organization's next instructions if there are any now, else None (it waits on ``notifier``).
 
         An organization that has not pushed in the open round gets its instructions even when it says it
         completed this round: the aggregator lost its update (a damaged log), so it is asked again.
@@ -256,9 +244,8 @@ class Run:
             if self.phase is Phase.FINISHED:
                 return self.instructions.finish(self.round)
             if organization not in self.pushed and request.completed_round <= self.round:
-                self._fresh_locked()
-                return Pulled(self.instructions.get(self.keeper.half, self.phase, self.round, organization),
-                              self.round)
+                half = self.aggregation.current(self.state)
+                return Pulled(self.instructions.get(half, self.phase, self.round, organization), self.round)
             return None
 
     def wait_reply(self) -> Pulled:
@@ -277,58 +264,62 @@ class Run:
     # ----------------------------------------------------------------- push
     def admit_push(self, organization: str, round_: int) -> None:
         """Refuse a push from a non-member or for another round before its chunks are read (lock-free)."""
-        rs.check_member(self.state, self.rules, organization)
-        rs.check_round(self.state, self.rules, round_)
+        check_member(self.state, self.rules, organization)
+        check_round(self.state, self.rules, round_)
 
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
              up: TrafficBreakdown, defer_commit: bool = False) -> PushReply:
-        """Check, log durably and fold in an update; idempotent by (run, round, organization). A leave notice
-        (its declaration says budget_spent, or it gives a leave reason) is refused ``privacy_budget_spent`` or
-        ``organization_left``: the caller records the refusal (``refuse(at_push=True)``), and rounds stop waiting for
-        the organization from the open one on.
+        """Check, log durably and fold in an update; idempotent by (run, round, organization). A leave notice is
+        refused ``privacy_budget_spent`` or ``organization_left`` (``admission.refuse_leave``): the caller records
+        the refusal (``refuse(at_push=True)``), and rounds stop waiting for the organization from the open one on.
 
-        ``digest`` is the BLAKE3 digest of ``update.data``. When the update completes the round, the round's
-        checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
+        ``digest`` is the BLAKE3 digest of ``update.data``. The update is claimed (an accepted one again is
+        answered before its bytes are decoded again), checked outside the lock, logged under it, made durable
+        outside it (concurrent pushes share one fsync), then folded in under the lock again. When it completes the
+        round, the round's checkpoint is written before returning, or, with ``defer_commit``, left to the caller's
         ``commit_pending`` (so the acknowledgement need not wait for it).
-
-        The update is logged under the lock, made durable outside it (concurrent pushes share one fsync: polls,
-        Status and other pushes' checks go on meanwhile), then folded in under the lock again.
         """
-        rs.check_member(self.state, self.rules, organization)
-        with self._lock:  # a duplicate is answered before its bytes are decoded again
-            if self._duplicate_locked(organization, round_, digest):
-                return PushReply(accepted=True, duplicate=True, round=round_)
-            self._fresh_locked()
-            phase, half = self.phase, self.keeper.half
-        if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
-            update.check_leave(self.cfg.id, round_, organization)
-            admission.refuse_leave(self.cfg, organization, update.privacy, update.leave_reason)
-        received = update.check(self.spec, phase, self.schema, self.limits.max_tensor_elements, self.cfg.id, round_,
-                                organization)
-        admission.check_update(self.cfg, self.limits, self.max_examples, organization,
-                               self.examples.get(organization, 0), received)
-        # Its last accepted declaration changes only when its update of an earlier round is folded: none is pending.
-        admission.check_privacy(self.cfg, organization, update.privacy, self.ledger.get(organization).privacy)
-        half.validate(phase, organization, received)
         with self._lock:
-            ticket = self._log_locked(organization, round_, update, digest, received, phase, half)
-        if isinstance(ticket, PushReply):
-            return ticket
+            claimed = self._claim_locked(organization, round_, digest)
+            if claimed is None:
+                return PushReply(accepted=True, duplicate=True, round=round_)
+            state, half = claimed
+        try:
+            received = admission.check_push(self.cfg, self.limits, self.max_examples, state, organization, round_,
+                                            update, half, self.ledger.get(organization).privacy)
+            with self._lock:
+                ticket = self._log_locked(organization, round_, update, digest, received, half)
+        except BaseException:
+            with self._lock:
+                self.journal.settle_locked(organization)
+            raise
         reply = self._sync_and_fold(organization, round_, digest, received, ticket, up, update.privacy)
         if not defer_commit:
             self.commit_pending()
         return reply
 
+    def _claim_locked(self, organization: str, round_: int,
+                      digest: bytes) -> tuple[RunState, ServerHalf] | None:  # type: ignore[type-arg]
+        """None for an accepted update again (a duplicate, counted); else claim the organization's place in the
+        log (no other update of it comes in meanwhile) and return the state and half that check the update."""
+        check_member(self.state, self.rules, organization)
+        step = seen(self.state, self.rules, organization, round_, digest)
+        self._apply_locked(step)
+        if step.effects:
+            return None
+        self.journal.claim_locked(organization, round_)
+        try:
+            return self.state, self.aggregation.current(self.state)
+        except WireError:
+            self.journal.settle_locked(organization)
+            raise
+
     def _log_locked(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes, received: Received,
-                    phase: Phase, half: ServerHalf) -> WalTicket | PushReply:  # type: ignore[type-arg]
+                    half: ServerHalf) -> WalTicket:  # type: ignore[type-arg]
         """Append the checked update to the journal's log (not yet durable)."""
         self.journal.await_commit_locked(self.round - 1)  # the last close's checkpoint first: the log holds this round
-        if self._duplicate_locked(organization, round_, digest):
-            return PushReply(accepted=True, duplicate=True, round=round_)
-        self.journal.check_free_locked(organization, round_)
-        if self.keeper.half is not half or self.keeper.stale:  # a failed close changed the half while it was decoded
-            self._fresh_locked()
-            self.keeper.half.validate(phase, organization, received)
+        check_round(self.state, self.rules, round_)  # the round closed (on its deadline) while it was checked
+        self.aggregation.revalidate(self.state, organization, received, half)
         try:
             ticket = self.journal.log_locked(organization, round_, update.data, digest)
         except StorageError as exc:
@@ -346,13 +337,10 @@ class Run:
             self._storage_failed(exc)
         with self._lock:
             self.journal.settle_locked(organization)
-            rs.check_round(self.state, self.rules, round_)  # the round closed while it was synced: it was cut
+            check_round(self.state, self.rules, round_)  # the round closed while it was synced: it was cut
             if not durable:
                 self._storage_failed(StorageError(self.journal.cut_message(organization, round_)))
-            if self._duplicate_locked(organization, round_, digest):  # folded by a rebuild from the log meanwhile
-                return PushReply(accepted=True, duplicate=True, round=round_)
-            self._fresh_locked()
-            self._apply_locked(rs.accept(self.state, self.rules, organization, round_, digest), received, privacy)
+            self._apply_locked(accept(self.state, self.rules, organization, round_, digest), received, privacy)
             reply = PushReply(accepted=True, duplicate=False, round=round_)
             # Counted before the round can close, so both belong to this round's record.
             self.record_traffic(organization, round_, Direction.UP, up)
@@ -363,39 +351,34 @@ class Run:
             crash_point("push.acknowledged")
             return reply
 
-    def _duplicate_locked(self, organization: str, round_: int, digest: bytes) -> bool:
-        """Whether this is an accepted update again (counted); ``late`` or ``replayed`` when it cannot be."""
-        step = rs.seen(self.state, self.rules, organization, round_, digest)
-        self._apply_locked(step)
-        return bool(step.effects)
-
-    def _weighted(self, organization: str, update: Received) -> Received:
-        return admission.weighted(self.cfg, self.examples.get(organization, 0), update)
-
     # ----------------------------------------------------------------- effects
-    def _apply_locked(self, step: rs.Step, received: Received | None = None,
+    def _apply_locked(self, step: Step, received: Received | None = None,
                       privacy: PrivacyDeclaration | None = None) -> None:
         """Carry out a transition's effects in order, then adopt its state (a Persist first writes it, a Close
         moves to it). ``received`` and ``privacy``: the checked update a Fold folds in, and what it declared."""
         for effect in step.effects:
-            if isinstance(effect, rs.Persist):
-                self._persist_locked(step.state)
-            elif isinstance(effect, rs.Fold):
+            if isinstance(effect, Persist):
+                try:  # the checkpoint, then the state: nothing changed when it cannot be written
+                    arrays = self.aggregation.current(self.state).state()
+                    self.journal.save_checkpoint(self._meta(step.state), arrays)
+                except StorageError as exc:
+                    self._storage_failed(exc)
+                self.state = step.state
+            elif isinstance(effect, Fold):
                 assert received is not None
-                org = effect.organization
-                self.keeper.accumulate(self.phase, org, self._weighted(org, received))
-                self.ledger.pushed(org, self.round, privacy)
+                self.aggregation.fold(self.state, effect.organization, received)
+                self.ledger.pushed(effect.organization, self.round, privacy)
                 m = received.maybe(EvalMetrics)
                 if m is not None:
-                    self.current.reports[org] = m
-                self.observer.folded(org, m)
-            elif isinstance(effect, rs.Close):
+                    self.current.reports[effect.organization] = m
+                self.observer.folded(effect.organization, m)
+            elif isinstance(effect, Close):
                 self._close_locked(effect, step.state)
-            elif isinstance(effect, rs.Duplicate):
+            elif isinstance(effect, Duplicate):
                 self.observer.duplicate()
-            elif isinstance(effect, rs.RefusalChanged):
+            elif isinstance(effect, RefusalChanged):
                 self.observer.refusal(effect, step.state.given_up(effect.organization, self.rules))
-            elif isinstance(effect, rs.Stranger):
+            elif isinstance(effect, Stranger):
                 self._strangers[effect.organization] = (effect.reason, effect.message)
                 self._strangers.move_to_end(effect.organization)
                 while len(self._strangers) > MAX_LISTED_STRANGERS:
@@ -410,14 +393,14 @@ class Run:
         if err.retryable or err.reason == "late":
             return
         with self._lock:
-            step = rs.refuse(self.state, self.rules, organization, err.reason, clip(err.message), at_push)
+            step = refuse(self.state, self.rules, organization, err.reason, clip(err.message), at_push)
             try:
-                if any(isinstance(e, rs.Persist) for e in step.effects):
+                if any(isinstance(e, Persist) for e in step.effects):
                     self.journal.await_commit_locked(self.round - 1)  # must not overtake the last close's checkpoint
                 self._apply_locked(step)
             except WireError as failed:  # kept in memory; the next close's checkpoint persists it
                 log.error("run %s: the refusal of %r could not be persisted (%s)", self.cfg.id, organization, failed)
-                self._apply_locked(rs.Step(step.state, tuple(e for e in step.effects if not isinstance(e, rs.Persist))))
+                self._apply_locked(Step(step.state, tuple(e for e in step.effects if not isinstance(e, Persist))))
             self._try_close_locked()
         self.commit_pending()
 
@@ -433,8 +416,8 @@ class Run:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
         try:
             overdue = self._deadline_armed and time.monotonic() - self.current.started >= self.cfg.round_deadline_seconds
-            if rs.due(self.state, self.rules, overdue):
-                self._apply_locked(rs.close(self.state, self.rules))
+            if due(self.state, self.rules, overdue):
+                self._apply_locked(close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:
                 log.error("run %s: round %d could not close (%s); retried by the deadline ticker", self.cfg.id,
@@ -443,13 +426,12 @@ class Run:
         else:
             self._close_error = ""
 
-    def _close_locked(self, close: rs.Close, nxt: rs.RunState) -> None:
+    def _close_locked(self, effect: Close, nxt: RunState) -> None:
         """Carry out a Close: aggregate, commit (history line, then checkpoint), then move on in memory."""
-        self._fresh_locked()
         rec = self.current
         rec.duration = time.monotonic() - rec.started
         rec.clients = len(self.pushed)
-        arrays = self.keeper.close_round(close.phase, close.round)  # the half is ahead of the disk until durable()
+        arrays = self.aggregation.close_round(self.state, effect)  # ahead of the disk until durable()
         with self._traffic_lock:  # the event loop may be counting traffic into this record
             record = rec.to_json()
         try:
@@ -462,14 +444,14 @@ class Run:
         # whose records stay until the checkpoint is on disk: the same aggregate, since it is deterministic.
         drop = nxt.round + 1 if nxt.phase is Phase.FINISHED else nxt.round
         self.journal.set_close_locked(self._meta(nxt), arrays, drop)
-        self.keeper.durable()
+        self.aggregation.durable()
         self.history.append(rec)
         self.observer.closed(rec)
         with self._traffic_lock:
             self.state = nxt
             self.current = RoundRecord(nxt.round, nxt.phase, time.monotonic())
         self.observer.round_opened(nxt.round)
-        self.changes.notify()
+        self.notifier.notify()
 
     def commit_pending(self) -> None:
         """Write the checkpoint of the last close, if one is pending (call without holding the run's lock)."""
