@@ -28,7 +28,7 @@ def run_private_members() -> set[str]:
 
 def test_run_defines_the_private_members_this_check_looks_for() -> None:
     # The check below is only as good as this list: it must hold the lock and the locked helpers.
-    assert {"_lock", "_apply_locked", "_try_close_locked", "_claim_locked", "_strangers"} <= run_private_members()
+    assert {"_lock", "_apply_locked", "_try_close_locked", "_close_locked", "_board"} <= run_private_members()
 
 
 def test_no_module_outside_runs_own_file_touches_a_private_member_of_it() -> None:

@@ -14,7 +14,8 @@ from typing import NoReturn
 
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
-from hetfed.aggregator.run.state import RunState
+from hetfed.aggregator.run.state import DataShape, RunState
+from hetfed.wire import contract
 from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError, clip
 from hetfed.wire.messages import JoinRequest, ParsedUpdate
 from hetfed.wire.payloads import (
@@ -25,6 +26,7 @@ from hetfed.wire.payloads import (
     Received,
     training_examples,
 )
+from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
 
 # Payloads whose example count is an aggregation weight.
@@ -98,6 +100,20 @@ def check_join(cfg: RunConfig, limits: Limits, max_examples: int, request: JoinR
         bad = bad_name(d.name, limits.max_name_chars)
         if bad:
             raise WireError("invalid_value", f"declared tensor name {clip(d.name, 64)!r} {bad}")
+
+
+def check_join_request(cfg: RunConfig, limits: Limits, max_examples: int, state: RunState, organization: str,
+                       request: JoinRequest) -> tuple[contract.Schema | None, DataShape]:
+    """A Join request of a member of a running run checked (``check_join``), and what it declares: the tensor
+    schema (None when it declares none or the algorithm shares none) and the label count and input shape (those
+    the algorithm shares). A non-member's or a finished run's is left to ``state.join`` to refuse."""
+    spec, declared = cfg.spec, None
+    if organization in cfg.organizations and state.phase is not Phase.FINISHED:
+        check_join(cfg, limits, max_examples, request)
+        if request.declared and spec.shared_schema:
+            declared = contract.schema_from_declared(request.declared, spec)
+    return declared, DataShape(request.num_classes if spec.shared_label_space else 0,
+                               request.input_shape if spec.shared_input_shape else ())
 
 
 def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization: str, declared: int,
