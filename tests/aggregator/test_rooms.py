@@ -78,3 +78,34 @@ def test_the_pure_run_core_imports_no_grpc() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _spans(path: Path) -> dict[str, tuple[str, int]]:
+    """Kind ("class" or "function") and lines of every class and function in ``path``, by name
+    (``Class.method`` for methods)."""
+    spans: dict[str, tuple[str, int]] = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + child.name
+                kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                spans[name] = (kind, (child.end_lineno or child.lineno) - child.lineno + 1)
+                walk(child, name + ".")
+
+    walk(ast.parse(path.read_text()), "")
+    return spans
+
+
+# The conductors and the rooms they conduct: each part read in one sitting.
+CONDUCTED = [*sorted((AGGREGATOR / "run").glob("*.py")), REPO / "clients/hetfed/client/runtime.py",
+             REPO / "clients/hetfed/client/rounds.py", REPO / "clients/hetfed/client/diagnostics.py"]
+LIMITS = {"class": 300, "function": 100}
+
+
+def test_the_conductors_stay_short() -> None:
+    assert _spans(CONDUCTOR)["Run"][1] < 250
+    assert _spans(REPO / "clients/hetfed/client/runtime.py")["ClientRuntime._run"][1] <= 40
+    long = [f"{p.relative_to(REPO)}: {kind} {name} ({n} lines)" for p in CONDUCTED
+            for name, (kind, n) in _spans(p).items() if n > LIMITS[kind]]
+    assert not long, "classes over 300 lines or functions over 100:\n" + "\n".join(long)
