@@ -55,16 +55,17 @@ class Journal:
         """The durable state (None for a new run); ``StateError`` when it cannot be read."""
         return self.store.recover()
 
-    def recover_or_start(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray]) -> Recovered | None:
-        """The durable state, or None for a new run, whose first checkpoint (``meta``, ``arrays``) is written
-        now; ``StateError`` naming the run when it cannot be read or written."""
+    def recover_or_start(self, first: Callable[[], tuple[CheckpointMeta, Mapping[str, np.ndarray]]],
+                         ) -> Recovered | None:
+        """The durable state, or None for a new run, whose first checkpoint (``first()``: its metadata and
+        arrays) is written now; ``StateError`` naming the run when it cannot be read or written."""
         try:
             loaded = self.recover()
         except StateError as exc:
             raise StateError(f"run {self._run_id!r}: {exc}") from None
         if loaded is None:
             try:
-                self.save_checkpoint(meta, arrays)
+                self.save_checkpoint(*first())
             except StorageError as exc:
                 raise StateError(f"run {self._run_id!r}: cannot write its first checkpoint: {exc}") from None
         return loaded

@@ -159,7 +159,7 @@ class Run:
     def _restore_locked(self) -> None:
         """Read the run's durable state back (a new run writes its first checkpoint) and replay the open round's
         logged updates; StateError or RunConflictError when it cannot be resumed."""
-        loaded = self.journal.recover_or_start(self._meta(), self.aggregation.half.state())
+        loaded = self.journal.recover_or_start(lambda: (self._meta(), self.aggregation.half.state()))
         if loaded is None:
             return
         store = self.journal.store
