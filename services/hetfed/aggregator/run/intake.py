@@ -63,9 +63,11 @@ class Intake:
             received = admission.check_push(self.cfg, self.limits, self.max_examples, claim.state, org, round_,
                                             update, claim.half, claim.last)
             with self._lock:
+                # The last close's checkpoint first: the log holds this round. Awaiting it releases the lock,
+                # so the state is read after it; the round may have closed meanwhile.
+                self.journal.await_commit_locked(self._state().round - 1)
                 state = self._state()
-                self.journal.await_commit_locked(state.round - 1)  # the last close's checkpoint first: the log
-                check_round(state, self.rules, round_)  # holds this round, which may have closed meanwhile
+                check_round(state, self.rules, round_)
                 self.aggregation.revalidate(state, org, received, claim.half)
                 ticket = self.journal.log_locked(org, round_, update.data, digest)
         except BaseException:
