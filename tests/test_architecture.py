@@ -30,6 +30,7 @@ AGGREGATOR_ROOMS = sorted(str(p.relative_to(REPO)) for room in ("run", "journal"
 GENERIC = [
     *CLI_MODULES,
     "clients/hetfed/client/runtime.py",
+    "clients/hetfed/client/rounds.py",
     "clients/hetfed/client/training.py",
     "clients/hetfed/client/algorithms/base.py",
     *AGGREGATOR_ROOMS,

@@ -192,5 +192,5 @@ def test_organizations_with_different_numbers_of_classes_federate(
         assert rounds == [1, 2, 3]  # two training rounds and the evaluation
         assert 0.0 <= reports[org][-1][1].test_accuracy <= 1.0
     # Both organizations were matched and reflected: each one's round-2 download is its own.
-    half = agg.service.runs["r"].half
+    half = agg.service.runs["r"].aggregation.half
     assert set(half.latest) == {"five", "ten"} and half.sigma.shape == (2, 2)

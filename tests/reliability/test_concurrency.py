@@ -105,10 +105,10 @@ def test_7_long_polls_hold_no_thread_and_nothing_queues_behind_them(aggregator: 
             c.push(1, metrics())  # now each one long-polls for round 2, which waits for "last"
     run = agg.service.runs["r"]
     with held(agg.port, orgs[:40]):  # more long-polls than the old server's 32 worker threads
-        wait_until(lambda: run.changes.waiting == 40, timeout=20, what="40 long-polls to wait")
+        wait_until(lambda: run.notifier.waiting == 40, timeout=20, what="40 long-polls to wait")
         with_40 = threads_now()
         with held(agg.port, orgs[40:]):
-            wait_until(lambda: run.changes.waiting == 200, timeout=30, what="200 long-polls to wait")
+            wait_until(lambda: run.notifier.waiting == 200, timeout=30, what="200 long-polls to wait")
             with_200 = threads_now() - 1  # minus the second HeldPolls' own loop thread
             assert with_200 == with_40  # the aggregator's threads do not depend on its waiting clients
             assert health_latency(agg.port) < 0.5  # health checks do not queue behind long-polls
@@ -116,7 +116,7 @@ def test_7_long_polls_hold_no_thread_and_nothing_queues_behind_them(aggregator: 
             clients["other"].push(1, metrics())  # neither do pushes
             assert time.monotonic() - t0 < 2.0
             clients["last"].push(1, metrics())  # completes the round: every waiting poll is answered
-            wait_until(lambda: run.changes.waiting == 0, timeout=20, what="the round close to wake every poll")
+            wait_until(lambda: run.notifier.waiting == 0, timeout=20, what="the round close to wake every poll")
     assert agg.service.runs["r"].round == 2
 
 
@@ -128,10 +128,10 @@ def test_7_a_client_that_gives_up_frees_its_wait_at_once(aggregator: Start, raw_
     a.push(1, metrics())
     run = agg.service.runs["r"]
     polls = HeldPolls(agg.port, ["a"] * 10, completed=1, wait=25.0)
-    wait_until(lambda: run.changes.waiting == 10, timeout=10, what="10 long-polls to wait")
+    wait_until(lambda: run.notifier.waiting == 10, timeout=10, what="10 long-polls to wait")
     t0 = time.monotonic()
     polls.close()
-    wait_until(lambda: run.changes.waiting == 0, timeout=5, what="the cancelled long-polls to end")
+    wait_until(lambda: run.notifier.waiting == 0, timeout=5, what="the cancelled long-polls to end")
     assert time.monotonic() - t0 < 2.0  # not the remaining 25 s
 
 
@@ -143,7 +143,7 @@ def test_7_a_graceful_stop_ends_in_bounded_time_with_long_polls_waiting(aggregat
     a.join()
     a.push(1, metrics())
     with held(agg.port, ["a"] * 20, wait=25.0) as polls:
-        wait_until(lambda: agg.service.runs["r"].changes.waiting == 20, timeout=10, what="20 long-polls")
+        wait_until(lambda: agg.service.runs["r"].notifier.waiting == 20, timeout=10, what="20 long-polls")
         t0 = time.monotonic()
         agg.stop(grace=2.0)
         assert time.monotonic() - t0 < 3.0
@@ -181,9 +181,9 @@ def test_8_a_huge_wait_is_bounded_by_the_server(aggregator: Start, raw_client: C
 
 
 def test_woken_long_polls_are_released_a_batch_per_loop_iteration() -> None:
-    """``Changes.notify`` wakes WAKE_BATCH waiters per event-loop iteration, so callbacks queued meanwhile (a
+    """``ChangeNotifier.notify`` wakes WAKE_BATCH waiters per event-loop iteration, so callbacks queued meanwhile (a
     health check, a push's next chunk) run between batches instead of after all of them; every waiter wakes."""
-    from hetfed.aggregator.run.changes import WAKE_BATCH, Changes, _wake_batches
+    from hetfed.aggregator.run.notifier import WAKE_BATCH, ChangeNotifier, _wake_batches
 
     async def batches() -> list[int]:
         loop = asyncio.get_running_loop()
@@ -198,7 +198,7 @@ def test_woken_long_polls_are_released_a_batch_per_loop_iteration() -> None:
     assert asyncio.run(batches()) == [WAKE_BATCH, 2 * WAKE_BATCH, 2 * WAKE_BATCH + 5]
 
     async def everyone() -> int:
-        changes = Changes()
+        changes = ChangeNotifier()
         n = 3 * WAKE_BATCH + 5
         woken: list[int] = []
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hetfed.wire import messages
-from hetfed.wire.errors import REASONS, WireError
+from hetfed.wire.errors import REASONS, WireError, clip
 from hetfed.wire.payloads import ClassCounts, EvalMetrics, ModelWeights, Received, SeedPosteriors
-from hetfed.wire.rpc import AggregatorClient, RemoteError, clip
+from hetfed.wire.rpc import AggregatorClient, RemoteError
 from tests.conftest import RawClient, run_config
 
 

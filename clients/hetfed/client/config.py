@@ -9,7 +9,7 @@ from hetfed.client.data import DataConfig
 from hetfed.client.model_registry import DEFAULT_MODEL
 from hetfed.client.privacy.config import PrivacyConfig
 from hetfed.wire.config import check, load_file
-from hetfed.wire.transport import TlsConfig
+from hetfed.wire.tls import TlsConfig
 
 
 @dataclass(frozen=True)

@@ -153,16 +153,7 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
             ax_in.scatter(train.x[:, 0], train.x[:, 1], c=colors[train.y], s=8, edgecolors="none")
             ax_in.set_title(f"org-{col} ({meta['model']}, {len(data.train)} pts)\ninput space, {stage}", fontsize=8)
             if meta["latent_dim"] == 2:
-                lo, hi = (0.0, 1.0) if bounded else (float(z.min()) - 0.1, float(z.max()) + 0.1)
-                g = np.linspace(lo, hi, 150)
-                grid_z = np.stack(np.meshgrid(g, g), -1).reshape(-1, 2)
-                with torch.no_grad():
-                    pred_z = model.head(torch.as_tensor(grid_z, dtype=torch.float32)).argmax(1).numpy()
-                ax_z.contourf(grid_z[:, 0].reshape(150, 150), grid_z[:, 1].reshape(150, 150),
-                              pred_z.reshape(150, 150), levels=np.arange(-0.5, 4), colors=colors, alpha=0.25)
-                ax_z.scatter(z[:, 0], z[:, 1], c=colors[data.train.y], s=8, edgecolors="none")
-                ax_z.set_xlim(lo, hi)
-                ax_z.set_ylim(lo, hi)
+                _draw_latents(ax_z, model, z, train.y, bounded, colors)
                 ax_all.scatter(probe_z[:, 0], probe_z[:, 1], c=colors[probe_y], marker=markers[col % 4], s=6,
                                alpha=0.5, edgecolors="none")
                 ax_all.set_title(f"every org's latents of the shared test set, {stage}", fontsize=8)
@@ -171,13 +162,7 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
                     ax_all.set_ylim(0, 1)
             ax_z.set_title(f"latent space z, {stage}", fontsize=8)
             drawn = True
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], color="gray", marker=markers[i % 4], linestyle="", label=f"org-{i}") for i in range(n)]
-    handles += [Line2D([], [], color=colors[k], marker="s", linestyle="", label=f"class {k}") for k in range(4)]
-    for s in range(2):
-        axes[2 * s, n].axis("off")
-        axes[2 * s + 1, n].legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    _legends(axes, n, colors, markers)
     if not drawn:
         plt.close(fig)
         return None
@@ -189,3 +174,31 @@ def plot_gauss4(workdir: Path, run_id: str, out: Path) -> Path | None:
     fig.savefig(target, dpi=90)
     plt.close(fig)
     return target
+
+
+def _draw_latents(ax: Any, model: Any, z: Any, y: Any, bounded: bool, colors: Any) -> None:
+    """The head's decision regions over the 2-D latent space (the unit square when bounded) and the latents ``z``
+    of the training points, coloured by their labels ``y``."""
+    import torch
+
+    lo, hi = (0.0, 1.0) if bounded else (float(z.min()) - 0.1, float(z.max()) + 0.1)
+    g = np.linspace(lo, hi, 150)
+    grid_z = np.stack(np.meshgrid(g, g), -1).reshape(-1, 2)
+    with torch.no_grad():
+        pred_z = model.head(torch.as_tensor(grid_z, dtype=torch.float32)).argmax(1).numpy()
+    ax.contourf(grid_z[:, 0].reshape(150, 150), grid_z[:, 1].reshape(150, 150),
+                pred_z.reshape(150, 150), levels=np.arange(-0.5, 4), colors=colors, alpha=0.25)
+    ax.scatter(z[:, 0], z[:, 1], c=colors[y], s=8, edgecolors="none")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+
+
+def _legends(axes: Any, n: int, colors: Any, markers: str) -> None:
+    """The last column's legends: one marker per organization, one colour per class."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color="gray", marker=markers[i % 4], linestyle="", label=f"org-{i}") for i in range(n)]
+    handles += [Line2D([], [], color=colors[k], marker="s", linestyle="", label=f"class {k}") for k in range(4)]
+    for s in range(2):
+        axes[2 * s, n].axis("off")
+        axes[2 * s + 1, n].legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))

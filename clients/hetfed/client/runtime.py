@@ -8,22 +8,22 @@ gives (``RemoteError.retryable``), never by matching message text.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hetfed.client.config import ClientConfig
-from hetfed.client.crashpoints import crash_point
-from hetfed.wire.messages import Fingerprint
-from hetfed.wire.payloads import EvalMetrics, Payload, Received
-from hetfed.wire.phases import Action
+from hetfed.client.errors import ClientError, PrivacyBudgetSpent
+from hetfed.client.rounds import Gauges, Member, RoundLoop, evaluation_due, run_round
+from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.messages import Fingerprint, JoinReply
+from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.rpc import AggregatorClient, RemoteError
-from hetfed.wire.specs import get_spec
+from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.specs.base import PeriodicEvalConfig, SharedSpaceConfig
 from hetfed.wire.traffic import TrafficMetrics
 
@@ -32,52 +32,15 @@ if TYPE_CHECKING:
 
     from hetfed.client.algorithms.base import ClientHalf
     from hetfed.client.data import ClientData
+    from hetfed.client.models import SplitModel
     from hetfed.client.privacy.session import PrivacySession
     from hetfed.client.state import StateFile
 
 log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
-
-
-def evaluation_due(round_: int, every: int) -> bool:
-    """Whether training round ``round_`` evaluates on the held-out sets (rounds 1, 1 + every, 1 + 2·every, ...)."""
-    return (round_ - 1) % every == 0
-
-
-def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  # type: ignore[type-arg]
-              received: Received) -> list[Payload]:
-    """One round of the round loop: set whether it evaluates (``eval_every`` of a PeriodicEvalConfig, else every
-    round; setup and the final evaluation always do), then call the half's hook for ``action``; the upload."""
-    every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
-    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, every)
-    if action is Action.SETUP:
-        return half.setup(round_seed)
-    if action is Action.TRAIN:
-        from hetfed.client.training import round_lr_factor  # torch is loaded: the half built its model
-
-        with round_lr_factor(half.config.lr_factor(round_)):
-            return half.train(round_, round_seed, received)
-    return [half.evaluate(round_, received)]
-
-class ClientError(RuntimeError):
-    """The aggregator refused this client for a reason retrying cannot fix, or stayed unreachable.
-
-    ``permanent``: no retry of the same process can succeed (a refusal by reason, a state directory that
-    belongs to another run); the CLI exits 2 so a Job's failure policy fails at once instead of retrying."""
-
-    def __init__(self, message: str, permanent: bool = False) -> None:
-        super().__init__(message)
-        self.permanent = permanent
-
-
-class PrivacyBudgetSpent(ClientError):  # noqa: N818 (an outcome, not a fault)
-    """The organization's privacy budget would be exceeded by its next round: it sends nothing more and leaves the
-    run (exit status 3; the round goes on under the quorum rules)."""
-
-    exit_status = 3
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, permanent=True)
+# Names the round loop and the shared errors module hold, kept importable from here.
+__all__ = ["ClientError", "ClientRuntime", "PrivacyBudgetSpent", "backoff_delays", "evaluation_due",
+           "resolve_device", "run_round"]
 
 
 def backoff_delays(initial: float, maximum: float, multiplier: float, rng: random.Random) -> Iterator[float]:
@@ -112,13 +75,12 @@ class ClientRuntime:
                                    registry=self.registry)
         self.round_gauge = Gauge("hetfed_client_round", "Last round this organization completed", labels,
                                  registry=self.registry)
+        self.gauges = Gauges(self.train_loss, self.test_accuracy, self.round_gauge)
         self._rng = random.Random(config.data.seed * 7919 + len(config.organization))
         self.client = AggregatorClient(config.aggregator, config.tls, config.organization, config.run,
                                        traffic=TrafficMetrics(self.registry, "client"), retry=self._retry)
         self.algorithm = ""
         self.reports: list[tuple[int, EvalMetrics]] = []
-        self._train_cpu = 0.0
-        self._train_wall = 0.0
         # The round the saved private state had finished (-1: started fresh).
         self.resumed_round = -1
 
@@ -140,15 +102,6 @@ class ClientRuntime:
                 log.info("%s failed (%s%s); retrying in %.2fs", what, err.code.name,
                          f" {err.reason}" if err.reason else "", delay)
                 time.sleep(delay)
-
-    def _timed(self, upload: list[Payload], cpu: float, wall: float) -> list[Payload]:
-        """The upload with the cumulative CPU and wall seconds of local work added to its metrics."""
-        self._train_cpu += cpu
-        self._train_wall += wall
-        timing = {"train_cpu_seconds": self._train_cpu, "train_wall_seconds": self._train_wall,
-                  "process_cpu_seconds": time.process_time()}
-        return [dataclasses.replace(p, extra={**p.extra, **timing}) if isinstance(p, EvalMetrics) else p
-                for p in upload]
 
     def _resume(self, half: ClientHalf, algorithm: str, seed: int, current_round: int) -> StateFile | None:  # type: ignore[type-arg]
         """The state file (None without ``state_dir``), its saved state loaded into ``half`` when there is one."""
@@ -243,36 +196,6 @@ class ClientRuntime:
         return StateFile(cfg.state_dir, cfg.run, {
             "run": cfg.run, "organization": cfg.organization}).evaluated()
 
-    def _leave(self, round_: int, wire_dtype: str | None, privacy: PrivacySession) -> None:
-        """Tell the aggregator this organization leaves (a declaration with ``budget_spent`` and no payload), so no
-        round waits for it; the aggregator answers with the refusal ``privacy_budget_spent``."""
-        from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON
-
-        err = self.client.leave(round_, privacy=privacy.declaration(budget_spent=True), wire_dtype=wire_dtype)
-        if err is None:
-            log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
-        elif err.reason != PRIVACY_BUDGET_SPENT_REASON:
-            log.warning("%s: the aggregator did not take the leave notice (%s: %s); rounds wait for this "
-                        "organization until their deadline", self.config.organization, err.code.name, err.details)
-
-    def _leave_for(self, round_: int, reason: str) -> None:
-        """Tell the aggregator this organization leaves the run for ``reason`` (a leave notice: no payload), so no
-        round waits for it until its deadline; the aggregator answers with the refusal ``organization_left``. A
-        notice that does not get through is logged: the rounds then wait for the deadline, as for a stopped client."""
-        from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, ORGANIZATION_LEFT_REASON
-
-        try:
-            err = self.client.leave(round_, leave_reason=reason[:MAX_LEAVE_REASON_CHARS])
-        except Exception as exc:  # never let the notice hide why the client stops
-            why = f"{type(exc).__name__}: {exc}"
-        else:
-            if err is not None and err.reason == ORGANIZATION_LEFT_REASON:
-                log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
-                return
-            why = "it was accepted as an update" if err is None else f"{err.code.name}: {err.details}"
-        log.warning("%s: the aggregator did not take the leave notice (%s); rounds wait for this organization until "
-                    "their deadline", self.config.organization, why)
-
     def _plan_privacy(self, half: ClientHalf, privacy: PrivacySession, rounds: int) -> None:  # type: ignore[type-arg]
         """Check that ``half`` can send under DP as configured and fix σ for the run's planned rounds."""
         from hetfed.client.privacy.mechanisms import PrivacyError
@@ -309,11 +232,6 @@ class ClientRuntime:
     def _run(self) -> list[tuple[int, EvalMetrics]]:
         import torch
 
-        from hetfed.client.algorithms import ClientContext, client_half_type
-        from hetfed.client.artifacts import write_snapshot
-        from hetfed.client.models import SplitModel
-        from hetfed.client.training import TrainingDivergedError
-
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -322,146 +240,103 @@ class ClientRuntime:
         device = torch.device(resolve_device(cfg.device))
         data = self._own_data_and_model()
         privacy = self._privacy_session(data, device)
+        joined = self._first_join(data, privacy)
+        if joined is None:
+            return self.reports
+        member = self._set_up(joined, data, privacy, device)
+        store = self._resume(member.half, joined.algorithm, int(joined.seed), int(joined.current_round))
+        final = RoundLoop(self.client, cfg, member, store, self.gauges, self.reports, self.resumed_round).run()
+        if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
+            from hetfed.client.export import export_after_run
+
+            if privacy is not None:  # Opacus' hooks off: TorchScript cannot compile a module with backward hooks
+                privacy.release()
+            export_after_run(cfg, member.half, joined.algorithm, *final, self.registry)
+        if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
+            time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
+        return self.reports
+
+    def _join(self, data: ClientData, privacy: PrivacySession | None,
+              declared: Sequence[DeclaredTensor] = ()) -> JoinReply:
+        """Join the run with what this organization declares: its data's seed set, training examples (under DP the
+        released count N̂, never N), label count and input shape, and ``declared`` tensors."""
         seed_set = Fingerprint(*data.seed_set) if data.seed_set else None
-        # Under DP the organization declares its released count N̂, never N.
         num_examples = privacy.num_examples if privacy is not None else len(data.train)
+        return self.client.join(declared=declared, seed_set=seed_set, num_train_examples=num_examples,
+                                num_classes=data.num_classes, input_shape=data.input_shape)
+
+    def _first_join(self, data: ClientData, privacy: PrivacySession | None) -> JoinReply | None:
+        """The Join reply; None when the run has finished and this organization had completed it."""
         try:
-            joined = self.client.join(seed_set=seed_set, num_train_examples=num_examples,
-                                      num_classes=data.num_classes, input_shape=data.input_shape)
+            return self._join(data, privacy)
         except RemoteError as err:
             if err.reason == "run_finished" and self._evaluated_before():
                 # Killed between its last push and FINISH: the run it completed has ended; nothing to redo.
-                log.info("%s: run %s finished; this organization had completed it (%s)", cfg.organization,
-                         cfg.run, cfg.state_dir)
-                return self.reports
+                log.info("%s: run %s finished; this organization had completed it (%s)", self.config.organization,
+                         self.config.run, self.config.state_dir)
+                return None
             raise
+
+    def _set_up(self, joined: JoinReply, data: ClientData, privacy: PrivacySession | None,
+                device: torch.device) -> Member:
+        """The run's algorithm config, model and client half, with DP planned under ``[privacy]``; the half's
+        tensors declared when the run asks for them."""
+        from hetfed.client.algorithms import ClientContext, client_half_type
+
+        cfg = self.config
         self.algorithm = joined.algorithm
         spec = get_spec(joined.algorithm)
         config = joined.config
         wire_dtype = None if config.wire_dtype == "float32" else config.wire_dtype
-        # A run with one latent space (a SharedSpaceConfig) sets the width unless the model config does.
-        shared = config.latent_dim if isinstance(config, SharedSpaceConfig) else None
-        latent = cfg.model.latent_dim or shared or None
-
         half_type = client_half_type(spec)
         if privacy is not None:  # before anything trains or is declared
-            from hetfed.client.privacy.ledger import LedgerError
-
-            try:
-                privacy.joined(int(joined.current_round))
-            except LedgerError as exc:
-                raise ClientError(str(exc), permanent=True) from None
-
-        if privacy is not None and half_type.privacy_mechanism is None:
-            raise ClientError(f"{cfg.organization}: [privacy] is set, but hetfed has no DP mechanism for "
-                              f"{joined.algorithm}'s uploads (docs/privacy.md lists the algorithms it serves)",
-                              permanent=True)
-        if privacy is not None:
-            privacy.set_batch_size(config.batch_size)
-
-        def build() -> SplitModel:
-            # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
-            # builds the architecture (most as registered, some wrapped in what the algorithm needs).
-            model = half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes, seed=int(joined.seed),
-                                         latent_dim=latent, bounded_latent=spec.latent_bounded(config), config=config)
-            if privacy is not None:  # BatchNorm replaced by GroupNorm (or refused) before the model trains
-                from hetfed.client.privacy.mechanisms import prepare_model
-
-                model = prepare_model(model, cfg.privacy, cfg.organization)  # type: ignore[assignment]
-            return model.to(device)  # type: ignore[return-value]
-
+            self._privacy_joined(privacy, half_type.privacy_mechanism is not None, joined, config.batch_size)
+        build = self._model_builder(half_type, spec, config, joined, data, privacy, device)
         ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build,
                             num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, privacy=privacy)
         half = half_type(ctx)
         if privacy is not None:
             self._plan_privacy(half, privacy, int(joined.total_rounds))
         if joined.declare_required:
-            self.client.join(declared=half.declarations(wire_dtype), seed_set=seed_set,
-                             num_train_examples=num_examples, num_classes=data.num_classes,
-                             input_shape=data.input_shape)
+            self._join(data, privacy, half.declarations(wire_dtype))
         log.info("%s joined run %s (%s) at round %d on %s", cfg.organization, cfg.run, joined.algorithm,
                  joined.current_round, device)
-        labels = (cfg.run, joined.algorithm, cfg.organization)
-        store = self._resume(half, joined.algorithm, int(joined.seed), int(joined.current_round))
-        completed = self.resumed_round
-        own = None  # under [privacy], the organization's own exact figures (docs/configuration.md: output_dir)
-        if privacy is not None and cfg.output_dir:
-            from hetfed.client.own_record import OwnRecord
+        return Member(joined, spec, half, data, privacy, wire_dtype)
 
-            own = OwnRecord(cfg.output_dir, cfg.organization, cfg.run, resumed_round=completed)
-        final: tuple[int, EvalMetrics] | None = None  # the evaluate round's figures, when this process reported them
-        while True:
-            ins = self.client.pull(completed, cfg.pull_wait_seconds, spec)
-            round_ = ins.round
-            if ins.action is Action.WAIT:
-                continue
-            if ins.action is Action.FINISH:
-                log.info("%s: run %s finished", cfg.organization, cfg.run)
-                break
-            received = Received(ins.payloads, spec.repeated_download)
-            if privacy is not None and ins.action is not Action.EVALUATE:
-                why = privacy.exhausted_before(setup=ins.action is Action.SETUP)
-                if why is not None:
-                    log.warning("%s", why)
-                    self._leave(round_, wire_dtype, privacy)
-                    raise PrivacyBudgetSpent(why)
-                privacy.begin_round(round_, ins.round_seed)
-            cpu, wall = time.process_time(), time.perf_counter()
-            try:
-                upload = run_round(half, ins.action, round_, ins.round_seed, received)
-            except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
-                # The notice names the event only: the loss value is a figure of private data (kept in the log).
-                log.warning("%s: local training diverged in round %d: %s", cfg.organization, round_, exc)
-                self._leave_for(round_, f"its local training diverged in round {round_}")
-                raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
-                                  "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
-                                  "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None
-            if cfg.report_timing:
-                upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
-            exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
-            declaration = None
-            if privacy is not None:  # the ledger is on disk before the upload leaves
-                # Figures of private data leave only as released (their releases in this round's ledger entry).
-                upload = [privacy.protect(p) if isinstance(p, EvalMetrics) else p for p in upload]
-                declaration = privacy.close_round(round_)
-                figures = privacy.figures(declaration)
-                upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
-                          for p in upload]
-                exact = [dataclasses.replace(p, extra={**p.extra, **figures}) for p in exact]
-                crash_point("privacy.ledger_written")
-            try:
-                self.client.push(round_, upload, wire_dtype, privacy=declaration)
-            except RemoteError as err:
-                if err.reason != "late":
-                    raise
-                log.warning("round %d closed before our update arrived: %s", round_, err.details)
-            if store is not None:  # after the aggregator has the update: a restart resumes after this round
-                log.info("%s: state after round %d saved (%s)", cfg.organization, round_,
-                         store.save(round_, half.private_state(), evaluated=ins.action is Action.EVALUATE))
-            if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
-                tag = "final" if ins.action is Action.EVALUATE else "round-1"
-                write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
-                               half.ctx.source(data.probe_set()[1]))
-            completed = round_
-            if own is not None and exact:  # the true count: the upload declared the released one
-                own.record(round_, exact, len(data.train))
-            for p in exact:  # the organization's own record, its gauges and its card hold the exact figures
-                if privacy is not None:  # logged here for the operator; the upload carried them gated
-                    log.info("%s: round %d (exact, not sent): train_loss=%.6g test_accuracy=%.6g test_loss=%.6g",
-                             cfg.organization, round_, p.train_loss, p.test_accuracy, p.test_loss)
-                self.reports.append((round_, p))
-                self.train_loss.labels(*labels).set(p.train_loss)
-                self.test_accuracy.labels(*labels).set(p.test_accuracy)
-                if ins.action is Action.EVALUATE:
-                    final = (round_, p)
-            self.round_gauge.labels(*labels).set(round_)
-        if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
-            from hetfed.client.export import export_after_run
+    def _privacy_joined(self, privacy: PrivacySession, served: bool, joined: JoinReply, batch_size: int) -> None:
+        """The DP session told the round it joined at and the run's batch size; refused when hetfed has no DP
+        mechanism for the algorithm's uploads (``served`` False)."""
+        from hetfed.client.privacy.ledger import LedgerError
 
-            if privacy is not None:  # Opacus' hooks off: TorchScript cannot compile a module with backward hooks
-                privacy.release()
+        try:
+            privacy.joined(int(joined.current_round))
+        except LedgerError as exc:
+            raise ClientError(str(exc), permanent=True) from None
+        if not served:
+            raise ClientError(f"{self.config.organization}: [privacy] is set, but hetfed has no DP mechanism for "
+                              f"{joined.algorithm}'s uploads (docs/privacy.md lists the algorithms it serves)",
+                              permanent=True)
+        privacy.set_batch_size(batch_size)
 
-            export_after_run(cfg, half, joined.algorithm, *final, self.registry)
-        if cfg.metrics_port >= 0 and cfg.metrics_linger_seconds > 0:
-            time.sleep(cfg.metrics_linger_seconds)  # serve the final counts to the next scrape
-        return self.reports
+    def _model_builder(self, half_type: type[ClientHalf], spec: AlgorithmSpec,  # type: ignore[type-arg]
+                       config: TrainConfig, joined: JoinReply, data: ClientData, privacy: PrivacySession | None,
+                       device: torch.device) -> Callable[[], SplitModel]:
+        """How the organization's model is built, for the half (which may build more than one)."""
+        cfg = self.config
+        # A run with one latent space (a SharedSpaceConfig) sets the width unless the model config does.
+        shared = config.latent_dim if isinstance(config, SharedSpaceConfig) else None
+        latent = cfg.model.latent_dim or shared or None
+
+        def build() -> SplitModel:
+            # The run's seed fixes the initial weights, the same in every organization; the algorithm's half
+            # builds the architecture (most as registered, some wrapped in what the algorithm needs).
+            model = half_type.make_model(cfg.model.reference, data.input_shape, data.num_classes,
+                                         seed=int(joined.seed), latent_dim=latent,
+                                         bounded_latent=spec.latent_bounded(config), config=config)
+            if privacy is not None:  # BatchNorm replaced by GroupNorm (or refused) before the model trains
+                from hetfed.client.privacy.mechanisms import prepare_model
+
+                model = prepare_model(model, cfg.privacy, cfg.organization)  # type: ignore[assignment]
+            return model.to(device)  # type: ignore[return-value]
+
+        return build

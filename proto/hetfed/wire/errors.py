@@ -17,6 +17,13 @@ LEAVE_REASONS = frozenset({PRIVACY_BUDGET_SPENT_REASON, ORGANIZATION_LEFT_REASON
 # The longest leave reason the aggregator keeps (characters; the rest is cut), so that its refusal, which quotes
 # it with the organization and run ids (63 characters at most each), fits in a reply's 512 characters.
 MAX_LEAVE_REASON_CHARS = 256
+# Longest rejection message sent back or logged: a request's strings are never echoed in full.
+MAX_DETAIL_CHARS = 512
+
+
+def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (with a marker), for replies and logs."""
+    return text if len(text) <= limit else text[: limit - 12] + f"… (+{len(text) - limit + 12} chars)"
 
 
 class Reason(NamedTuple):

@@ -223,6 +223,14 @@ class Encoded:
     payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
 
 
+@dataclass(frozen=True)
+class Pulled:
+    """Instructions to send and the round they belong to; ``encoded`` may be shared by every organization."""
+
+    encoded: Encoded
+    round: int
+
+
 def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:
     """Serialize instructions; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
     msg = apb.Instructions(

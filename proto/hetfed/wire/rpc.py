@@ -28,12 +28,13 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, messages
 from hetfed.wire.chunks import Bytes
-from hetfed.wire.errors import ERROR_DOMAIN, REASONS, WireError
+from hetfed.wire.errors import ERROR_DOMAIN, REASONS, WireError, clip
 from hetfed.wire.messages import (
     Encoded,
     Instructions,
     JoinReply,
     JoinRequest,
+    Pulled,
     PullRequest,
     PushReply,
     RunStatus,
@@ -46,15 +47,6 @@ from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_cha
 
 log = logging.getLogger("hetfed.wire")
 T = TypeVar("T")
-# Longest rejection message sent back or logged: a request's strings are never echoed in full.
-MAX_DETAIL_CHARS = 512
-
-
-def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (with a marker), for replies and logs."""
-    return text if len(text) <= limit else text[: limit - 12] + f"… (+{len(text) - limit + 12} chars)"
-
-
 # ================================================================================================ server
 
 # The gRPC service the adapter serves, and the longest run or organization id it reads from a request (ids
@@ -75,15 +67,7 @@ class Caller:
     peer: str
 
 
-@dataclass(frozen=True)
-class Pulled:
-    """Instructions to send and the round they belong to; ``encoded`` may be shared by every organization."""
-
-    encoded: Encoded
-    round: int
-
-
-class PushLease(Protocol):
+class AdmittedPush(Protocol):
     """An admitted push: released once the push has been answered (its stream and buffered bytes freed)."""
 
     async def reassembly_slot(self) -> None:
@@ -121,7 +105,7 @@ class AggregatorHandler(Protocol):
         """Long-poll: the organization's next instructions (cancelled when the client goes away)."""
         ...
 
-    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
+    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> AdmittedPush:
         """Refuse a push before its chunks are read (unknown run or organization, wrong round, push limits)."""
         ...
 
@@ -320,7 +304,7 @@ class AggregatorServicer:
                    context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """PushUpdate: reassemble a chunked update within the limits, then hand it to the handler."""
         run_id = ""
-        lease: PushLease | None = None
+        admitted: AdmittedPush | None = None
         accepted = False
         try:
             stream = request_iterator.__aiter__()
@@ -332,8 +316,8 @@ class AggregatorServicer:
             run_id = first.run_id
             org = self.handler.identify(_caller(context), first.organization_id)
             # Refuse a stale, foreign or over-limit push before reading it.
-            lease = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
-            await lease.reassembly_slot()
+            admitted = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
+            await admitted.reassembly_slot()
             received = [(first, data, len(raw))]
             del raw, data
             update, digest, wire_bytes, n = await self._reassemble(stream, received)
@@ -348,8 +332,8 @@ class AggregatorServicer:
         else:
             return resp
         finally:
-            if lease is not None:
-                lease.release(refused=not accepted)
+            if admitted is not None:
+                admitted.release(refused=not accepted)
         return await self._fail(context, run_id, failure)
 
     async def _reassemble(self, stream: AsyncIterator[bytes],

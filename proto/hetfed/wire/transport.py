@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from hetfed.wire.config import check
 from hetfed.wire.errors import WireError
 from hetfed.wire.identity import organization_of_pem
+from hetfed.wire.tls import TlsConfig
 
 log = logging.getLogger("hetfed.transport")
 
@@ -33,34 +30,6 @@ _COMMON_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """PEM files for mutual TLS: this side's certificate and key, and the federation's CA."""
-
-    cert: str
-    key: str
-    ca: str
-    # Clients only: the name the aggregator's certificate was issued for, when it differs from the host.
-    server_name: str = ""
-
-    def __post_init__(self) -> None:
-        for name in ("cert", "key", "ca"):
-            check(bool(getattr(self, name)), f"tls.{name} must name a PEM file")
-
-    def read(self) -> tuple[bytes, bytes, bytes]:
-        """(certificate chain, private key, CA certificates) as bytes."""
-        return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
-
-    def signature(self) -> tuple[tuple[int, int, int], ...] | None:
-        """(mtime, size, inode) of the three files, following links (a Secret volume swaps its ``..data`` link);
-        None while one cannot be read."""
-        try:
-            stats = [os.stat(p) for p in (self.cert, self.key, self.ca)]
-        except OSError:
-            return None
-        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
 
 
 def matching_pair(cert: bytes, key: bytes) -> str:

@@ -2,7 +2,8 @@
 
 - ``serving``: the process, its gRPC servicer, health listener and memory trimming;
 - ``observe``: metrics, the per-run collector, the run observer and Kubernetes Events;
-- ``run``: ``Run`` (the shell), the run's state and transitions, the server half's keeper, admission;
+- ``run``: ``Run`` (the conductor), the run's state and transitions, its ``Aggregation`` (the server half),
+  admission;
 - ``journal``: the run's durable record (checkpoint, history, write-ahead log) and its group commit;
 - ``config`` and ``algorithms``: the configuration and one server half per algorithm.
 

@@ -1,10 +1,11 @@
 """A run's ``Journal``: its store, the group commit of pushed updates, and the pending checkpoint of a close.
 
-A pushed update is appended to the log under the run's lock (``log_locked``), made durable outside it, where
-concurrent pushes share one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run
-folds it in: nothing is folded, nor acknowledged, before it is on disk. At most one update per organization is
-being made durable at a time. A round's close writes its history line at once (``append_history``) and leaves its
-checkpoint pending (``set_close_locked``) until ``commit_pending`` writes it outside the lock.
+A push claims its organization's place (``claim_locked``) before its update is checked; the checked update is
+appended to the log under the run's lock (``log_locked``), made durable outside it, where concurrent pushes share
+one fsync (``sync``), and settled under the lock again (``settle_locked``) before the run folds it in: nothing is
+folded, nor acknowledged, before it is on disk. At most one update per organization is on its way in at a time.
+A round's close writes its history line at once (``append_history``) and leaves its checkpoint pending
+(``set_close_locked``) until ``commit_pending`` writes it outside the lock.
 
 ``lock`` is the run's lock: methods whose name ends in ``_locked`` are called with it held, the others without.
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from hetfed.aggregator.journal.checkpoint import CheckpointMeta
 from hetfed.aggregator.journal.committer import CloseCommitter
-from hetfed.aggregator.journal.store import Disk, Recovered, RunStore, StorageError, WalTicket
+from hetfed.aggregator.journal.store import Disk, Recovered, RunStore, StateError, StorageError, WalTicket
 from hetfed.wire.errors import WireError
 
 
@@ -30,9 +31,9 @@ class Journal:
     def __init__(self, run_id: str, state_dir: str, disk: Disk | None, lock: threading.RLock,
                  on_error: Callable[[], None]) -> None:
         self.store = RunStore(state_dir, run_id, disk)
-        self._lock = lock
+        self._run_id, self._lock, self._on_error = run_id, lock, on_error
         self._committer = CloseCommitter(run_id, lock, self.store, on_error)
-        self._syncing: set[str] = set()  # organizations whose logged update is being made durable
+        self._syncing: set[str] = set()  # organizations whose update is on its way in (claimed, not settled)
 
     @property
     def dir(self) -> Path:
@@ -54,6 +55,21 @@ class Journal:
         """The durable state (None for a new run); ``StateError`` when it cannot be read."""
         return self.store.recover()
 
+    def recover_or_start(self, first: Callable[[], tuple[CheckpointMeta, Mapping[str, np.ndarray]]],
+                         ) -> Recovered | None:
+        """The durable state, or None for a new run, whose first checkpoint (``first()``: its metadata and
+        arrays) is written now; ``StateError`` naming the run when it cannot be read or written."""
+        try:
+            loaded = self.recover()
+        except StateError as exc:
+            raise StateError(f"run {self._run_id!r}: {exc}") from None
+        if loaded is None:
+            try:
+                self.save_checkpoint(*first())
+            except StorageError as exc:
+                raise StateError(f"run {self._run_id!r}: cannot write its first checkpoint: {exc}") from None
+        return loaded
+
     def read_checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The checkpoint's metadata and arrays."""
         return self.store.read_checkpoint()
@@ -71,42 +87,62 @@ class Journal:
         """Replace the checkpoint (a join's, a refusal's, a new run's); ``StorageError`` on failure."""
         self.store.save_checkpoint(meta.to_json(), arrays)
 
-    def append_history(self, record: dict[str, Any]) -> None:
-        """Make a closing round's history line durable; ``StorageError`` on failure."""
-        self.store.append_history(record)
+    def persist_locked(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace the checkpoint for a change that takes effect once it is on disk (a join's, a refusal's);
+        ``storage_unavailable`` (nothing changed) on failure."""
+        try:
+            self.save_checkpoint(meta, arrays)
+        except StorageError as exc:
+            self.unavailable(exc)
 
-    def check_free_locked(self, organization: str, round_: int) -> None:
-        """``too_many_streams`` while an earlier update of the organization is being made durable."""
+    def append_history(self, record: dict[str, Any]) -> None:
+        """Make a closing round's history line durable; ``storage_unavailable`` on failure."""
+        try:
+            self.store.append_history(record)
+        except StorageError as exc:
+            self.unavailable(exc)
+
+    def unavailable(self, exc: StorageError) -> NoReturn:
+        """Count a failed write and refuse the request it served: ``storage_unavailable``, retryable."""
+        self._on_error()
+        raise WireError("storage_unavailable", f"{exc}; nothing changed: try again") from None
+
+    def claim_locked(self, organization: str, round_: int) -> None:
+        """Hold the organization's place in the log from its push's checks until ``settle_locked``:
+        ``too_many_streams`` while another update of it is on its way in (being checked or made durable)."""
         if organization in self._syncing:
             raise WireError("too_many_streams", f"an update of {organization!r} for round {round_} is being "
-                                                "made durable; try again in a moment")
+                                                "received; try again in a moment")
+        self._syncing.add(organization)
 
     def log_locked(self, organization: str, round_: int, data: bytes | memoryview, digest: bytes) -> WalTicket:
-        """Append a checked update to the log (not yet durable); ``too_many_streams`` while an earlier update of
-        the organization is being made durable, ``StorageError`` when the append fails."""
-        self.check_free_locked(organization, round_)
-        ticket = self.store.append_update(round_, organization, data, digest)
-        self._syncing.add(organization)
-        return ticket
+        """Append a checked update of a claimed organization to the log (not yet durable);
+        ``storage_unavailable`` when the append fails."""
+        try:
+            return self.store.append_update(round_, organization, data, digest)
+        except StorageError as exc:
+            self.unavailable(exc)
 
     def sync(self, organization: str, round_: int, ticket: WalTicket) -> bool:
         """Make the record durable (concurrent pushes share one fsync). False when a failed fsync of another
-        record cut it back; ``StorageError`` (every record past the last durable point cut) when the fsync fails."""
+        record cut it back (``refuse_cut``); ``storage_unavailable`` (every record past the last durable point
+        cut) when the fsync fails."""
         try:
             return self.store.sync(ticket)
         except StorageError as exc:
             with self._lock:
                 self._syncing.discard(organization)
                 self.store.repair()  # every record past the last durable point is cut: none was acknowledged
-            raise StorageError(self.store.failed_update(organization, round_, exc)) from None
+            self.unavailable(StorageError(self.store.failed_update(organization, round_, exc)))
 
     def settle_locked(self, organization: str) -> None:
-        """The organization's update is no longer being made durable (it is, or it was cut)."""
+        """The organization's update is no longer on its way in (durable, cut, or refused before it was logged)."""
         self._syncing.discard(organization)
 
-    def cut_message(self, organization: str, round_: int) -> str:
-        """Why an update that a failed fsync of another record cut back is not accepted."""
-        return self.store.failed_update(organization, round_, "it was cut back with the records of a failed fsync")
+    def refuse_cut(self, organization: str, round_: int) -> NoReturn:
+        """Refuse an update that a failed fsync of another record cut back: ``storage_unavailable``."""
+        self.unavailable(StorageError(self.store.failed_update(organization, round_, "it was cut back with the "
+                                                                                     "records of a failed fsync")))
 
     # ----------------------------------------------------------------- a close's checkpoint
     def set_close_locked(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray], keep_from: int) -> None:

@@ -1,7 +1,7 @@
 """What the outside sees of a run's transitions: Prometheus metrics, Kubernetes Events and the log.
 
-A run (``hetfed.aggregator.run.shell``) calls its ``RunObserver`` as it carries out each transition's effects; the
-observer never changes the run.
+A run (``hetfed.aggregator.run.conductor``) calls its ``RunObserver`` as it carries out each transition's
+effects; the observer never changes the run.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hetfed.aggregator.journal.history import RoundRecord
-from hetfed.aggregator.run.shell import Run
+from hetfed.aggregator.run.conductor import Run
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.phases import Phase
 from hetfed.wire.traffic import Direction, KindCount

@@ -1,7 +1,7 @@
 """What a run admits: limits on Join requests and on the values inside updates, and declared example weights.
 
-Pure checks: each raises ``WireError`` with the reason a client sees, or returns. The engine calls them before
-a request can change the run's state.
+Pure checks: each raises ``WireError`` with the reason a client sees, or returns. The run (``conductor.Run``)
+calls them before a request can change its state.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import unicodedata
 from dataclasses import dataclass
 from typing import NoReturn
 
+from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
-from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError
-from hetfed.wire.messages import JoinRequest
+from hetfed.aggregator.run.state import DataShape, RunState
+from hetfed.wire import contract
+from hetfed.wire.errors import ORGANIZATION_LEFT_REASON, PRIVACY_BUDGET_SPENT_REASON, WireError, clip
+from hetfed.wire.messages import JoinRequest, ParsedUpdate
 from hetfed.wire.payloads import (
     EvalMetrics,
     FactorizedWeights,
@@ -23,8 +26,8 @@ from hetfed.wire.payloads import (
     Received,
     training_examples,
 )
+from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.rpc import clip
 
 # Payloads whose example count is an aggregation weight.
 WEIGHTED = (ModelWeights, HeadWeights, FactorizedWeights)
@@ -99,6 +102,20 @@ def check_join(cfg: RunConfig, limits: Limits, max_examples: int, request: JoinR
             raise WireError("invalid_value", f"declared tensor name {clip(d.name, 64)!r} {bad}")
 
 
+def check_join_request(cfg: RunConfig, limits: Limits, max_examples: int, state: RunState, organization: str,
+                       request: JoinRequest) -> tuple[contract.Schema | None, DataShape]:
+    """A Join request of a member of a running run checked (``check_join``), and what it declares: the tensor
+    schema (None when it declares none or the algorithm shares none) and the label count and input shape (those
+    the algorithm shares). A non-member's or a finished run's is left to ``state.join`` to refuse."""
+    spec, declared = cfg.spec, None
+    if organization in cfg.organizations and state.phase is not Phase.FINISHED:
+        check_join(cfg, limits, max_examples, request)
+        if request.declared and spec.shared_schema:
+            declared = contract.schema_from_declared(request.declared, spec)
+    return declared, DataShape(request.num_classes if spec.shared_label_space else 0,
+                               request.input_shape if spec.shared_input_shape else ())
+
+
 def check_update(cfg: RunConfig, limits: Limits, max_examples: int, organization: str, declared: int,
                  update: Received) -> None:
     """Example counts within what the organization declared (or the maximum); bounded named figures."""
@@ -156,6 +173,23 @@ def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaratio
         new, old = _epsilons(declared.epsilon, last.epsilon)
         raise WireError("privacy_regressed", f"organization {organization!r} declared ε={new} after ε={old}: its "
                                              "privacy ledger was lost; keep the client's state_dir")
+
+
+def check_push(cfg: RunConfig, limits: Limits, max_examples: int, state: RunState, organization: str, round_: int,
+               update: ParsedUpdate, half: ServerHalf, last: PrivacyDeclaration | None) -> Received:  # type: ignore[type-arg]
+    """A pushed update checked against the run in ``state``, decoded: a leave notice is refused (``refuse_leave``);
+    an update must keep the algorithm's payload contract (``ParsedUpdate.check``), the example counts and named
+    figures (``check_update``), the privacy declaration (``check_privacy``, after ``last``, the organization's
+    last accepted one) and what only the server half can check (``validate``)."""
+    if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
+        update.check_leave(cfg.id, round_, organization)
+        refuse_leave(cfg, organization, update.privacy, update.leave_reason)
+    received = update.check(cfg.spec, state.phase, state.schema, limits.max_tensor_elements, cfg.id, round_,
+                            organization)
+    check_update(cfg, limits, max_examples, organization, state.examples.get(organization, 0), received)
+    check_privacy(cfg, organization, update.privacy, last)
+    half.validate(state.phase, organization, received)
+    return received
 
 
 def refuse_leave(cfg: RunConfig, organization: str, declared: PrivacyDeclaration | None,

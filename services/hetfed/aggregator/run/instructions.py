@@ -7,9 +7,8 @@ from collections import OrderedDict
 
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.wire import messages
-from hetfed.wire.messages import Encoded, Instructions
+from hetfed.wire.messages import Encoded, Instructions, Pulled
 from hetfed.wire.phases import Action, Phase
-from hetfed.wire.rpc import Pulled
 from hetfed.wire.specs import WireDtype
 
 # Per-organization instruction messages a run keeps built (memory does not grow with the federation).

@@ -1,5 +1,5 @@
 """Resuming a run at start-up, as plain values: its checkpoint's state and ledger, its committed history, and the
-open round's logged updates checked again. The run (``hetfed.aggregator.run.shell``) adopts what they return."""
+open round's logged updates checked again. The run (``hetfed.aggregator.run.conductor``) adopts what they return."""
 
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.journal.checkpoint import CheckpointMeta
 from hetfed.aggregator.journal.history import RoundRecord
 from hetfed.aggregator.journal.store import Recovered, RunConflictError, StateError
-from hetfed.aggregator.run import state as rs
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.state import Rules, RunState
 from hetfed.wire import contract
 from hetfed.wire import digest as content
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import WireError, clip
 from hetfed.wire.messages import ParsedUpdate
 from hetfed.wire.payloads import Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.rpc import clip
 
 log = logging.getLogger("hetfed.aggregator")
 
@@ -32,7 +31,7 @@ log = logging.getLogger("hetfed.aggregator")
 class Restored:
     """What a run's checkpoint and history say: its state, history, ledger and server-half arrays."""
 
-    state: rs.RunState
+    state: RunState
     history: list[RoundRecord]
     ledger: OrganizationLedger
     arrays: dict[str, np.ndarray]
@@ -48,7 +47,7 @@ class Logged:
     privacy: PrivacyDeclaration | None
 
 
-def restored(loaded: Recovered, cfg: RunConfig, rules: rs.Rules, checkpoint: Path, history: Path) -> Restored:
+def restored(loaded: Recovered, cfg: RunConfig, rules: Rules, checkpoint: Path, history: Path) -> Restored:
     """Parse what the journal recovered; ``RunConflictError`` when another algorithm wrote it, ``StateError``
     naming the file when it is invalid."""
     meta = CheckpointMeta.from_json(loaded.meta)
@@ -62,7 +61,7 @@ def restored(loaded: Recovered, cfg: RunConfig, rules: rs.Rules, checkpoint: Pat
         raise StateError(f"run {cfg.id!r}: {history} holds an invalid record "
                          f"({type(exc).__name__}: {exc})") from None
     try:
-        state = rs.RunState.from_json(meta.state, rules, len(records))
+        state = RunState.from_json(meta.state, rules, len(records))
         ledger = OrganizationLedger.from_json(dict(meta.organizations or {}))
     except (KeyError, ValueError, TypeError) as exc:
         raise StateError(f"run {cfg.id!r}: {checkpoint} holds invalid metadata ({type(exc).__name__}: {exc})") \

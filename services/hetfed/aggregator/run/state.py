@@ -4,7 +4,7 @@
 round and who pushed in it, and who was refused for good. Each transition (``join``, ``accept``, ``close``,
 ``refuse``) takes a state and returns a ``Step``: the next state and the effects the engine must carry out
 (persist a checkpoint, fold an update into the server half, aggregate a round). Nothing here does I/O, reads a
-clock or takes a lock; the shell (``hetfed.aggregator.run.shell``) does, and observers (metrics, Events) watch
+clock or takes a lock; the conductor (``hetfed.aggregator.run.conductor.Run``) does, and observers (metrics, Events) watch
 the effects.
 """
 
@@ -15,9 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hetfed.wire import contract
-from hetfed.wire.errors import LEAVE_REASONS, WireError
+from hetfed.wire.errors import LEAVE_REASONS, WireError, clip
 from hetfed.wire.phases import Phase
-from hetfed.wire.rpc import clip
 
 
 @dataclass(frozen=True)

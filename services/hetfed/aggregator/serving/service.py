@@ -5,7 +5,7 @@ RPC into a typed call here and maps the ``WireError`` raised into a gRPC status 
 
 Concurrency model: every RPC is a coroutine on one event loop. What may block (disk writes and fsyncs,
 decoding updates, aggregating, building instructions or Status) runs in a bounded pool of
-``server.worker_threads`` threads; a long-poll waits on its run's ``Changes`` in the event loop and holds no
+``server.worker_threads`` threads; a long-poll waits on its run's ``ChangeNotifier`` in the event loop and holds no
 thread, and a cancelled long-poll (the client gave up) ends at once. So the aggregator's thread count does
 not depend on its clients, and pushes and health checks never queue behind long-polls.
 """
@@ -29,12 +29,20 @@ from hetfed.aggregator.observe import k8s_events
 from hetfed.aggregator.observe.metrics import AggregatorMetrics
 from hetfed.aggregator.observe.observers import RunObserver
 from hetfed.aggregator.run.admission import Limits
-from hetfed.aggregator.run.shell import Run
+from hetfed.aggregator.run.conductor import Run
 from hetfed.aggregator.serving.memory import Trimmer
 from hetfed.wire.chunks import Bytes
-from hetfed.wire.errors import WireError
-from hetfed.wire.messages import JoinReply, JoinRequest, ParsedUpdate, PullRequest, PushReply, RunStatus
-from hetfed.wire.rpc import Caller, Pulled, clip
+from hetfed.wire.errors import WireError, clip
+from hetfed.wire.messages import (
+    JoinReply,
+    JoinRequest,
+    ParsedUpdate,
+    Pulled,
+    PullRequest,
+    PushReply,
+    RunStatus,
+)
+from hetfed.wire.rpc import Caller
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -69,8 +77,9 @@ class _RateLimiter:
             return True
 
 
-class PushLease:
-    """One admitted push stream of an organization; ``release`` when the push has been answered."""
+class PushReservation:
+    """What one admitted push stream of an organization holds of its ``PushBudget`` (a stream, the bytes its
+    first chunk announced, later a reassembly slot) until ``release``: the wire's ``AdmittedPush``."""
 
     def __init__(self, budget: PushBudget, organization: str, reserved: int) -> None:
         self._budget = budget
@@ -121,8 +130,8 @@ class PushBudget:
         self._streams: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
 
-    def admit(self, organization: str, announced: int, max_update_bytes: int) -> PushLease:
-        """A lease for a new push announcing ``announced`` bytes, or WireError when over a limit."""
+    def admit(self, organization: str, announced: int, max_update_bytes: int) -> PushReservation:
+        """A reservation for a new push announcing ``announced`` bytes, or WireError when over a limit."""
         reserved = min(max(announced, 0), max_update_bytes)
         if reserved > self.max_bytes:
             raise WireError("oversized", f"an update of {reserved} bytes exceeds the {self.max_bytes} bytes one "
@@ -139,18 +148,18 @@ class PushBudget:
                                                "(server.max_buffered_bytes_per_organization); retry later")
             self._streams[organization] = streams + 1
             self._bytes[organization] = held + reserved
-        return PushLease(self, organization, reserved)
+        return PushReservation(self, organization, reserved)
 
     def in_flight(self, organization: str) -> tuple[int, int]:
         """(streams, reserved bytes) of an organization's pushes in flight."""
         with self._lock:
             return self._streams.get(organization, 0), self._bytes.get(organization, 0)
 
-    def _release(self, lease: PushLease) -> None:
+    def _release(self, reservation: PushReservation) -> None:
         with self._lock:
-            org = lease.organization
+            org = reservation.organization
             self._streams[org] -= 1
-            self._bytes[org] -= lease.reserved
+            self._bytes[org] -= reservation.reserved
             if not self._streams[org]:
                 del self._streams[org], self._bytes[org]
 
@@ -249,17 +258,17 @@ class AggregatorService:
         run.check_member(organization)
         deadline = time.monotonic() + min(request.wait_seconds, self.config.server.max_pull_wait_seconds)
         while not self._stopping:
-            seen = run.changes.version
+            seen = run.notifier.version
             pulled = await self.blocking(lambda: run.poll(organization, request))
             if pulled is not None:
                 return pulled
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            await run.changes.wait(seen, remaining)
+            await run.notifier.wait(seen, remaining)
         return run.wait_reply()
 
-    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushLease:
+    def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushReservation:
         """Refuse a push before its chunks are read (a stale or foreign push, or one over the push limits)."""
         # A refusal here is not recorded as permanent: recording may close a round (disk writes), and this runs
         # on the event loop; a client refused here was refused at Join first, or gets it on its next Join.
@@ -355,7 +364,7 @@ class AggregatorService:
         """Answer every waiting and later long-poll with WAIT at once (the server is shutting down)."""
         self._stopping = True
         for run in self.runs.values():
-            run.changes.notify()
+            run.notifier.notify()
 
     def close(self) -> None:
         """Finish the work in the pool and close every run's files."""

@@ -1,4 +1,5 @@
-"""Wake-ups: long-polls waiting in asyncio event loops, woken from any thread when a run's state changes."""
+"""The ``ChangeNotifier``: long-polls waiting in asyncio event loops, woken from any thread when a run's state
+changes."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import asyncio
 import contextlib
 import threading
 
-# Long-polls woken per event-loop iteration when a run changes (see ``Changes.notify``).
+# Long-polls woken per event-loop iteration when a run changes (see ``ChangeNotifier.notify``).
 WAKE_BATCH = 32
 
 
-class Changes:
+class ChangeNotifier:
     """Wakes long-polls waiting in an asyncio event loop, from any thread, when a run's state changes.
 
     A waiter costs a future, not a thread; a cancelled wait (the client gave up) removes itself at once.

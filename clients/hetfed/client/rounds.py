@@ -1,0 +1,237 @@
+"""The client's round loop: pull instructions, run the algorithm's hook, push, then keep what the round leaves.
+
+``RoundLoop`` follows the aggregator from the round the organization resumes after until FINISH. Each round it
+checks the privacy budget (leaving the run when the next round would exceed it), runs the half's hook
+(``run_round``), protects the figures it uploads under ``[privacy]``, pushes, and then saves the private
+state, writes the snapshots, and records the organization's own exact figures (its record, gauges and reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import Gauge
+
+from hetfed.client.config import ClientConfig
+from hetfed.client.crashpoints import crash_point
+from hetfed.client.errors import ClientError, PrivacyBudgetSpent
+from hetfed.wire.messages import Instructions, JoinReply
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
+from hetfed.wire.phases import Action
+from hetfed.wire.privacy import PrivacyDeclaration
+from hetfed.wire.rpc import AggregatorClient, RemoteError
+from hetfed.wire.specs import AlgorithmSpec
+from hetfed.wire.specs.base import PeriodicEvalConfig
+
+if TYPE_CHECKING:
+    from hetfed.client.algorithms.base import ClientHalf
+    from hetfed.client.data import ClientData
+    from hetfed.client.own_record import OwnRecord
+    from hetfed.client.privacy.session import PrivacySession
+    from hetfed.client.state import StateFile
+
+log = logging.getLogger("hetfed.client")
+
+
+def evaluation_due(round_: int, every: int) -> bool:
+    """Whether training round ``round_`` evaluates on the held-out sets (rounds 1, 1 + every, 1 + 2·every, ...)."""
+    return (round_ - 1) % every == 0
+
+
+def run_round(half: ClientHalf, action: Action, round_: int, round_seed: int,  # type: ignore[type-arg]
+              received: Received) -> list[Payload]:
+    """One round of the round loop: set whether it evaluates (``eval_every`` of a PeriodicEvalConfig, else every
+    round; setup and the final evaluation always do), then call the half's hook for ``action``; the upload."""
+    every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
+    half.ctx.evaluating = action is not Action.TRAIN or evaluation_due(round_, every)
+    if action is Action.SETUP:
+        return half.setup(round_seed)
+    if action is Action.TRAIN:
+        from hetfed.client.training import round_lr_factor  # torch is loaded: the half built its model
+
+        with round_lr_factor(half.config.lr_factor(round_)):
+            return half.train(round_, round_seed, received)
+    return [half.evaluate(round_, received)]
+
+
+@dataclass(frozen=True)
+class Member:
+    """This organization in the run it joined: the reply, the algorithm and its half, the data and the privacy
+    session (None without ``[privacy]``)."""
+
+    joined: JoinReply
+    spec: AlgorithmSpec
+    half: ClientHalf  # type: ignore[type-arg]
+    data: ClientData
+    privacy: PrivacySession | None
+    wire_dtype: str | None
+
+    @property
+    def algorithm(self) -> str:
+        """The run's algorithm."""
+        return self.joined.algorithm
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The client's per-round gauges, labelled (run, algorithm, organization)."""
+
+    train_loss: Gauge
+    test_accuracy: Gauge
+    round: Gauge
+
+
+class RoundLoop:
+    """One organization's rounds of one run, after ``completed`` (the round its saved state had finished, -1)."""
+
+    def __init__(self, client: AggregatorClient, config: ClientConfig, member: Member, store: StateFile | None,
+                 gauges: Gauges, reports: list[tuple[int, EvalMetrics]], completed: int) -> None:
+        self.client, self.config, self.member, self.store, self.gauges = client, config, member, store, gauges
+        self.reports, self.completed = reports, completed
+        self.labels = (config.run, member.algorithm, config.organization)
+        self.own: OwnRecord | None = None  # under [privacy], its own exact figures (configuration.md: output_dir)
+        if member.privacy is not None and config.output_dir:
+            from hetfed.client.own_record import OwnRecord
+
+            self.own = OwnRecord(config.output_dir, config.organization, config.run, resumed_round=completed)
+        self.final: tuple[int, EvalMetrics] | None = None  # the evaluate round's figures, if this process reported
+        self._train_cpu = 0.0
+        self._train_wall = 0.0
+
+    def run(self) -> tuple[int, EvalMetrics] | None:
+        """Follow the instructions until FINISH; the evaluate round's figures when this process reported them."""
+        cfg, spec = self.config, self.member.spec
+        while True:
+            ins = self.client.pull(self.completed, cfg.pull_wait_seconds, spec)
+            if ins.action is Action.WAIT:
+                continue
+            if ins.action is Action.FINISH:
+                log.info("%s: run %s finished", cfg.organization, cfg.run)
+                return self.final
+            upload = self._work(ins, Received(ins.payloads, spec.repeated_download))
+            exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
+            upload, exact, declaration = self._protect(ins.round, upload, exact)
+            self._push(ins.round, upload, declaration)
+            self._keep(ins, exact)
+
+    def _work(self, ins: Instructions, received: Received) -> list[Payload]:
+        """The round's upload from the half's hook, after the privacy budget's check; a half whose training
+        diverged leaves the run (the same state would diverge again)."""
+        from hetfed.client.training import TrainingDivergedError
+
+        cfg, privacy, round_ = self.config, self.member.privacy, ins.round
+        if privacy is not None and ins.action is not Action.EVALUATE:
+            why = privacy.exhausted_before(setup=ins.action is Action.SETUP)
+            if why is not None:
+                log.warning("%s", why)
+                self._leave_spent(round_, privacy)
+                raise PrivacyBudgetSpent(why)
+            privacy.begin_round(round_, ins.round_seed)
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            upload = run_round(self.member.half, ins.action, round_, ins.round_seed, received)
+        except TrainingDivergedError as exc:  # retrying the round from the same state diverges the same way
+            # The notice names the event only: the loss value is a figure of private data (kept in the log).
+            log.warning("%s: local training diverged in round %d: %s", cfg.organization, round_, exc)
+            self._leave_for(round_, f"its local training diverged in round {round_}")
+            raise ClientError(f"{cfg.organization}: local training diverged in round {round_}: {exc}; its model "
+                              "is no longer finite and nothing was sent. A lower learning rate (lr), or a cap "
+                              "on the gradient's norm (max_grad_norm), may avoid it", permanent=True) from None
+        if cfg.report_timing:
+            upload = self._timed(upload, time.process_time() - cpu, time.perf_counter() - wall)
+        return upload
+
+    def _protect(self, round_: int, upload: list[Payload], exact: list[EvalMetrics],
+                 ) -> tuple[list[Payload], list[EvalMetrics], PrivacyDeclaration | None]:
+        """Under ``[privacy]``, the upload with its figures released (or withheld) and the round's declaration;
+        the ledger is on disk before the upload leaves. Without, the upload as it is."""
+        privacy = self.member.privacy
+        if privacy is None:
+            return upload, exact, None
+        # Figures of private data leave only as released (their releases in this round's ledger entry).
+        upload = [privacy.protect(p) if isinstance(p, EvalMetrics) else p for p in upload]
+        declaration = privacy.close_round(round_)
+        figures = privacy.figures(declaration)
+        upload = [dataclasses.replace(p, extra={**p.extra, **figures}) if isinstance(p, EvalMetrics) else p
+                  for p in upload]
+        exact = [dataclasses.replace(p, extra={**p.extra, **figures}) for p in exact]
+        crash_point("privacy.ledger_written")
+        return upload, exact, declaration
+
+    def _push(self, round_: int, upload: list[Payload], declaration: PrivacyDeclaration | None) -> None:
+        try:
+            self.client.push(round_, upload, self.member.wire_dtype, privacy=declaration)
+        except RemoteError as err:
+            if err.reason != "late":
+                raise
+            log.warning("round %d closed before our update arrived: %s", round_, err.details)
+
+    def _keep(self, ins: Instructions, exact: list[EvalMetrics]) -> None:
+        """What a pushed round leaves: the saved state, the snapshots, the organization's own exact figures."""
+        from hetfed.client.artifacts import write_snapshot
+
+        cfg, half, data, round_ = self.config, self.member.half, self.member.data, ins.round
+        if self.store is not None:  # after the aggregator has the update: a restart resumes after this round
+            log.info("%s: state after round %d saved (%s)", cfg.organization, round_,
+                     self.store.save(round_, half.private_state(), evaluated=ins.action is Action.EVALUATE))
+        if cfg.output_dir and (ins.action is Action.EVALUATE or (ins.action is Action.TRAIN and round_ == 1)):
+            tag = "final" if ins.action is Action.EVALUATE else "round-1"
+            write_snapshot(cfg.output_dir, tag, half.deployed_model(), data, cfg.model.reference,
+                           half.ctx.source(data.probe_set()[1]))
+        self.completed = round_
+        if self.own is not None and exact:  # the true count: the upload declared the released one
+            self.own.record(round_, exact, len(data.train))
+        for p in exact:  # the organization's own record, its gauges and its card hold the exact figures
+            if self.member.privacy is not None:  # logged here for the operator; the upload carried them gated
+                log.info("%s: round %d (exact, not sent): train_loss=%.6g test_accuracy=%.6g test_loss=%.6g",
+                         cfg.organization, round_, p.train_loss, p.test_accuracy, p.test_loss)
+            self.reports.append((round_, p))
+            self.gauges.train_loss.labels(*self.labels).set(p.train_loss)
+            self.gauges.test_accuracy.labels(*self.labels).set(p.test_accuracy)
+            if ins.action is Action.EVALUATE:
+                self.final = (round_, p)
+        self.gauges.round.labels(*self.labels).set(round_)
+
+    def _timed(self, upload: list[Payload], cpu: float, wall: float) -> list[Payload]:
+        """The upload with the cumulative CPU and wall seconds of local work added to its metrics."""
+        self._train_cpu += cpu
+        self._train_wall += wall
+        timing = {"train_cpu_seconds": self._train_cpu, "train_wall_seconds": self._train_wall,
+                  "process_cpu_seconds": time.process_time()}
+        return [dataclasses.replace(p, extra={**p.extra, **timing}) if isinstance(p, EvalMetrics) else p
+                for p in upload]
+
+    def _leave_spent(self, round_: int, privacy: PrivacySession) -> None:
+        """Tell the aggregator this organization leaves (a declaration with ``budget_spent`` and no payload), so no
+        round waits for it; the aggregator answers with the refusal ``privacy_budget_spent``."""
+        from hetfed.wire.errors import PRIVACY_BUDGET_SPENT_REASON
+
+        err = self.client.leave(round_, privacy=privacy.declaration(budget_spent=True),
+                                wire_dtype=self.member.wire_dtype)
+        if err is None:
+            log.warning("%s: the aggregator accepted a leave notice as an update", self.config.organization)
+        elif err.reason != PRIVACY_BUDGET_SPENT_REASON:
+            log.warning("%s: the aggregator did not take the leave notice (%s: %s); rounds wait for this "
+                        "organization until their deadline", self.config.organization, err.code.name, err.details)
+
+    def _leave_for(self, round_: int, reason: str) -> None:
+        """Tell the aggregator this organization leaves the run for ``reason`` (a leave notice: no payload), so no
+        round waits for it until its deadline; the aggregator answers with the refusal ``organization_left``. A
+        notice that does not get through is logged: the rounds then wait for the deadline, as for a stopped client."""
+        from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, ORGANIZATION_LEFT_REASON
+
+        try:
+            err = self.client.leave(round_, leave_reason=reason[:MAX_LEAVE_REASON_CHARS])
+        except Exception as exc:  # never let the notice hide why the client stops
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            if err is not None and err.reason == ORGANIZATION_LEFT_REASON:
+                log.info("%s: the aggregator took the leave notice: %s", self.config.organization, err.details)
+                return
+            why = "it was accepted as an update" if err is None else f"{err.code.name}: {err.details}"
+        log.warning("%s: the aggregator did not take the leave notice (%s); rounds wait for this organization until "
+                    "their deadline", self.config.organization, why)
