@@ -7,10 +7,12 @@ the datasets, partitions and models of the client package's ``hetfed.client.cata
 side (``hetfed.cli.experiments``: defaults and labels by name), and every choice is validated before any
 process starts. Client code runs here only through the catalog: the client package's own checks of a plan.
 
-Defaults are layered, the later winning: the command's own (``BASE``; rounds: a run's, the aggregator's
-``DEFAULT_ROUNDS``), the dataset's, the algorithm's (for every dataset, then for this dataset), and finally
-what the user gave on the command line. A training knob whose default the algorithm's config declares itself
-(a paper's schedule) keeps it under the command's and the dataset's layers: each default is stated once.
+Defaults are layered, the later winning: the command's own (``BASE``: models only; rounds: a run's, the
+aggregator's ``DEFAULT_ROUNDS``), the dataset's, the algorithm's (for every dataset, then for this dataset), and
+finally what the user gave on the command line. The training knobs have no default here: what no layer sets is
+the algorithm's declared config (its dataclass defaults and its spec's presets), the very values a hand-written
+aggregator file and the chart get. A knob the algorithm declares itself (a paper's schedule) keeps it under the
+dataset's layer: each default is stated once.
 
 Each setting is parsed once, here, into the typed configs themselves: one ``RunConfig`` per run (the
 aggregator's) and one ``ClientConfig`` per organization of each run. The files are written from them
@@ -76,9 +78,9 @@ if TYPE_CHECKING:
 
 # The orchestrator's own certificate under --tls: a name no run lists, good only for the read-only Status.
 OPERATOR_ORGANIZATION = "hetfed-operator"
-# The command's own defaults, under every dataset's and algorithm's.
-BASE = LocalDefaults(models=("lenet",),
-                     config={"local_epochs": 2, "lr": 0.01, "momentum": 0.9, "batch_size": 32})
+# The command's own defaults, under every dataset's and algorithm's. No training knob: those are the algorithm's
+# declared config (hetfed.wire.specs), which an aggregator file or the chart that leaves them out gets too.
+BASE = LocalDefaults(models=("lenet",))
 # Training knobs the command line sets for every run (--local-epochs, --lr, --momentum, --batch-size).
 TRAIN_KNOBS = ("local_epochs", "lr", "momentum", "batch_size")
 # Organizations when neither the user nor the partition says: the data's own default split.
@@ -285,10 +287,10 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
                                       f"{', '.join(models_for(entry.input_shape))}")
         latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
         fields = {f.name for f in dataclasses.fields(spec.config_type)}
-        # The command's and the dataset's knobs, where the algorithm's config keeps the shared default (an algorithm
-        # declaring its own default keeps it: stated once, in its config), then the algorithm's experiment entry.
-        own_defaults = _own_defaults(spec.config_type)
-        config: dict[str, Any] = {k: v for k, v in own.over(BASE).config.items() if k in fields - own_defaults}
+        # The dataset's knobs, where the algorithm's config keeps the shared default (an algorithm declaring its
+        # own default, in its config or its spec's presets, keeps it: stated once), then the algorithm's entry.
+        own_defaults = _own_defaults(spec.config_type) | set(spec.presets)
+        config: dict[str, Any] = {k: v for k, v in own.config.items() if k in fields - own_defaults}
         config.update({k: v for k, v in experiment(spec).defaults_for(opts.dataset).config.items() if k in fields})
         config.update({k: v for k, v in opts.train.items() if k in fields})
         config["wire_dtype"] = opts.wire_dtype
