@@ -319,7 +319,7 @@ def test_the_privacy_grid_declares_the_epsilon_axis_and_its_privacy_table() -> N
     grid = rp.load_grid("privacy")
     assert grid.results == "docs/results/privacy.md" and grid.seeds == (0, 1, 2)
     assert [(a.name, a.values) for a in grid.axes] == [("epsilon", (0, 1, 3, 8))]
-    assert [m.algorithm for m in grid.methods] == ["fedavg", "fedcma", "fedh2l"]
+    assert [m.algorithm for m in grid.methods] == ["fedavg", "fedcma_paper", "fedh2l"]
     assert all(m.privacy == {"clip_norm": 1.0} for m in grid.methods)
     assert {f.source for f in grid.figures} >= {"epsilon", "bytes_per_round"}
     assert len(grid.cells()) * len(grid.seeds) * len(grid.methods) == 36

@@ -74,7 +74,7 @@ def test_own_builders_and_factory_federate(tmp_path: Path, algorithms: str, mode
     (["--models", "tests.ownpkg.broken:net", "--algorithm", "fedavg"],
      "model builder 'tests.ownpkg.broken:net': cannot import module 'tests.ownpkg.broken' (ImportError: "
      "libcudnn.so.9: cannot open shared object file)"),
-    (["--models", "tests.ownpkg.models:unbounded", "--algorithm", "fedcma"],
+    (["--models", "tests.ownpkg.models:unbounded", "--algorithm", "fedcma_paper"],
      "model 'tests.ownpkg.models:unbounded': this algorithm needs a bounded latent in [0, 1]"),
 ])
 def test_bad_own_code_stops_hetfed_run_in_one_line_before_any_process(tmp_path: Path, args: list[str],

@@ -309,6 +309,9 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             raise ConfigError(f"--set: {exc}") from None
         if isinstance(typed, SharedSpaceConfig):
             latent = typed.latent_dim
+        if privacy.enabled and spec.bounded_latent and not spec.latent_bounded(typed):
+            # Its clipped releases take their bound from the sigmoid's [0, 1]^d_e: the client would refuse at setup.
+            raise ConfigError(f"{spec.name} under [privacy] needs bounded latents: --set {spec.name}.bounded_latent=true")
         seed_set = None
         if spec.needs_seed_set:
             seed_set = from_mapping(SeedSetConfig, catalog.seed_set_summary(data[0], clients), "seed_set")

@@ -25,7 +25,7 @@ REGISTERED: tuple[str, ...] = (
     "hetfed.wire.specs.fedprox:SPEC",
     "hetfed.wire.specs.fedavg_head:SPEC",
     "hetfed.wire.specs.fedcma:SPEC",
-    "hetfed.wire.specs.fedcma:AUTHORS_SPEC",
+    "hetfed.wire.specs.fedcma:PAPER_SPEC",
     "hetfed.wire.specs.fedh2l:SPEC",
     "hetfed.wire.specs.fedsr:SPEC",
     "hetfed.wire.specs.fedsr:FEDL2R",
