@@ -206,6 +206,21 @@ def _data_config(opts: LocalRunOptions, partition: str, clients: int, index: int
 
 def plan(opts: LocalRunOptions) -> LocalPlan:
     """Resolve every default and validate the whole federation; raises ConfigError with one clear line."""
+    privacy, specs = _checked_options(opts)
+    entry = DATASETS[opts.dataset]
+    catalog.check_dataset_available(opts.dataset)
+    own = dataset_defaults(opts.dataset)
+    partition = _partition_of(opts, specs, own)
+    clients = opts.clients if opts.clients is not None else PARTITIONS[partition].clients or DEFAULT_CLIENTS
+    data = tuple(_data_config(opts, partition, clients, index) for index in range(clients))
+    own_data = None if entry.builtin else catalog.check_own_data(data)
+    runs = tuple(_run_plan(opts, spec, own, partition, data, own_data, privacy) for spec in specs)
+    return LocalPlan(opts, partition, runs, entry.picture, clients, data,
+                     {name: getattr(privacy, name) for name in opts.privacy})
+
+
+def _checked_options(opts: LocalRunOptions) -> tuple[PrivacyConfig, list[AlgorithmSpec]]:
+    """The options' own mistakes, each one line: the [privacy] table parsed, and the named algorithms' specs."""
     if opts.clients is not None and opts.clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {opts.clients}")
     privacy = _privacy_config(opts.privacy)
@@ -234,12 +249,13 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
             raise ConfigError(f"--set names algorithm {name!r}, which is not among {', '.join(opts.algorithms)}")
     if opts.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {opts.dataset!r}; hetfed run offers {', '.join(DATASETS)}")
+    return privacy, specs
+
+
+def _partition_of(opts: LocalRunOptions, specs: Sequence[AlgorithmSpec], own: LocalDefaults) -> str:
+    """One partition for every run of the federation: the user's, else the one the algorithms need, else the
+    dataset's."""
     entry = DATASETS[opts.dataset]
-    catalog.check_dataset_available(opts.dataset)
-    own = dataset_defaults(opts.dataset)
-    layered = {s.name: experiment(s).defaults_for(opts.dataset).over(own.over(BASE)) for s in specs}
-    # One partition for every run of the federation: the user's, else the one the algorithms need, else the
-    # dataset's.
     partition = opts.partition
     if partition is None:
         wanted = {s.name: experiment(s).defaults_for(opts.dataset).partition for s in specs}
@@ -257,92 +273,108 @@ def plan(opts: LocalRunOptions) -> LocalPlan:
     if partition not in entry.partitions:
         raise ConfigError(f"dataset {opts.dataset!r} has no partition {partition!r}; it offers "
                           f"{', '.join(entry.partitions)}")
-    clients = opts.clients if opts.clients is not None else PARTITIONS[partition].clients or DEFAULT_CLIENTS
-    data = tuple(_data_config(opts, partition, clients, index) for index in range(clients))
-    own_data = None if entry.builtin else catalog.check_own_data(data)
-    runs = []
-    for spec in specs:
-        d = layered[spec.name]
-        if spec.needs_seed_set and not entry.partitions[partition].seed_set:
-            offer = [p for p, e in entry.partitions.items() if e.seed_set]
-            raise ConfigError(f"{spec.name} needs a seed set every organization holds; partition {partition!r} of "
-                              f"{opts.dataset!r} has none" + (f" (use --partition {' or '.join(offer)})" if offer
-                                                              else f", and no partition of {opts.dataset!r} has one"))
-        models = opts.models or d.models
-        unknown = [m for m in models if m not in MODELS and not is_reference(m)]
-        if unknown:
-            raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}, or an own builder "
-                              "'package.module:function'")
-        if not spec.model_private and len(set(models)) > 1:
-            private = ", ".join(s.name for s in SPECS.values() if s.model_private)
-            raise ConfigError(f"{spec.name} averages one model, so its organizations need one architecture, got "
-                              f"{', '.join(dict.fromkeys(models))}; organizations with different architectures "
-                              f"federate with {private}")
-        if entry.input_shape is not None:
-            for m in [m for m in models if not is_reference(m)]:
-                why = input_mismatch(m, entry.input_shape)
-                if why is not None:
-                    whose = "" if opts.models else f"{spec.name}'s default on {opts.dataset!r}: "
-                    raise ConfigError(f"{whose}{why} (dataset {opts.dataset!r}); choose one with --model: "
-                                      f"{', '.join(models_for(entry.input_shape))}")
-        latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
-        fields = {f.name for f in dataclasses.fields(spec.config_type)}
-        # The dataset's knobs, where the algorithm's config keeps the shared default (an algorithm declaring its
-        # own default, in its config or its spec's presets, keeps it: stated once), then the algorithm's entry.
-        own_defaults = _own_defaults(spec.config_type) | set(spec.presets)
-        config: dict[str, Any] = {k: v for k, v in own.config.items() if k in fields - own_defaults}
-        config.update({k: v for k, v in experiment(spec).defaults_for(opts.dataset).config.items() if k in fields})
-        config.update({k: v for k, v in opts.train.items() if k in fields})
-        config["wire_dtype"] = opts.wire_dtype
-        # Algorithms with one label space and one latent space carry their widths in their config.
-        shared = issubclass(spec.config_type, SharedSpaceConfig)
-        if shared and entry.num_classes is not None:
-            config["num_classes"] = entry.num_classes
-        elif shared and own_data is not None:
-            config["num_classes"] = own_data.num_classes
-        if shared and latent is not None:
-            config["latent_dim"] = latent
-        config.update(opts.extra_algorithm_config.get(spec.name, {}))
-        try:
-            typed = spec.parse(config, f"{spec.name} config")
-        except ConfigError as exc:
-            raise ConfigError(f"--set: {exc}") from None
-        if isinstance(typed, SharedSpaceConfig):
-            latent = typed.latent_dim
-        if privacy.enabled and spec.bounded_latent and not spec.latent_bounded(typed):
-            # Its clipped releases take their bound from the sigmoid's [0, 1]^d_e: the client would refuse at setup.
-            raise ConfigError(f"{spec.name} under [privacy] needs bounded latents: --set {spec.name}.bounded_latent=true")
-        seed_set = None
-        if spec.needs_seed_set:
-            seed_set = from_mapping(SeedSetConfig, catalog.seed_set_summary(data[0], clients), "seed_set")
-        # Unset everywhere: a run's own default (the aggregator's RunConfig).
-        rounds = next(n for n in (opts.rounds, d.rounds, DEFAULT_ROUNDS) if n is not None)
-        if rounds < 1:
-            raise ConfigError(f"--rounds must be at least 1, got {rounds}")
-        if own_data is not None or any(is_reference(m) for m in models):
-            catalog.check_models(opts.dataset, models, latent, spec.latent_bounded(typed), own_data)
-        run_id = run_id_of(spec.name)
-        # With scraping on, a run whose organizations share one architecture declares the bytes of its whole model,
-        # the dashboards' whole-model baseline (heterogeneous organizations have no single whole model to compare with).
-        reference = 0
-        if opts.metrics_linger > 0 and len(set(models)) == 1:
-            reference = catalog.model_bytes(data[0], models[0], latent)
-        try:
-            run = RunConfig(id=run_id, algorithm=spec.name, organizations=tuple(f"org-{i}" for i in range(clients)),
-                            rounds=rounds, seed=opts.seed, algorithm_config=to_mapping(typed), seed_set=seed_set,
-                            fedavg_model_bytes=reference,
-                            # Every organization trains under differential privacy: the aggregator refuses an update
-                            # that does not declare it. One whose budget is spent sends a leave notice and exits
-                            # PRIVACY_BUDGET_SPENT; the aggregator stops waiting for it at once.
-                            require_privacy=privacy.enabled)
-        except ConfigError as exc:
-            raise ConfigError(f"run {run_id}: {exc}") from None
-        orgs = tuple(_client_of(opts, run_id, data[i], models[i % len(models)], latent, privacy,
-                                bool(opts.artifacts or entry.picture or opts.output))
-                     for i in range(clients))
-        runs.append(RunPlan(run_id, spec, rounds, tuple(models), latent, typed, seed_set, run, orgs))
-    return LocalPlan(opts, partition, tuple(runs), entry.picture, clients, data,
-                     {name: getattr(privacy, name) for name in opts.privacy})
+    return partition
+
+
+def _models_of(opts: LocalRunOptions, spec: AlgorithmSpec, defaults: LocalDefaults) -> tuple[str, ...]:
+    """The run's architectures (cycled over its organizations), checked against the algorithm and the data."""
+    entry = DATASETS[opts.dataset]
+    models = opts.models or defaults.models
+    unknown = [m for m in models if m not in MODELS and not is_reference(m)]
+    if unknown:
+        raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}, or an own builder "
+                          "'package.module:function'")
+    if not spec.model_private and len(set(models)) > 1:
+        private = ", ".join(s.name for s in SPECS.values() if s.model_private)
+        raise ConfigError(f"{spec.name} averages one model, so its organizations need one architecture, got "
+                          f"{', '.join(dict.fromkeys(models))}; organizations with different architectures "
+                          f"federate with {private}")
+    if entry.input_shape is not None:
+        for m in [m for m in models if not is_reference(m)]:
+            why = input_mismatch(m, entry.input_shape)
+            if why is not None:
+                whose = "" if opts.models else f"{spec.name}'s default on {opts.dataset!r}: "
+                raise ConfigError(f"{whose}{why} (dataset {opts.dataset!r}); choose one with --model: "
+                                  f"{', '.join(models_for(entry.input_shape))}")
+    return tuple(models)
+
+
+def _algorithm_config(opts: LocalRunOptions, spec: AlgorithmSpec, own: LocalDefaults, own_data: Any,
+                      latent: int | None) -> TrainConfig:
+    """The algorithm's config, parsed once: the data set's and the algorithm's entries, the command line's
+    knobs and --set over the algorithm's declared defaults (what a file that leaves them out gets)."""
+    entry = DATASETS[opts.dataset]
+    fields = {f.name for f in dataclasses.fields(spec.config_type)}
+    # The dataset's knobs, where the algorithm's config keeps the shared default (an algorithm declaring its
+    # own default, in its config or its spec's presets, keeps it: stated once), then the algorithm's entry.
+    own_defaults = _own_defaults(spec.config_type) | set(spec.presets)
+    config: dict[str, Any] = {k: v for k, v in own.config.items() if k in fields - own_defaults}
+    config.update({k: v for k, v in experiment(spec).defaults_for(opts.dataset).config.items() if k in fields})
+    config.update({k: v for k, v in opts.train.items() if k in fields})
+    config["wire_dtype"] = opts.wire_dtype
+    # Algorithms with one label space and one latent space carry their widths in their config.
+    shared = issubclass(spec.config_type, SharedSpaceConfig)
+    if shared and entry.num_classes is not None:
+        config["num_classes"] = entry.num_classes
+    elif shared and own_data is not None:
+        config["num_classes"] = own_data.num_classes
+    if shared and latent is not None:
+        config["latent_dim"] = latent
+    config.update(opts.extra_algorithm_config.get(spec.name, {}))
+    try:
+        return spec.parse(config, f"{spec.name} config")
+    except ConfigError as exc:
+        raise ConfigError(f"--set: {exc}") from None
+
+
+def _run_plan(opts: LocalRunOptions, spec: AlgorithmSpec, own: LocalDefaults, partition: str,
+              data: tuple[DataConfig, ...], own_data: Any, privacy: PrivacyConfig) -> RunPlan:
+    """One run of the federation, every default resolved and checked."""
+    entry = DATASETS[opts.dataset]
+    clients = len(data)
+    d = experiment(spec).defaults_for(opts.dataset).over(own.over(BASE))
+    if spec.needs_seed_set and not entry.partitions[partition].seed_set:
+        offer = [p for p, e in entry.partitions.items() if e.seed_set]
+        raise ConfigError(f"{spec.name} needs a seed set every organization holds; partition {partition!r} of "
+                          f"{opts.dataset!r} has none" + (f" (use --partition {' or '.join(offer)})" if offer
+                                                          else f", and no partition of {opts.dataset!r} has one"))
+    models = _models_of(opts, spec, d)
+    latent = opts.latent_dim if opts.latent_dim is not None else d.latent_dim
+    typed = _algorithm_config(opts, spec, own, own_data, latent)
+    if isinstance(typed, SharedSpaceConfig):
+        latent = typed.latent_dim
+    if privacy.enabled and spec.bounded_latent and not spec.latent_bounded(typed):
+        # Its clipped releases take their bound from the sigmoid's [0, 1]^d_e: the client would refuse at setup.
+        raise ConfigError(f"{spec.name} under [privacy] needs bounded latents: --set {spec.name}.bounded_latent=true")
+    seed_set = None
+    if spec.needs_seed_set:
+        seed_set = from_mapping(SeedSetConfig, catalog.seed_set_summary(data[0], clients), "seed_set")
+    # Unset everywhere: a run's own default (the aggregator's RunConfig).
+    rounds = next(n for n in (opts.rounds, d.rounds, DEFAULT_ROUNDS) if n is not None)
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be at least 1, got {rounds}")
+    if own_data is not None or any(is_reference(m) for m in models):
+        catalog.check_models(opts.dataset, models, latent, spec.latent_bounded(typed), own_data)
+    run_id = run_id_of(spec.name)
+    # With scraping on, a run whose organizations share one architecture declares the bytes of its whole model,
+    # the dashboards' whole-model baseline (heterogeneous organizations have no single whole model to compare with).
+    reference = 0
+    if opts.metrics_linger > 0 and len(set(models)) == 1:
+        reference = catalog.model_bytes(data[0], models[0], latent)
+    try:
+        run = RunConfig(id=run_id, algorithm=spec.name, organizations=tuple(f"org-{i}" for i in range(clients)),
+                        rounds=rounds, seed=opts.seed, algorithm_config=to_mapping(typed), seed_set=seed_set,
+                        fedavg_model_bytes=reference,
+                        # Every organization trains under differential privacy: the aggregator refuses an update
+                        # that does not declare it. One whose budget is spent sends a leave notice and exits
+                        # PRIVACY_BUDGET_SPENT; the aggregator stops waiting for it at once.
+                        require_privacy=privacy.enabled)
+    except ConfigError as exc:
+        raise ConfigError(f"run {run_id}: {exc}") from None
+    orgs = tuple(_client_of(opts, run_id, data[i], models[i % len(models)], latent, privacy,
+                            bool(opts.artifacts or entry.picture or opts.output))
+                 for i in range(clients))
+    return RunPlan(run_id, spec, rounds, models, latent, typed, seed_set, run, orgs)
 
 
 def _own_defaults(config_type: type[TrainConfig]) -> set[str]:
