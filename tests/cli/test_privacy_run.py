@@ -15,6 +15,7 @@ from PIL import Image
 from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.cli import PRIVACY_BUDGET_SPENT, _client_exit_status, build_parser, run_options
 from hetfed.cli import localrun as lr
+from hetfed.cli.localrun import running
 from hetfed.cli import reproduce as rp
 from hetfed.cli.prom import PNG_KEY
 from hetfed.cli.report import EPSILON_LABEL, load_results, markdown_table, plot
@@ -236,8 +237,8 @@ def test_federate_goes_on_when_organizations_leave_and_ends_a_run_they_all_left(
         def stop(self) -> None:
             self.stopped = True
 
-    monkeypatch.setattr(lr, "LocalFederation", Fake)
-    monkeypatch.setattr(lr.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(running, "LocalFederation", Fake)
+    monkeypatch.setattr(running.time, "sleep", lambda _s: None)
     opts = lr.LocalRunOptions(algorithms=("fedavg",), clients=2, privacy={"epsilon_budget": 1})
     (summary,) = lr.federate(opts, tmp_path)
     out = capsys.readouterr().out
