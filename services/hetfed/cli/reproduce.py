@@ -719,9 +719,8 @@ def select_cells(grid: Grid, filters: Sequence[str]) -> list[dict[str, Any]]:
     return cells
 
 
-def main(name: str, argv: list[str]) -> int:
-    """``hetfed bench NAME [options]``: run a reproduction grid and render its results page."""
-    grid = load_grid(name)
+def _parser(name: str, grid: Grid) -> argparse.ArgumentParser:
+    """``hetfed bench NAME``'s options."""
     p = argparse.ArgumentParser(prog=f"hetfed bench {name}", description=grid.title)
     p.add_argument("--seeds", help=f"comma-separated seeds (default {','.join(map(str, grid.seeds))})")
     p.add_argument("--methods", help="comma-separated subset of " + ",".join(m.id for m in grid.methods))
@@ -744,6 +743,13 @@ def main(name: str, argv: list[str]) -> int:
     p.add_argument("--keep-going", action="store_true",
                    help="when a federation fails, report it and run the others (exit status 1 at the end); "
                    "without it the first failure stops the grid")
+    return p
+
+
+def main(name: str, argv: list[str]) -> int:
+    """``hetfed bench NAME [options]``: run a reproduction grid and render its results page."""
+    grid = load_grid(name)
+    p = _parser(name, grid)
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -768,6 +774,42 @@ def main(name: str, argv: list[str]) -> int:
         print(f"  resuming: {len(rows)} federations already measured in {saved}", flush=True)
     pending = [(cell, seed, method) for cell in cells for seed in seeds for method in methods
                if not any(r["method"] == method.id and r["cell"] == cell and r["seed"] == seed for r in rows)]
+    failed = _run_pending(grid, pending, root, args, rows, saved)
+    order = {(json.dumps(c, sort_keys=True), s, m.id): i
+             for i, (c, s, m) in enumerate((c, s, m) for c in cells for s in seeds for m in methods)}
+    rows.sort(key=lambda r: order.get((json.dumps(r["cell"], sort_keys=True), r["seed"], r["method"]), len(order)))
+    refs = {} if args.no_bytes else {r.label: run_bytes_reference(grid, r, root) for r in grid.bytes_references}
+    data = {
+        "command": portable_command(shlex.join(["hetfed", "bench", name, *argv])),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
+        "jobs": args.jobs,
+        "rounds": args.rounds,
+        "ran": len(pending),
+        "wall_seconds": time.monotonic() - started,
+        "load": [load0, os.getloadavg()[0]],
+        "grid": to_mapping(dataclasses.replace(grid)),
+        "rows": rows,
+        "bytes_references": refs,
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    write_page(Path(args.page), grid.title, render(grid, data))
+    results = check_claims(grid, rows)
+    for r in results:
+        print(f"claim: {r.claim.text} [{_cell_name(r.cell)}]: {r.mean:+.2f} [{r.lower:+.2f}, {r.upper:+.2f}] -> {r.verdict}")
+    print(f"wrote {json_path} and {args.page}")
+    if failed:
+        print(f"{len(failed)} of {len(pending)} federations failed (run again with --resume to retry them):",
+              *failed, sep="\n  ")
+        return 1
+    return 0
+
+
+def _run_pending(grid: Grid, pending: Sequence[tuple[dict[str, Any], int, Method]], root: Path,
+                 args: argparse.Namespace, rows: list[dict[str, Any]], saved: Path) -> list[str]:
+    """Run every pending federation (``args.jobs`` at once), each row appended to ``rows`` and saved as it ends;
+    the failures, one line each, under ``--keep-going`` (without it the first one is raised)."""
     lock = threading.Lock()
     failed: list[str] = []
     stop = threading.Event()  # set by a failure without --keep-going: queued federations then never start
@@ -803,35 +845,7 @@ def main(name: str, argv: list[str]) -> int:
     finally:  # a failed federation or a SIGTERM: start no further one, wait for those running to end
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
-    order = {(json.dumps(c, sort_keys=True), s, m.id): i
-             for i, (c, s, m) in enumerate((c, s, m) for c in cells for s in seeds for m in methods)}
-    rows.sort(key=lambda r: order.get((json.dumps(r["cell"], sort_keys=True), r["seed"], r["method"]), len(order)))
-    refs = {} if args.no_bytes else {r.label: run_bytes_reference(grid, r, root) for r in grid.bytes_references}
-    data = {
-        "command": portable_command(shlex.join(["hetfed", "bench", name, *argv])),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
-        "jobs": args.jobs,
-        "rounds": args.rounds,
-        "ran": len(pending),
-        "wall_seconds": time.monotonic() - started,
-        "load": [load0, os.getloadavg()[0]],
-        "grid": to_mapping(dataclasses.replace(grid)),
-        "rows": rows,
-        "bytes_references": refs,
-    }
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
-    write_page(Path(args.page), grid.title, render(grid, data))
-    results = check_claims(grid, rows)
-    for r in results:
-        print(f"claim: {r.claim.text} [{_cell_name(r.cell)}]: {r.mean:+.2f} [{r.lower:+.2f}, {r.upper:+.2f}] -> {r.verdict}")
-    print(f"wrote {json_path} and {args.page}")
-    if failed:
-        print(f"{len(failed)} of {len(pending)} federations failed (run again with --resume to retry them):",
-              *failed, sep="\n  ")
-        return 1
-    return 0
+    return failed
 
 
 def _save_rows(path: Path, rows: list[dict[str, Any]]) -> None:
