@@ -15,8 +15,8 @@ from PIL import Image
 from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.cli import PRIVACY_BUDGET_SPENT, _client_exit_status, build_parser, run_options
 from hetfed.cli import localrun as lr
-from hetfed.cli.localrun import running
 from hetfed.cli import reproduce as rp
+from hetfed.cli.localrun import running
 from hetfed.cli.prom import PNG_KEY
 from hetfed.cli.report import EPSILON_LABEL, load_results, markdown_table, plot
 from hetfed.client.config import load_client_config
