@@ -211,8 +211,10 @@ def test_an_unbounded_latent_takes_means_outside_the_unit_cube() -> None:
 
 def test_whether_encoders_end_in_a_sigmoid_is_the_configs_where_it_has_the_field() -> None:
     spec = SPECS["fedcma"]
-    assert spec.latent_bounded() and spec.latent_bounded(spec.config())
-    assert not spec.latent_bounded(spec.config(bounded_latent=False))
+    # The authors' settings keep the encoder's own last activation; the paper form adds the sigmoid.
+    assert spec.latent_bounded() and not spec.latent_bounded(spec.config())
+    assert spec.latent_bounded(spec.config(bounded_latent=True))
+    assert SPECS["fedcma_paper"].latent_bounded(SPECS["fedcma_paper"].config())
     assert not SPECS["fedavg"].latent_bounded(SPECS["fedavg"].config())  # no such field: the spec's own (False)
     with pytest.raises(ValueError, match="bounded_latent must be true or false"):
         spec.config(bounded_latent="no")
@@ -256,16 +258,32 @@ def test_separate_head_step_follows_the_reference_codes_two_etas() -> None:
         from_mapping(FedCMAConfig, {"head_server_lr": "fast"})
 
 
-def test_the_authors_preset_carries_their_run_script() -> None:
-    """fedcma_authors: code/script_cifar.sh:99 through main_full.py's anneal_cons_alpha (η·λ per term)."""
-    spec = SPECS["fedcma_authors"]
-    assert spec.family == "fedcma" and spec.half("server") is SPECS["fedcma"].half("server") is FedCMAServer
+def test_fedcma_defaults_to_its_authors_run_script() -> None:
+    """fedcma: code/script_cifar.sh:99 through main_full.py's anneal_cons_alpha (η·λ per term), no sigmoid, and
+    FedGen's 20 steps of batch 32: the settings under which the claims of docs/results/fedcma.md hold."""
+    spec = SPECS["fedcma"]
     cfg = spec.config()
     assert (cfg.lambda1, cfg.lambda2) == (5.0, 1.0)
     assert cfg.lambda1 * cfg.head_eta == 1.0 and cfg.lambda2 * cfg.server_lr == 0.18
     assert (cfg.alignment, cfg.head_consensus, cfg.keep_optimizer_state) == ("reference", "reference", True)
-    assert (cfg.lr, cfg.momentum, cfg.weight_decay) == (0.01, 0.9, 5e-4)
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.local_steps, cfg.batch_size) == (0.01, 0.9, 5e-4, 20, 32)
+    assert cfg.bounded_latent is False
     assert spec.config(lambda2=0.5).lambda2 == 0.5  # a run's own fields still win
+    # A hand-written aggregator file that names only the algorithm gets the same settings.
+    assert spec.parse({}) == cfg
+
+
+def test_the_paper_preset_is_the_paper_form_whatever_the_authors_settings() -> None:
+    """fedcma_paper: eqs. 5-7 with λ1 = λ2 = 0.5, η = 0.9, sigmoid encoders, FedGen's plain SGD."""
+    spec = SPECS["fedcma_paper"]
+    assert spec.family == "fedcma" and spec.half("server") is SPECS["fedcma"].half("server") is FedCMAServer
+    cfg = spec.config()
+    assert (cfg.lambda1, cfg.lambda2, cfg.server_lr, cfg.head_server_lr) == (0.5, 0.5, 0.9, None)
+    assert (cfg.alignment, cfg.head_consensus, cfg.bounded_latent) == ("paper", "paper", True)
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.local_steps, cfg.batch_size) == (0.01, 0.0, 0.0, 20, 32)
+    # Every field but the training schedule is the config type's own default: the equations.
+    own = FedCMAConfig(local_steps=20, momentum=0.0)
+    assert cfg == own
 
 
 def test_the_spec_is_model_private_and_never_accepts_model_weights() -> None:
@@ -281,7 +299,7 @@ def test_a_restarted_aggregator_resumes_with_the_same_p_weights_and_stored_updat
     aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]
 ) -> None:
     """Kill the aggregator after a's round-1 push: the restart keeps n_i^k, v̄⁰ and a's update; eq. 7 is exact."""
-    run = {"id": "r", "algorithm": "fedcma", "organizations": ["a", "b"], "rounds": 2, "seed": 5,
+    run = {"id": "r", "algorithm": "fedcma_paper", "organizations": ["a", "b"], "rounds": 2, "seed": 5,
            "algorithm_config": {"latent_dim": 1, "num_classes": 3, "lambda1": 0.5, "lambda2": 0.5, "server_lr": 1.0}}
     first = aggregator(run)
     a, b = raw_client(first.port, "a"), raw_client(first.port, "b")

@@ -168,7 +168,8 @@ def test_the_files_leave_out_what_the_dataclasses_default() -> None:
     assert agg["server"] == {"listen": "127.0.0.1:0", "metrics_port": 0, "metrics_host": "127.0.0.1",
                              "state_dir": "state"}
     (run,) = agg["runs"]
-    assert set(run) == {"id", "algorithm", "organizations", "rounds", "algorithm_config"}
+    # hetfed run trains FedAvg at the algorithm's declared defaults, so its file restates none of them.
+    assert set(run) == {"id", "algorithm", "organizations", "rounds"}
 
 
 def test_an_algorithms_own_training_defaults_are_stated_once_in_its_config() -> None:
@@ -230,3 +231,15 @@ def test_the_summary_waits_for_the_last_round_to_close_after_the_clients_exit() 
     assert stuck.reads >= 1
     with pytest.raises(RuntimeError, match="client-a-org-1 failed"):
         settled_status(_Federation([[running]], fail_at=1), [running], by_run, poll=0.0)  # type: ignore[arg-type]
+
+
+def test_fedcma_under_privacy_needs_its_bounded_latents_before_any_process() -> None:
+    """The authors' settings leave the sigmoid out; DP bounds the class sums by [0, 1]^d_e, so the plan says so
+    in one line rather than the client at setup."""
+    with pytest.raises(ConfigError, match=r"^fedcma under \[privacy\] needs bounded latents: "
+                                          r"--set fedcma.bounded_latent=true$"):
+        plan(LocalRunOptions(algorithms=("fedcma",), privacy={"epsilon_budget": 3.0}))
+    bounded = plan(LocalRunOptions(algorithms=("fedcma",), privacy={"epsilon_budget": 3.0},
+                                   extra_algorithm_config={"fedcma": {"bounded_latent": True}}))
+    assert bounded.runs[0].train.bounded_latent is True  # type: ignore[attr-defined]
+    assert plan(LocalRunOptions(algorithms=("fedcma_paper",), privacy={"epsilon_budget": 3.0})).runs

@@ -16,6 +16,7 @@ from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.cli import PRIVACY_BUDGET_SPENT, _client_exit_status, build_parser, run_options
 from hetfed.cli import localrun as lr
 from hetfed.cli import reproduce as rp
+from hetfed.cli.localrun import running
 from hetfed.cli.prom import PNG_KEY
 from hetfed.cli.report import EPSILON_LABEL, load_results, markdown_table, plot
 from hetfed.client.config import load_client_config
@@ -236,8 +237,8 @@ def test_federate_goes_on_when_organizations_leave_and_ends_a_run_they_all_left(
         def stop(self) -> None:
             self.stopped = True
 
-    monkeypatch.setattr(lr, "LocalFederation", Fake)
-    monkeypatch.setattr(lr.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(running, "LocalFederation", Fake)
+    monkeypatch.setattr(running.time, "sleep", lambda _s: None)
     opts = lr.LocalRunOptions(algorithms=("fedavg",), clients=2, privacy={"epsilon_budget": 1})
     (summary,) = lr.federate(opts, tmp_path)
     out = capsys.readouterr().out
@@ -319,7 +320,7 @@ def test_the_privacy_grid_declares_the_epsilon_axis_and_its_privacy_table() -> N
     grid = rp.load_grid("privacy")
     assert grid.results == "docs/results/privacy.md" and grid.seeds == (0, 1, 2)
     assert [(a.name, a.values) for a in grid.axes] == [("epsilon", (0, 1, 3, 8))]
-    assert [m.algorithm for m in grid.methods] == ["fedavg", "fedcma", "fedh2l"]
+    assert [m.algorithm for m in grid.methods] == ["fedavg", "fedcma_paper", "fedh2l"]
     assert all(m.privacy == {"clip_norm": 1.0} for m in grid.methods)
     assert {f.source for f in grid.figures} >= {"epsilon", "bytes_per_round"}
     assert len(grid.cells()) * len(grid.seeds) * len(grid.methods) == 36

@@ -13,6 +13,7 @@ import pytest
 
 from hetfed.cli import reproduce as rp
 from hetfed.cli.localrun import FederationFailedError
+from hetfed.cli.reproduce import command
 from hetfed.wire.specs import SPECS
 
 
@@ -219,7 +220,7 @@ def test_jobs_run_federations_at_once_and_save_them_in_grid_order(tmp_path: Path
         return {"method": method.id, "cell": dict(cell), "seed": seed, "wall_seconds": 0.1, "rounds": 1,
                 "figures": {f.key: 0.5 for f in g.figures}, "throughput": {}}
 
-    monkeypatch.setattr(rp, "run_federation", fake)
+    monkeypatch.setattr(command, "run_federation", fake)
     out = tmp_path / "page.md"
     code = rp.main("fedh2l", ["--seeds", "0,1", "--methods", "fedh2l", "--workdir", str(tmp_path / "w"),
                               "--no-bytes", "--jobs", "2", "--page", str(out), "--json", str(tmp_path / "m.json")])
@@ -244,7 +245,7 @@ def _failing_on_seed(bad: int) -> Any:
 def test_keep_going_reports_a_failed_federation_and_runs_the_others(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(1))
+    monkeypatch.setattr(command, "run_federation", _failing_on_seed(1))
     work = tmp_path / "w"
     code = rp.main("fedh2l", ["--seeds", "0,1,2", "--methods", "fedh2l,ind", "--workdir", str(work), "--no-bytes",
                               "--keep-going", "--page", str(tmp_path / "p.md"), "--json", str(tmp_path / "m.json")])
@@ -260,7 +261,7 @@ def test_keep_going_reports_a_failed_federation_and_runs_the_others(tmp_path: Pa
 
 def test_without_keep_going_the_first_failure_stops_the_grid(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(1))
+    monkeypatch.setattr(command, "run_federation", _failing_on_seed(1))
     work = tmp_path / "w"
     with pytest.raises(FederationFailedError, match=r"^fedh2l seed=1: client-org-3 failed:\n"):  # names the federation
         rp.main("fedh2l", ["--seeds", "0,1,2", "--methods", "fedh2l", "--workdir", str(work), "--no-bytes",
@@ -273,7 +274,7 @@ def test_hetfed_bench_prints_a_failed_federation_as_its_error_without_a_tracebac
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from hetfed.cli import build_parser
 
-    monkeypatch.setattr(rp, "run_federation", _failing_on_seed(0))
+    monkeypatch.setattr(command, "run_federation", _failing_on_seed(0))
     args = build_parser().parse_args(["bench", "fedh2l", "--seeds", "0", "--methods", "fedh2l", "--workdir",
                                       str(tmp_path / "w"), "--no-bytes", "--page", str(tmp_path / "p.md"),
                                       "--json", str(tmp_path / "m.json")])

@@ -57,8 +57,8 @@ CASES: dict[str, tuple[str, dict[str, Any], int | None]] = {
     "ditto_mkmmd": ("ditto", {"lam": 0.1, "measure": "mkmmd", "mu": 0.5, "refit_every": -1}, None),
     "ditto_mmdd": ("ditto", {"lam": 0.1, "measure": "mmdd", "mu": 0.5, "refit_every": 1, "refit_batches": 1,
                              "mmdd_steps": 2}, None),
-    "fedcma_paper": ("fedcma", {**FEDCMA, "alignment": "paper"}, 2),
-    "fedcma_reference": ("fedcma", {**FEDCMA, "alignment": "reference"}, 2),
+    "fedcma_paper": ("fedcma_paper", {**FEDCMA, "alignment": "paper"}, 2),
+    "fedcma_reference": ("fedcma_paper", {**FEDCMA, "alignment": "reference"}, 2),
     "fedh2l": ("fedh2l", {"optimizer": "sgd"}, None),
     "simfed": ("simfed", {"mask_init": "sparse", "lambda1": 0.01}, None),
     # z of width 16: torch draws the reparameterisation noise of a batch row by row when a row is a multiple of

@@ -34,12 +34,13 @@ CLIENTS, ROUNDS = 4, 3
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    """``hetfed run --algorithm fedcma --dataset gauss4`` as a user runs it (real processes, loopback gRPC)."""
+    """``hetfed run --algorithm fedcma_paper --dataset gauss4`` as a user runs it (real processes, loopback gRPC):
+    the paper form, whose sigmoid bounds the latents drawn here."""
     out = tmp_path_factory.mktemp("fedcma") / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedcma", "--dataset", "gauss4",
+        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedcma_paper", "--dataset", "gauss4",
          "--clients", str(CLIENTS), "--rounds", str(ROUNDS), "--local-epochs", "1", "--lr", "0.1",
-         "--output", str(out)],
+         "--momentum", "0.9", "--output", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -50,16 +51,16 @@ def toy_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], P
 
 def test_a_short_gauss4_run_finishes_and_draws_its_latent_spaces(toy_run: tuple[dict[str, Any], Path]) -> None:
     run, out = toy_run
-    assert run["algorithm"] == "fedcma"
+    assert run["algorithm"] == "fedcma_paper"
     assert [r["round"] for r in run["rounds"]] == [0, 1, 2, 3, 4]  # setup, three training rounds, evaluate
     assert run["final_test_accuracy"] > 0.5
-    png = out / "gauss4-fedcma.png"
+    png = out / "gauss4-fedcma-paper.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     # The picture comes from the run's own models: every organization wrote its snapshots locally.
     for i in range(CLIENTS):
-        meta = json.loads((out / "artifacts" / "fedcma" / f"org-{i}" / "meta.json").read_text())
+        meta = json.loads((out / "artifacts" / "fedcma-paper" / f"org-{i}" / "meta.json").read_text())
         assert meta["latent_dim"] == D and meta["num_classes"] == K
-        with np.load(out / "artifacts" / "fedcma" / f"org-{i}" / "final.npz") as snap:
+        with np.load(out / "artifacts" / "fedcma-paper" / f"org-{i}" / "final.npz") as snap:
             z = snap["probe_z"]
             assert z.shape == (400, D) and z.min() >= 0.0 and z.max() <= 1.0  # bounded latents
 

@@ -475,7 +475,8 @@ WIRE: dict[str, dict[str, Any]] = {
     "fedavg_head": {},
     "local": {},
     "ditto": {},
-    "fedcma": {},
+    # DP bounds Fed-CMA's class sums by its sigmoid's [0, 1]^d_e, which its authors' settings leave out.
+    "fedcma": {"bounded_latent": True},
     "fedh2l": {},
     "simfed": {},
     "fedsr": {"alpha_cmi": 0.0},

@@ -56,21 +56,24 @@ def test_fedcma_fedh2l_and_simfed_federate_three_own_architectures_on_own_data(t
                                                                                fashion_tree: Path) -> None:
     """The three architectures side by side; SimFed reflects factors only between equal architectures, so here
     each organization keeps its own (docs/algorithms/simfed.md)."""
-    # Six rounds: at three, Fed-CMA's sigmoid encoders sit at 0.20-0.38 over seeds 0-2 (chance 0.10); at six,
-    # 0.40-0.46, so the bound below has room on any machine's numerics.
-    proc = _hetfed_run(tmp_path, fashion_tree, "--algorithm", "fedcma,fedh2l,simfed", "--models", MODELS,
-                       "--rounds", "6", "--local-epochs", "3", "--set", "fedcma.lr=0.05", "--set", "fedh2l.local_steps=20")
+    # Six rounds: at three, Fed-CMA's sigmoid encoders (the paper form, epochs at lr 0.05 with momentum) sit at
+    # 0.20-0.38 over seeds 0-2 (chance 0.10); at six, 0.40-0.46, so the bound below has room on any machine's
+    # numerics. Its authors' settings (fedcma), without the sigmoid, stay near chance on these three at six rounds.
+    paper = ("--set", "fedcma_paper.lr=0.05", "--set", "fedcma_paper.momentum=0.9",
+             "--set", "fedcma_paper.local_steps=0")
+    proc = _hetfed_run(tmp_path, fashion_tree, "--algorithm", "fedcma_paper,fedh2l,simfed", "--models", MODELS,
+                       "--rounds", "6", "--local-epochs", "3", *paper, "--set", "fedh2l.local_steps=20")
     runs = _results(tmp_path, proc)
-    assert set(runs) == {"fedcma", "fedh2l", "simfed"}
+    assert set(runs) == {"fedcma_paper", "fedh2l", "simfed"}
     out = tmp_path / "out"
     for algorithm, run in runs.items():
         assert run["final_test_accuracy"] > 2 * CHANCE, (algorithm, run["final_test_accuracy"])
         assert sorted(run["rounds"][-1]["per_organization"]) == ["org-0", "org-1", "org-2"]
         for i, model in enumerate(MODELS.split(",")):  # organization i ran architecture i
-            client = json.loads((out / f"client-{algorithm}-org-{i}.json").read_text())
+            client = json.loads((out / f"client-{run['run']}-org-{i}.json").read_text())
             assert client["model"]["builder"] == model
             # ... and takes its trained model out as TorchScript, usable without hetfed or the example package.
-            scripted = torch.jit.load(str(next((out / "artifacts" / algorithm / f"org-{i}").rglob("*.ts"))))
+            scripted = torch.jit.load(str(next((out / "artifacts" / run["run"] / f"org-{i}").rglob("*.ts"))))
             assert scripted(torch.rand(2, 1, 28, 28)).shape == (2, 10)
     seed_set = {r["id"]: r.get("seed_set") for r in json.loads((out / "aggregator.json").read_text())["runs"]}
     assert seed_set["fedh2l"]["size"] == 100  # the factory's: 10 public test images per class

@@ -1,7 +1,9 @@
 """The defaults table of ``hetfed run --help``: what a run of each algorithm uses on a data set.
 
-Every value comes from ``localrun.plan``, the code path a run takes (the command's, the dataset's and the
-algorithm's defaults, layered), so the help cannot state a default that a run does not use.
+Every value comes from ``localrun.plan``, the code path a run takes (the dataset's and the algorithm's
+defaults, layered over the algorithm's declared config), so the help cannot state a default that a run does
+not use. On the default data set the training columns are the algorithm's declared config itself: what a
+hand-written aggregator file or the chart that leaves them out trains with.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def defaults_table(dataset: str) -> str:
     """The epilog of ``hetfed run --help``: every algorithm's defaults on ``dataset``, aligned in columns."""
     table, refused = rows(dataset)
     lines = [f"Defaults on {dataset}, each algorithm run alone (algorithms run together share one partition;",
-             "d_e -: the architecture's latent width). Put --dataset NAME before --help for another data set."]
+             "d_e -: the architecture's latent width). Put --dataset NAME before --help for another data set.",
+             "lr, momentum, batch and local work not set by a data set are the algorithm's own defaults, the",
+             "same an aggregator file or the Helm chart gets when it leaves them out."]
     if not table and len(set(refused.values())) == 1:  # the data set itself is unavailable
         return "\n".join([*lines, "", f"  {next(iter(refused.values()))}"])
     widths = [max(len(row[i]) for row in [HEADER, *table]) for i in range(len(HEADER))]

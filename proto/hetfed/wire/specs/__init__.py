@@ -39,7 +39,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedprox.SPEC,
     fedavg_head.SPEC,
     fedcma.SPEC,
-    fedcma.AUTHORS_SPEC,
+    fedcma.PAPER_SPEC,
     fedh2l.SPEC,
     fedsr.SPEC,
     fedsr.FEDL2R,

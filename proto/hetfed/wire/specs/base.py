@@ -27,14 +27,21 @@ Optimizer = Literal["sgd", "adam", "amsgrad"]
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Local-training hyperparameters shared by every organization of a run."""
+    """Local-training hyperparameters shared by every organization of a run.
 
-    local_epochs: int = 1
+    These defaults are the one set a run gets wherever it is written: ``hetfed run``, a hand-written
+    aggregator file and the chart write only what someone chose, so all three train alike. An algorithm
+    whose paper or authors trained otherwise declares its own values in its config (FedSR, FedH2L, SimFed)
+    or in its spec's presets (Fed-CMA). The values here are hetfed's own choice for the baselines (FedAvg,
+    Local and the algorithms that keep them): SGD at lr 0.01 with momentum 0.9, two epochs of batch 32.
+    """
+
+    local_epochs: int = 2
     # When > 0, each round runs exactly this many minibatch steps instead of local_epochs epochs.
     local_steps: int = 0
     batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.0
+    lr: float = 0.01
+    momentum: float = 0.9
     weight_decay: float = 0.0
     optimizer: Optimizer = "sgd"
     # Transport precision of floating tensors (float16/bfloat16 halve the bytes).

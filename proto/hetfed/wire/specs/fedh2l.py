@@ -29,6 +29,8 @@ class FedH2LConfig(PeriodicEvalConfig):
     lr: float = 1e-3
     weight_decay: float = 1e-4
     optimizer: Optimizer = "amsgrad"
+    # AMSGrad keeps its own moment estimates: no SGD momentum, whatever the shared default.
+    momentum: float = 0.0
     global_lr: float = 0.0
     # Project g_pub against g_loc when they conflict (eq. 14); False is the paper's "no project" ablation.
     project: bool = True

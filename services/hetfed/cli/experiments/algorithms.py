@@ -29,10 +29,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     "fedh2l": Experiment(
         defaults={
             # One round is one iteration of Algorithm 1 (one local and one mutual-learning step), so many rounds;
-            # four different architectures, as the paper mixes networks; its own optimiser (its config's AMSGrad and
-            # lr 1e-3), without hetfed run's momentum.
+            # four different architectures, as the paper mixes networks. The optimiser is its config's (AMSGrad).
             ANY_DATASET: LocalDefaults(rounds=500, models=("lenet", "mlp", "fedgen_cnn", "lenet_wide"),
-                                       partition="rotated", config={"momentum": 0.0}),
+                                       partition="rotated"),
         },
         labels={
             "wdp": FigureLabel("WDP", "within-domain performance: accuracy on the own domain's test set"),
@@ -56,10 +55,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "simfed": Experiment(
         defaults={
-            # The paper's SGD (its config's lr 5e-2 and batch 128, without hetfed run's momentum); 5 local epochs per
-            # round so that 20 rounds train MNIST-5k's small organizations about as far as the tuning runs needed
-            # (docs/algorithms/simfed.md).
-            ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20, config={"local_epochs": 5, "momentum": 0.0}),
+            # 20 rounds of its config's 5 local epochs train MNIST-5k's small organizations about as far as the
+            # tuning runs needed (docs/algorithms/simfed.md).
+            ANY_DATASET: LocalDefaults(models=("lenet",), rounds=20),
             # The feature vectors take the MLP (LeNet needs images); gauss4's 2-D latent space is drawn.
             "synthetic": LocalDefaults(models=("mlp",)),
             "gauss4": LocalDefaults(models=("mlp",), latent_dim=2),
