@@ -181,3 +181,20 @@ def test_the_shuffles_would_catch_a_sum_in_arrival_order() -> None:
             total += mw.num_examples * mw.tensors["encoder.weight"].astype(np.float64)
         sums.add(total.tobytes())
     assert len(sums) > 1
+
+
+def test_a_rounds_reports_are_listed_by_organization_whatever_order_they_came_in() -> None:
+    """The history line and the Status summary list reports by name, so a mean over them (the CLI's table)
+    adds the same floats in the same order."""
+    from hetfed.aggregator.journal.history import RoundRecord
+
+    metrics = {org: EvalMetrics(test_accuracy=0.1 * (i + 1) + 1e-9 * i, num_test_examples=7 * i + 3)
+               for i, org in enumerate(ORGS)}
+    lines, summaries = set(), set()
+    for seed in range(SHUFFLES):
+        rec = RoundRecord(1, Phase.TRAIN, 0.0)
+        for i in np.random.default_rng(seed).permutation(len(ORGS)):
+            rec.reports[ORGS[i]] = metrics[ORGS[i]]
+        lines.add(repr(rec.to_json()))
+        summaries.add(tuple(rec.summary().reports))
+    assert len(lines) == 1 and summaries == {ORGS}
