@@ -3,6 +3,8 @@ coordinate-wise trimmed mean and the coordinate-wise median; and the norm clippi
 
 Each aggregator takes one organization's named arrays at a time (``add``), gives the aggregate (``mean``) and
 forgets everything (``reset``): a server half picks one by its config and calls any of them the same way.
+Each gives the same bits whatever order the arrays are added in (sums go through ``ExactSum``), so a run's
+result does not depend on which organization pushes first, nor on the order a restart replays the round in.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ class ExactSum:
 
     Float64 addition is not associative, so a running ``+=`` depends on arrival order. This accumulator
     (reproducible summation after Demmel & Nguyen, the idea of ReproBLAS) cuts every term on a grid fixed in
-    absolute terms: level L holds integer multiples of 2^(L·W), W = 32. Per element it keeps the K = 3 levels
-    below ``top``, the lowest level whose range holds every term of that element so far
-    (|t| < 2^((top+1)·W - 1)). A term t is extracted from the top level down: q_L = rint(r / 2^(L·W)) · 2^(L·W),
-    r -= q_L, level L += q_L, and what is left below the lowest kept level is dropped.
+    absolute terms: level L holds integer multiples of 2^(L·W), W = 32. Per element it keeps K = 3 levels,
+    ``top`` and the two below it, where ``top`` is the lowest level whose range holds every term of that
+    element so far (|t| < 2^((top+1)·W - 1)). A term t is extracted from the top level down (r = t first):
+    q_L = rint(r / 2^(L·W)) · 2^(L·W), r -= q_L, level L += q_L; what is left below the lowest kept level is
+    dropped.
 
     Why the kept levels do not depend on the order of the adds:
 
     * every step is exact: scaling by a power of two (``ldexp``), ``rint``, r − q_L (q_L is r rounded on a
       coarser grid, the difference is r's own low bits) and the level sums (each holds integers times
-      2^(L·W), each term adds at most 2^(W-1) of them, exact while fewer than 2^(53-W) terms);
+      2^(L·W), each term adds at most 2^(W-1) of them, exact below ``MAX_TERMS`` = 2^(53-W) terms);
     * a term's extraction at level L depends only on the term and L: at every level above the term's own top,
       |t| < 2^(L·W - 1), so q = 0 there, and below, each q_L is a function of t and the levels above it. The
       window a term was added under only decides which of its levels are kept;
@@ -38,8 +41,9 @@ class ExactSum:
 
     ``total`` adds the kept levels top down in float64: the same bits for the same levels. Precision: per
     element, each term loses less than 2^(-2W) = 2^-64 of the largest |term| of that element (below float64's
-    2^-53); a round of n terms is within n·2^-64 of the exact sum relative to that largest term, then rounded
-    once. Memory: K float64 and one int8 per element, whatever the number of terms.
+    2^-53); n terms are within n·2^-64 of their exact sum relative to that largest term, and the total is
+    that rounded to float64 (within an ulp). Memory: K float64 and one int8 per element, whatever the
+    number of terms.
     """
 
     W = 32
@@ -213,8 +217,9 @@ class TrimmedMean:
     smallest values are dropped and the rest averaged, unweighted.
 
     Streaming: it keeps the ``trim`` largest values, the ``trim`` smallest of the rest and the sum of every
-    other value, so memory is (2·trim + 1) copies of the arrays whatever the number of clients, and an
-    extreme value is never added to the sum (no cancellation of 1e30 against 1e30). With fewer than
+    other value (an ``ExactSum``: the same bits in any order), so memory is 2·trim float64 copies of the
+    arrays and the sum's levels whatever the number of clients, and an extreme value is never added to the
+    sum (no cancellation of 1e30 against 1e30). With fewer than
     2·trim + 1 contributions it trims (count − 1) // 2 values at each end.
     """
 
