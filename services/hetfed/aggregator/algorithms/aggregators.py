@@ -108,9 +108,14 @@ class ExactSum:
         np.floor_divide(exp, self.W, out=exp)
         np.subtract(exp, 1, out=exp)
         np.copyto(exp, self.TOP_MIN, where=r == 0)
-        raised = np.flatnonzero(exp > top)
-        if raised.size:
-            self._raise(lo, raised, exp[raised])
+        if self.count == 0:  # every level is still 0: the window is set, nothing moves
+            if int(exp.max()) > self.TOP_MAX:
+                self._raise(lo, np.arange(n), exp)
+            np.maximum(top, exp, out=top, casting="unsafe")
+        else:
+            raised = np.flatnonzero(exp > top)
+            if raised.size:
+                self._raise(lo, raised, exp[raised])
         np.multiply(top, self.W, out=shift, dtype=np.int32)  # L·W of the top level
         for j in range(self.K):
             np.negative(shift, out=exp)
@@ -127,9 +132,6 @@ class ExactSum:
         if int(need.max()) > self.TOP_MAX:
             raise ValueError(f"a term of magnitude {2.0 ** (self.W * self.TOP_MAX):.3g} or more cannot be summed")
         at = lo + idx
-        if self.count == 0:  # every level is still 0: only the window moves
-            self._top[at] = need
-            return
         old = self._levels[:, at]
         rows = np.arange(self.K)[:, None] - (need - self._top[at])[None, :]  # old row of each new row
         moved = np.take_along_axis(old, np.clip(rows, 0, self.K - 1), axis=0)
@@ -145,15 +147,22 @@ class ExactSum:
             out = np.empty(self.shape, np.float64)
         flat = out.reshape(-1)
         size = flat.size
+        buffers = np.empty((5, min(self.BLOCK, size)), np.float64)  # made once: no allocation per block
         for lo in range(0, size, self.BLOCK):
             hi = min(lo + self.BLOCK, size)
-            s, err = self._levels[0, lo:hi].copy(), np.zeros(hi - lo)
+            s, err, t, bv, x = buffers[:, :hi - lo]
+            np.copyto(s, self._levels[0, lo:hi])
+            err[:] = 0.0
             for j in range(1, self.K):  # s + err = the levels so far, exactly (TwoSum: Knuth)
                 b = self._levels[j, lo:hi]
-                t = s + b
-                bv = t - s
-                err += (s - (t - bv)) + (b - bv)
-                s = t
+                np.add(s, b, out=t)
+                np.subtract(t, s, out=bv)
+                np.subtract(t, bv, out=x)  # err += (s - (t - bv)) + (b - bv)
+                np.subtract(s, x, out=x)
+                err += x
+                np.subtract(b, bv, out=x)
+                err += x
+                s, t = t, s
             s += err
             np.divide(s, divisor, out=flat[lo:hi], casting="unsafe")
         return out
