@@ -133,6 +133,11 @@ def configs(spec: AlgorithmSpec) -> list[Any]:
     return [base]
 
 
+def shuffled(seed: int) -> Callable[[int], list[int]]:
+    """A seeded arrival order for each round."""
+    return lambda r: [int(i) for i in np.random.default_rng([seed, r]).permutation(len(ORGS))]
+
+
 CASES = [pytest.param(spec, i, id=f"{name}-{i}") for name, spec in SPECS.items() for i in range(len(configs(spec)))]
 
 
@@ -141,7 +146,7 @@ def test_shuffled_arrivals_give_the_same_bits(spec: AlgorithmSpec, variant: int)
     config = configs(spec)[variant]
     want = drive(spec, config, lambda r: list(range(len(ORGS))))
     for seed in range(SHUFFLES):
-        got = drive(spec, config, lambda r: [int(i) for i in np.random.default_rng([seed, r]).permutation(len(ORGS))])
+        got = drive(spec, config, shuffled(seed))
         assert got == want, f"{spec.name}: arrival order {seed} changed the result"
 
 
