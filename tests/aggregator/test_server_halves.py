@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import typing
 
 import numpy as np
 import pytest
 
 from hetfed.aggregator.algorithms import make_server_half, server_half_type
-from hetfed.aggregator.algorithms.aggregators import WeightedMean
+from hetfed.aggregator.algorithms.aggregators import ExactSum, WeightedMean
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import HeadWeights, ModelWeights, Received
@@ -43,20 +44,23 @@ def test_weighted_mean_is_exact_and_streaming() -> None:
         acc.mean()
 
 
-def test_weighted_mean_of_tensors_larger_than_its_block_matches_float64_bit_for_bit() -> None:
+def test_weighted_mean_of_tensors_larger_than_its_block_matches_the_exact_sum_bit_for_bit() -> None:
     rng = np.random.default_rng(3)
-    n = WeightedMean.BLOCK * 2 + 12_345  # three blocks, the last partial
+    n = ExactSum.BLOCK * 2 + 12_345  # three blocks, the last partial
     parts = [(rng.standard_normal((n // 5, 5)).astype(np.float32), w) for w in (3.0, 0.25, 17.0)]
     small = [(rng.standard_normal(7).astype(np.float16), w) for _, w in parts]
     acc = WeightedMean()
     for (a, w), (b, _) in zip(parts, small, strict=True):
         acc.add({"big": a, "small": b}, w)
-    want_big = sum(a.astype(np.float64) * w for a, w in parts)
-    want_small = sum(b.astype(np.float64) * w for b, w in small)
+
+    def exact(arrays: list[tuple[np.ndarray, float]]) -> np.ndarray:
+        flat = [a.astype(np.float64).reshape(-1) * w for a, w in arrays]
+        return np.array([math.fsum(column) for column in zip(*flat, strict=True)]).reshape(arrays[0][0].shape)
+
     got = acc.mean()
     assert got["big"].shape == (n // 5, 5) and got["big"].dtype == np.float64
-    np.testing.assert_array_equal(got["big"], want_big / 20.25)
-    np.testing.assert_array_equal(got["small"], want_small / 20.25)
+    np.testing.assert_array_equal(got["big"], exact(parts) / 20.25)
+    np.testing.assert_array_equal(got["small"], exact(small) / 20.25)
 
 
 def test_fedavg_server_round() -> None:

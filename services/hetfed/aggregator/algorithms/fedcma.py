@@ -15,8 +15,11 @@ clients skip its alignment term. v̄⁰ is drawn from the run seed (torch's Line
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
+from hetfed.aggregator.algorithms.aggregators import ExactSum
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, Received
@@ -72,12 +75,14 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
 
     # ------------------------------------------------------------------ helpers
     def _reset_sums(self) -> None:
+        # The round's sums are exact in any order of arrival (``ExactSum``; the head's total weight a
+        # fraction), so the same pushes give the same ē and v̄ bit for bit however they interleave.
         k, d = self.config.num_classes, self.config.latent_dim
-        self._e_sum = np.zeros((k, d))
-        self._e_weight = np.zeros(k)
-        self._v_weight_sum = np.zeros((k, d))
-        self._v_bias_sum = np.zeros(k)
-        self._v_weight = 0.0
+        self._e_sum = ExactSum((k, d))
+        self._e_weight = ExactSum((k,))
+        self._v_weight_sum = ExactSum((k, d))
+        self._v_bias_sum = ExactSum((k,))
+        self._v_weight = Fraction(0)
 
     def _set_counts(self, organizations: list[str], counts: np.ndarray) -> None:
         self.organizations = list(organizations)
@@ -156,12 +161,12 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
         cme, head = update.get(ClassMeanEmbeddings), update.get(HeadWeights)
         present = np.asarray(cme.presence, dtype=bool)
         w = np.where(present, self.p_class[i], 0.0)
-        self._e_sum += w[:, None] * np.asarray(cme.means, dtype=np.float64)
-        self._e_weight += w
+        self._e_sum.add(w[:, None] * np.asarray(cme.means, dtype=np.float64))
+        self._e_weight.add(w)
         p = float(self.p_org[i])
-        self._v_weight_sum += p * np.asarray(head.weight, dtype=np.float64)
-        self._v_bias_sum += p * np.asarray(head.bias, dtype=np.float64)
-        self._v_weight += p
+        self._v_weight_sum.add(np.asarray(head.weight), p)
+        self._v_bias_sum.add(np.asarray(head.bias), p)
+        self._v_weight += Fraction(p)
 
     def close_round(self, phase: Phase, round_: int) -> None:
         """Setup: fix the p weights. Train: eq. 7 over the reporting organizations."""
@@ -172,15 +177,16 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
             self._pending = {}
             return
         if phase is Phase.TRAIN:
-            reported = self._e_weight > 0
+            e_weight = self._e_weight.total()
+            reported = e_weight > 0
             if reported.any():
-                target = self._e_sum[reported] / self._e_weight[reported, None]
+                target = self._e_sum.total()[reported] / e_weight[reported, None]
                 self.means[reported] = (1 - self.mean_step) * self.means[reported] + self.mean_step * target
                 self.present |= reported
             if self._v_weight > 0:
-                s = self.head_step
-                self.head_weight = (1 - s) * self.head_weight + s * self._v_weight_sum / self._v_weight
-                self.head_bias = (1 - s) * self.head_bias + s * self._v_bias_sum / self._v_weight
+                s, v_weight = self.head_step, float(self._v_weight)
+                self.head_weight = (1 - s) * self.head_weight + s * self._v_weight_sum.total() / v_weight
+                self.head_bias = (1 - s) * self.head_bias + s * self._v_bias_sum.total() / v_weight
         self._reset_sums()
 
     def state(self) -> dict[str, np.ndarray]:

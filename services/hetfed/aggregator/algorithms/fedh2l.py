@@ -109,14 +109,15 @@ class FedH2LServer(ServerHalf[FedH2LConfig]):
     def close_round(self, phase: Phase, round_: int) -> None:
         """The round's posteriors become what the next round relays."""
         if phase is Phase.TRAIN:
-            self._relay, self._incoming = self._incoming, {}
+            self._relay, self._incoming = dict(sorted(self._incoming.items())), {}
         else:
             self._incoming = {}
 
     def state(self) -> dict[str, np.ndarray]:
-        """The posteriors to relay in the open round, by organization."""
+        """The posteriors to relay in the open round, by organization (sorted: the arrival order is no part of
+        the state)."""
         out: dict[str, np.ndarray] = {}
-        for org, sp in self._relay.items():
+        for org, sp in sorted(self._relay.items()):
             out[f"{org}/seed_set_id"] = np.frombuffer(sp.seed_set_id.encode(), dtype=np.uint8)
             out[f"{org}/indices"] = sp.indices
             out[f"{org}/probabilities"] = sp.probabilities

@@ -439,16 +439,18 @@ class SimFedServer(ServerHalf[SimFedConfig]):
 
     # ----------------------------------------------------------------------------------------- durability
     def state(self) -> dict[str, np.ndarray]:
-        """The latest factors and embeddings of every organization, σ, and what fixes the run's layout."""
+        """The latest factors and embeddings of every organization, σ, and what fixes the run's layout; by
+        organization name, so the same uploads give the same bytes whatever order they arrived in."""
+        latest = sorted(self.latest.items())
         meta = {"closed_round": self.closed_round, "criteria_set_id": self.criteria_set_id,
                 "layouts": {org: [[n, u, v, list(s)] for n, u, v, s in layout]
-                            for org, layout in self.layouts.items()},
+                            for org, layout in sorted(self.layouts.items())},
                 "organizations": {org: [fw.num_examples, [layer.name for layer in fw.layers]]
-                                  for org, fw in self.latest.items()}}
+                                  for org, fw in latest}}
         out: dict[str, np.ndarray] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
                                       "sigma": self.sigma, "sigma_order":
                                       np.frombuffer(json.dumps(list(self.order)).encode(), dtype=np.uint8)}
-        for org, fw in self.latest.items():
+        for org, fw in latest:
             out[f"z/{org}"] = self.embeddings[org]
             for i, layer in enumerate(fw.layers):
                 for field in ("u", "v", "mask_indices", "mask_values"):

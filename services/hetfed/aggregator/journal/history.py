@@ -70,7 +70,7 @@ class RoundRecord:
             "clients": self.clients,
             "up": _traffic_json(self.up),
             "down": _traffic_json(self.down),
-            "reports": {org: _metrics_json(m) for org, m in self.reports.items()},
+            "reports": {org: _metrics_json(m) for org, m in sorted(self.reports.items())},
         }
 
     @classmethod
@@ -82,9 +82,10 @@ class RoundRecord:
         return rec
 
     def summary(self, clients: int | None = None) -> RoundSummary:
-        """The typed summary Status reports."""
+        """The typed summary Status reports, its reports by organization name: a mean over them is then the
+        same float whatever order the organizations pushed in."""
         return RoundSummary(self.round, self.clients if clients is None else clients, self.duration,
-                            messages.summary_traffic(self.up, self.down), dict(self.reports))
+                            messages.summary_traffic(self.up, self.down), dict(sorted(self.reports.items())))
 
 
 # Each history line carries the CRC-32 of the rest of its JSON object (lines written before it have none).
