@@ -65,7 +65,15 @@ def test_long_poll_waits_then_says_wait(aggregator: Callable[..., Any],
     a.join(DECL)
     b.join(DECL)
     a.push(1, upd(1.0, 1))
+    run = agg.service.runs["r"]
+    before = run.open_round.record.down.total_bytes
+    sample = {"run": "r", "algorithm": "fedavg", "organization": "a", "direction": "down", "payload_kind": "envelope"}
+    sent = agg.service.metrics.registry.get_sample_value("hetfed_aggregator_bytes_total", sample)
     assert a.pull(completed=1, wait=0.3).action == apb.ACTION_WAIT
+    # How often a long-poll expires depends on timing alone: the WAIT is in the metrics (every byte sent is), not
+    # in the round's record, whose bytes a run's table reports and a seed repeats.
+    assert agg.service.metrics.registry.get_sample_value("hetfed_aggregator_bytes_total", sample) > sent
+    assert run.open_round.record.down.total_bytes == before
 
 
 def test_client_that_reconnects_rejoins_current_round(aggregator: Callable[..., Any],

@@ -229,6 +229,9 @@ class Pulled:
 
     encoded: Encoded
     round: int
+    # A WAIT answered to a long-poll that expired: how often that happens depends on timing alone, so its bytes
+    # are counted in the metrics but not in the round's record (a run's table repeats with its seed).
+    waiting: bool = False
 
 
 def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:

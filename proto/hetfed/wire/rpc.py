@@ -124,8 +124,9 @@ class AggregatorHandler(Protocol):
         """Run ``fn`` where it may block (the handler's worker pool) and await its result."""
         ...
 
-    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown) -> None:
-        """Record the traffic of one RPC."""
+    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown,
+              in_round: bool = True) -> None:
+        """Record the traffic of one RPC (``in_round`` false: in the metrics only, not the round's record)."""
         ...
 
     def rejected(self, run_id: str, peer: str, err: WireError) -> None:
@@ -292,9 +293,10 @@ class AggregatorServicer:
         else:
             responses, size = built
             # The request is traffic too: an envelope-only message up.
-            self.handler.count(run_id, org, pulled.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, pulled.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)),
+                               in_round=not pulled.waiting)
             self.handler.count(run_id, org, pulled.round, Direction.DOWN,
-                               with_envelope(pulled.encoded.payloads, size, len(responses)))
+                               with_envelope(pulled.encoded.payloads, size, len(responses)), in_round=not pulled.waiting)
             for r in responses:
                 yield r
             return

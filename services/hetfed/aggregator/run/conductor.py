@@ -218,11 +218,14 @@ class Run:
         """The WAIT instructions of the open round (lock-free: the event loop answers an expired long-poll)."""
         return self.instructions.wait(self.round)
 
-    def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown) -> None:
-        """Count traffic with ``organization`` in the metrics and, when it belongs to the open round, its record."""
+    def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
+                       in_round: bool = True) -> None:
+        """Count traffic with ``organization`` in the metrics and, when it belongs to the open round and
+        ``in_round``, its record."""
         self.observer.traffic(organization, direction, b)
         self.ledger.count(organization, direction, b)
-        self.open_round.count(round_, direction, b)
+        if in_round:
+            self.open_round.count(round_, direction, b)
 
     def admit_push(self, organization: str, round_: int) -> None:
         """Refuse a push from a non-member or for another round before its chunks are read (lock-free)."""

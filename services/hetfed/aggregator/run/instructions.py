@@ -59,7 +59,7 @@ class InstructionCache:
         if cached is None or cached[0] != round_:
             cached = self._wait = (round_, messages.encode_instructions(
                 Instructions(self.run_id, round_, Action.WAIT, self.total_rounds)))
-        return Pulled(cached[1], cached[0])
+        return Pulled(cached[1], cached[0], waiting=True)
 
     def finish(self, round_: int) -> Pulled:
         """The FINISH instructions of a finished run."""

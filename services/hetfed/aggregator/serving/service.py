@@ -306,11 +306,12 @@ class AggregatorService:
             with contextlib.suppress(RuntimeError):  # the pool is shut down: Run.close commits it
                 self._executor.submit(run.commit_pending)
 
-    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown) -> None:
-        """Record the traffic of one RPC."""
+    def count(self, run_id: str, organization: str, round_: int, direction: Direction, traffic: TrafficBreakdown,
+              in_round: bool = True) -> None:
+        """Record the traffic of one RPC (``in_round`` false: in the metrics only, not the round's record)."""
         run = self.runs.get(run_id)
         if run is not None:
-            run.record_traffic(organization, round_, direction, traffic)
+            run.record_traffic(organization, round_, direction, traffic, in_round)
 
     def rejected(self, run_id: str, peer: str, err: WireError) -> None:
         """Count and log a rejection (every string from the request clipped)."""
