@@ -102,14 +102,15 @@ def render() -> str:
         "",
         "## Where its parts live",
         "",
-        "Defaults: the `hetfed run` settings per dataset in the experiment side's entry (`*` is any dataset).",
+        "Defaults: training settings are the spec's config (its dataclass and presets); the `hetfed run` settings per "
+        "dataset (`*` is any dataset) are in the experiment module named after the algorithm.",
         "",
         "| algorithm | spec | server half | client half | defaults | grids | page |",
         "|---|---|---|---|---|---|---|",
     ]
     for spec in REGISTERED:
         entry = experiment(spec)
-        defaults = (f"{_link(EXPERIMENTS / 'algorithms.py')} ({', '.join(f'`{d}`' for d in entry.defaults)})"
+        defaults = (f"{_link(EXPERIMENTS / f'{spec.family}.py')} ({', '.join(f'`{d}`' for d in entry.defaults)})"
                     if entry.defaults else "")
         page = REPO / "docs" / docs_page(spec)
         lines.append(" | ".join([
