@@ -220,8 +220,7 @@ class Run:
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
                        in_round: bool = True) -> None:
-        """Count traffic with ``organization`` in the metrics and, when it belongs to the open round and
-        ``in_round``, its record."""
+        """Count traffic in the metrics and, when ``in_round`` and of the open round, in its record."""
         self.observer.traffic(organization, direction, b)
         self.ledger.count(organization, direction, b)
         if in_round:
