@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -20,26 +19,29 @@ from tests.deploy.conftest import Helm, by_kind
 CHART_ALGORITHM, CHART_DATASET = "fedavg", "mnist5k"
 
 
-def typed(run: RunConfig) -> TrainConfig:
-    """The aggregator's parse of a run's algorithm config (the run holds it typed, or as its file's table)."""
-    held = run.algorithm_config
-    return run.train_config() if isinstance(held, Mapping) else held  # type: ignore[return-value]
-
-
 def fields(config: TrainConfig) -> dict[str, Any]:
     """Every field of a config by name: a difference names the field."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def chart_run(helm: Helm) -> RunConfig:
-    """The chart's default federation, rendered by real Helm and parsed as the aggregator parses its file."""
-    objects = helm.objects(sets=("organizations={north,south}",))
+def chart_objects(helm: Helm) -> list[dict[str, Any]]:
+    """The chart's default federation, rendered by real Helm."""
+    return helm.objects(sets=("organizations={north,south}",))
+
+
+def aggregator_file(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregator file among the rendered objects, as TOML it holds."""
     (cm,) = [c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"] == "fl-hetfed-aggregator"]
-    agg = tomllib.loads(cm["data"]["aggregator.toml"])
+    return tomllib.loads(cm["data"]["aggregator.toml"])
+
+
+def chart_run(helm: Helm) -> RunConfig:
+    """The chart's default federation's run, parsed as the aggregator parses its file."""
+    objects = chart_objects(helm)
     clients = [c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"] == "fl-hetfed-north"]
     (client,) = [tomllib.loads(text) for c in clients for text in c["data"].values()]
     assert client["data"]["dataset"] == CHART_DATASET
-    (run,) = aggregator_config_from_mapping(agg).runs
+    (run,) = aggregator_config_from_mapping(aggregator_file(objects)).runs
     assert run.algorithm == CHART_ALGORITHM
     return run
 
@@ -54,8 +56,8 @@ def local_run(algorithm: str, dataset: str) -> RunConfig:
 
 
 def test_the_charts_default_federation_trains_as_hetfed_run_does(helm: Helm) -> None:
-    chart = fields(typed(chart_run(helm)))
-    local = fields(typed(local_run(CHART_ALGORITHM, CHART_DATASET)))
+    chart = fields(chart_run(helm).algorithm_config)
+    local = fields(local_run(CHART_ALGORITHM, CHART_DATASET).algorithm_config)
     assert chart == local
     # ... which is the algorithm's declared config: neither writes numbers of its own.
     assert chart == fields(SPECS[CHART_ALGORITHM].config())
@@ -63,7 +65,8 @@ def test_the_charts_default_federation_trains_as_hetfed_run_does(helm: Helm) -> 
 
 
 def test_the_chart_writes_no_training_field(helm: Helm) -> None:
-    assert chart_run(helm).algorithm_config in ({}, SPECS[CHART_ALGORITHM].config())
+    (run,) = aggregator_file(chart_objects(helm))["runs"]
+    assert run["algorithm"] == CHART_ALGORITHM and "algorithm_config" not in run
 
 
 # Every algorithm hetfed run offers on MNIST-5k whose run-wide widths it does not set from the data.
@@ -79,7 +82,7 @@ def test_a_hand_written_file_that_leaves_the_fields_out_trains_as_hetfed_run(alg
         run["seed_set"] = {"id": "seeds", "sha256": "0" * 64}
     hand = {"runs": [run]}
     (written,) = aggregator_config_from_mapping(hand).runs
-    local = fields(typed(local_run(algorithm, CHART_DATASET)))
-    own = fields(typed(written))
+    local = fields(local_run(algorithm, CHART_DATASET).algorithm_config)
+    own = fields(written.algorithm_config)
     differ = {k: (own[k], local[k]) for k in own if own[k] != local[k] and k not in WIDTHS}
     assert differ == {}
