@@ -33,9 +33,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_benchmark(name: str) -> ModuleType:
     """Import benchmarks/<name>.py (the benchmarks folder is scripts, not a package)."""
+    return _load_file(name, REPO / "benchmarks" / f"{name}.py")
+
+
+def load_script(name: str) -> ModuleType:
+    """Import scripts/<name>.py (the scripts folder is not a package)."""
+    return _load_file(name, REPO / "scripts" / f"{name}.py")
+
+
+def _load_file(name: str, path: Path) -> ModuleType:
+    """Import the module at ``path`` as ``name``, once (later calls return the same module)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

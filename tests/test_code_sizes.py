@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import load_script
 
 
-def _sizes():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("code_sizes", ROOT / "scripts" / "code_sizes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["code_sizes"] = module
-    spec.loader.exec_module(module)
-    return module
+def _sizes() -> ModuleType:
+    """scripts/code_sizes.py, imported once."""
+    return load_script("code_sizes")
 
 
 def test_no_product_class_or_function_is_over_its_limit() -> None:

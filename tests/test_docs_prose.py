@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, load_script
+
 LIMIT = 25.0
 # The pages brought under the limit; docs/results/ is generated, and the other algorithm pages are not yet.
 PAGES = ["README.md", "docs/architecture.md", "docs/benchmarks.md", "docs/configuration.md", "docs/data.md", "docs/deploy.md",
@@ -18,15 +17,8 @@ PAGES = ["README.md", "docs/architecture.md", "docs/benchmarks.md", "docs/config
 
 
 def prose_stats() -> ModuleType:
-    """Import scripts/prose_stats.py (the scripts folder is not a package)."""
-    if "prose_stats" in sys.modules:
-        return sys.modules["prose_stats"]
-    spec = importlib.util.spec_from_file_location("prose_stats", REPO / "scripts" / "prose_stats.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["prose_stats"] = module
-    spec.loader.exec_module(module)
-    return module
+    """scripts/prose_stats.py, imported once."""
+    return load_script("prose_stats")
 
 
 def test_the_measurement_counts_prose_only(tmp_path: Path) -> None:

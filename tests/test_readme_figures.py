@@ -6,28 +6,19 @@ A change that moves the default run's table or the suite's size fails here until
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
 README = REPO / "README.md"
 
 
 def figures() -> ModuleType:
-    """Import scripts/readme_figures.py (the scripts folder is not a package)."""
-    if "readme_figures" in sys.modules:
-        return sys.modules["readme_figures"]
-    spec = importlib.util.spec_from_file_location("readme_figures", REPO / "scripts" / "readme_figures.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["readme_figures"] = module
-    spec.loader.exec_module(module)
-    return module
+    """scripts/readme_figures.py, imported once."""
+    return load_script("readme_figures")
 
 
 SAMPLE = "\n".join([
