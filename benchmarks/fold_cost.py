@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
+
+# The same timer as the digest's cost (this folder is first on sys.path when run).
+from digest_cost import cpu_ms
 
 from hetfed.aggregator.algorithms.aggregators import ExactSum, WeightedMean
 
@@ -39,17 +39,6 @@ class RunningSum:
 
     def mean(self, weight: float) -> np.ndarray:
         return np.divide(self.sum, weight, out=np.empty(self.sum.shape, np.float32), casting="unsafe")
-
-
-def cpu_ms(fn: Callable[[], object], repeat: int) -> float:
-    """Median thread CPU milliseconds of ``fn`` over ``repeat`` runs, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return statistics.median(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
