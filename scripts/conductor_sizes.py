@@ -12,7 +12,6 @@ object.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import json
 import sys
@@ -20,21 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def _class_and_method_lines(path: Path, cls: str, method: str = "") -> tuple[int, int]:
-    """Lines of class ``cls`` in ``path`` and of its ``method`` (0 when absent)."""
-    tree = ast.parse(path.read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    fn = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == method), None)
-    span = (node.end_lineno or 0) - node.lineno + 1
-    return span, ((fn.end_lineno or 0) - fn.lineno + 1) if fn else 0
-
-
-def _file_defining(tree: Path, folder: str, cls: str) -> Path:
-    for path in sorted((tree / folder).glob("*.py")):
-        if f"\nclass {cls}" in path.read_text():
-            return path
-    raise SystemExit(f"no class {cls} under {folder}")
+# The class and function spans of code_sizes.py (this folder is first on sys.path when run).
+from code_sizes import definitions
 
 
 def _calls_out_per_push(run_file: Path) -> int:
@@ -98,13 +84,12 @@ def _calls_out_per_push(run_file: Path) -> int:
 def main() -> None:
     tree = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve()
     sys.path[:0] = [str(tree / "proto"), str(tree / "services"), str(tree / "clients")]
-    run_file = _file_defining(tree, "services/hetfed/aggregator/run", "Run")
-    runtime = tree / "clients/hetfed/client/runtime.py"
-    run_lines, _ = _class_and_method_lines(run_file, "Run")
-    runtime_lines, run_method = _class_and_method_lines(runtime, "ClientRuntime", "_run")
-    print(json.dumps({"run_file": str(run_file.relative_to(tree)), "Run_lines": run_lines,
-                      "ClientRuntime_lines": runtime_lines, "ClientRuntime._run_lines": run_method,
-                      "Run_calls_out_per_push": _calls_out_per_push(run_file)}))
+    lines = {where: n for n, _, where in definitions(tree)}
+    (run_at,) = [w for w in lines if w.startswith("services/hetfed/aggregator/run/") and w.endswith(".py:Run")]
+    runtime = "clients/hetfed/client/runtime.py:ClientRuntime"
+    print(json.dumps({"run_file": run_at.partition(":")[0], "Run_lines": lines[run_at],
+                      "ClientRuntime_lines": lines[runtime], "ClientRuntime._run_lines": lines.get(f"{runtime}._run", 0),
+                      "Run_calls_out_per_push": _calls_out_per_push(tree / run_at.partition(":")[0])}))
 
 
 if __name__ == "__main__":
