@@ -43,6 +43,10 @@ class ServerHalf(Generic[C]):
 
     # True when every organization receives the same payloads in a round (the engine builds them once).
     broadcast: ClassVar[bool] = True
+    # True when ``accumulate`` keeps the update's arrays until ``close_round`` (folded there, by ranges): the
+    # engine then hands it the logged copy, arrays that view the write-ahead log's file, never the received
+    # bytes, so the round's updates cost file pages the kernel can drop, not memory.
+    keeps_updates: ClassVar[bool] = False
 
     def __init__(self, config: C, run: RunInfo) -> None:
         self.config = config

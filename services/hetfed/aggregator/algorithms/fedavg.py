@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
 from hetfed.aggregator.algorithms.aggregators import (
+    Aggregator,
     CoordinateMedian,
+    Term,
     TrimmedMean,
     WeightedMean,
-    clip_to_ball,
     distance,
+    drop_pages,
+    fold_ranges,
     global_norm,
 )
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
@@ -33,16 +36,26 @@ class AveragingServer(ServerHalf[A], Generic[A]):
 
     Every update is checked against the run's plausibility bounds first: no value beyond ``max_abs_weight``,
     and a distance from the current global model of at most ``max_update_norm_ratio`` times its norm (refused,
-    or clipped onto that bound under ``update_norm_policy = "clip"``)."""
+    or clipped onto that bound under ``update_norm_policy = "clip"``).
+
+    The round's updates are kept as they came (in the engine, arrays that view the write-ahead log's file) and
+    folded at the close, a range of elements at a time (``fold_ranges``): the only model-sized array it makes is
+    the new global model."""
+
+    keeps_updates: ClassVar[bool] = True
 
     def __init__(self, config: A, run: RunInfo) -> None:
         super().__init__(config, run)
         self.global_: dict[str, np.ndarray] | None = None
         self._global_norm: float | None = None
         self._global_max_abs: float | None = None
-        self._acc: WeightedMean | TrimmedMean | CoordinateMedian = (
-            TrimmedMean(config.trim) if config.aggregation == "trimmed_mean"
-            else CoordinateMedian() if config.aggregation == "median" else WeightedMean())
+        self._terms: list[Term] = []
+
+    def _aggregator(self) -> Aggregator:
+        """A fresh aggregator of the configured kind (one per range at the close)."""
+        config = self.config
+        return (TrimmedMean(config.trim) if config.aggregation == "trimmed_mean"
+                else CoordinateMedian() if config.aggregation == "median" else WeightedMean())
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The arrays an update contributes and their weight (None: nothing to average)."""
@@ -107,23 +120,30 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         return self._global_max_abs
 
     def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
-        """Add n_i · w_i to the running sum (or w_i to the trimmed mean's or median's state), clipped first
-        under ``update_norm_policy = "clip"``."""
+        """Keep the update's arrays and weight for the close; under ``update_norm_policy = "clip"`` its distance
+        from the global model is taken now, and the factor that moves it onto the bound kept with it."""
         got = self.arrays(update)
         if got is not None:
-            arrays = got[0]
+            arrays, weight = got
+            if weight <= 0:
+                raise ValueError("weights must be positive")
             radius = self._radius()
+            clip = None
             if radius and self.config.update_norm_policy == "clip":
                 assert self.global_ is not None
-                arrays, _ = clip_to_ball(arrays, self.global_, radius)
-            self._acc.add(arrays, float(got[1]))
+                dist = distance(arrays, self.global_)
+                clip = radius / dist if dist > radius else None
+                for a in arrays.values():
+                    drop_pages(np.asarray(a))
+            self._terms.append(Term(arrays, float(weight), clip))
 
     def close_round(self, phase: Phase, round_: int) -> None:
-        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median)."""
-        if self._acc.count:
-            self.global_ = self._acc.mean(np.float32)
+        """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median), a range of
+        elements at a time."""
+        if self._terms:
+            self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32)
             self._global_norm = self._global_max_abs = None
-        self._acc.reset()
+        self._terms = []
 
     def state(self) -> dict[str, np.ndarray]:
         """The global arrays."""

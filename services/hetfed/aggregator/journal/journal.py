@@ -78,6 +78,11 @@ class Journal:
         """The open round's logged updates, ``(organization, data)``, in log order."""
         return list(self.store.updates(round_))
 
+    def views(self, round_: int) -> list[tuple[str, memoryview]]:
+        """The open round's logged updates, ``(organization, data)`` in organization order, as read-only views of
+        the mapped log (valid until the round's records are dropped after its close)."""
+        return self.store.views(round_)
+
     def drop_rounds_before(self, round_: int) -> None:
         """Forget the logged updates of rounds before ``round_``."""
         self.store.drop_rounds_before(round_)

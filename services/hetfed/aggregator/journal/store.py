@@ -76,6 +76,7 @@ class RunStore:
         self._lock_fd = -1
         # The write-ahead log's operations, as the engine calls them.
         self.append_update, self.sync, self.repair = self.wal.append, self.wal.sync, self.wal.repair
+        self.views = self.wal.views
         self.failed_update, self.updates, self.write_update = self.wal.failed_update, self.wal.updates, \
             self.wal.write_update
         self.drop_rounds_before = self.wal.drop_rounds_before

@@ -394,6 +394,29 @@ class WriteAheadLog:
         found.update((r.organization, r.data) for r in scan.records if r.round == round_)
         return sorted(found.items())
 
+    def views(self, round_: int) -> list[tuple[str, memoryview]]:
+        """Every logged update of a round, in organization order, as read-only views of the log file: mapped, not
+        read, so the kernel pages the bytes in as they are used and a caller may drop them again
+        (``madvise``). Only the record headers are read (their MACs checked): every record was verified when the
+        log was opened or appended. The views stay valid until the round's records are cut from the log."""
+        size = self._size
+        if size <= _FILE_HEADER.size:
+            return []
+        with open(self.path, "rb") as f:
+            blob = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        whole = memoryview(blob)
+        found: dict[str, memoryview] = {}
+        pos = _FILE_HEADER.size
+        while pos < size:
+            header = _header_at(blob, pos, self._key)
+            if header is None:  # not reached: the log holds only verified records up to its end
+                raise StorageError(f"{self.path}: no valid record at offset {pos}")
+            rec_round, org, data_len, _, start, _ = header
+            if rec_round == round_:
+                found[org] = whole[start : start + data_len]
+            pos = start + data_len
+        return sorted(found.items())
+
     def drop_rounds_before(self, round_: int) -> None:
         """Forget logged updates of rounds before ``round_`` (their effect is in the checkpoint).
 

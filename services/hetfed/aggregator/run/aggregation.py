@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetfed.aggregator.algorithms.aggregators import drop_pages
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.journal.journal import Journal
@@ -48,9 +49,11 @@ class Aggregation:
         return self.half
 
     def logged(self, state: RunState) -> list[resume.Logged]:
-        """The open round's logged updates, checked again."""
-        return resume.logged_updates(self.journal.logged(state.round), self.cfg, state.phase, state.round,
-                                     state.schema, self.max_tensor_elements)
+        """The open round's logged updates, checked again (views of the mapped log for a half that keeps its
+        updates until the close, read into memory for any other)."""
+        read = self.journal.views if self.half.keeps_updates else self.journal.logged
+        return resume.logged_updates(read(state.round), self.cfg, state.phase, state.round, state.schema,
+                                     self.max_tensor_elements)
 
     def revalidate(self, state: RunState, organization: str, received: Received, checked_by: Half) -> None:
         """Check an update again when the half that validated it (``checked_by``) is no longer the durable one: a
@@ -59,8 +62,22 @@ class Aggregation:
             self.current(state).validate(state.phase, organization, received)
 
     def fold(self, state: RunState, organization: str, received: Received) -> None:
-        """Fold a checked update in, weighted as the run weighs updates (``admission.weighted``)."""
-        self.current(state).accumulate(state.phase, organization, self._weighted(state, organization, received))
+        """Fold a checked, logged update in, weighted as the run weighs updates (``admission.weighted``). A half
+        that keeps its updates until the close gets the logged copy, parsed again from the mapped log, so the
+        received bytes are not held past the push."""
+        half = self.current(state)
+        if half.keeps_updates:
+            received = self._from_log(state, organization)
+        half.accumulate(state.phase, organization, self._weighted(state, organization, received))
+
+    def _from_log(self, state: RunState, organization: str) -> Received:
+        """The organization's logged update of the open round, its arrays viewing the mapped log, whose pages
+        read by the check are given back at once."""
+        data = dict(self.journal.views(state.round))[organization]
+        _, received = resume.parse_logged(organization, data, self.cfg, state.phase, state.round, state.schema,
+                                          self.max_tensor_elements)
+        drop_pages(np.frombuffer(data, np.uint8))
+        return received
 
     def close_round(self, state: RunState, close: Close) -> dict[str, np.ndarray]:
         """Aggregate the round ``close`` names; the half is ``stale`` until ``durable`` says the close is on disk.

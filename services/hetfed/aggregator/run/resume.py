@@ -80,17 +80,24 @@ def load_arrays(load: Callable[[dict[str, np.ndarray]], None], arrays: dict[str,
                                "run a new id, or remove its state directory to start it over") from None
 
 
-def logged_updates(logged: Iterable[tuple[str, bytes]], cfg: RunConfig, phase: Phase, round_: int,
+def parse_logged(org: str, data: bytes | memoryview, cfg: RunConfig, phase: Phase, round_: int,
+                 schema: contract.Schema, max_tensor_elements: int) -> tuple[ParsedUpdate, Received]:
+    """A logged update parsed and checked again (its arrays view ``data``); ``WireError`` when it no longer
+    passes."""
+    if org not in cfg.organizations:
+        raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
+    parsed = ParsedUpdate(data)
+    return parsed, parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org)
+
+
+def logged_updates(logged: Iterable[tuple[str, bytes | memoryview]], cfg: RunConfig, phase: Phase, round_: int,
                    schema: contract.Schema, max_tensor_elements: int) -> list[Logged]:
     """The open round's logged updates, checked again, with the privacy each declared; one that no longer passes
     is skipped (and logged)."""
     out = []
     for org, data in logged:
         try:
-            if org not in cfg.organizations:
-                raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
-            parsed = ParsedUpdate(data)
-            update = parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org)
+            parsed, update = parse_logged(org, data, cfg, phase, round_, schema, max_tensor_elements)
         except WireError as err:
             log.error("run %s: the logged update of %r for round %d is skipped (%s); the organization is asked "
                       "for it again", cfg.id, clip(org, 64), round_, err)
