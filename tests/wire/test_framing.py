@@ -51,6 +51,20 @@ def test_framed_pull_responses_are_protobufs_bytes(data: bytes, chunk_bytes: int
     assert chunks.framed(b"", chunks.PULL_CHUNK_FIELD, kind(data), chunk_bytes) == expected
 
 
+@pytest.mark.parametrize("n", [0, 1, C, 5 * C + 7])
+def test_lazy_pull_framing_makes_protobufs_bytes_one_message_at_a_time(n: int) -> None:
+    data = bytearray(payload(n))
+    expected = [apb.PullInstructionsResponse(chunk=c).SerializeToString() for c in chunks.split(bytes(data), C)]
+    lazy = chunks.Framed(b"", chunks.PULL_CHUNK_FIELD, data, C)
+    assert len(lazy) == len(expected) and lazy.nbytes == sum(len(r) for r in expected)
+    stream = iter(lazy)
+    assert next(stream) == expected[0]  # the first message is made before the rest exist
+    assert [expected[0], *stream] == expected
+    assert list(lazy) == expected  # a second pull of the same plan: the same bytes
+    with pytest.raises(BufferError):  # the plan views the message: no copy of it was made
+        data.append(0)
+
+
 def test_unframed_reads_the_data_as_a_view_of_the_received_bytes() -> None:
     raws = chunks.framed(push_envelope().SerializeToString(), chunks.PUSH_CHUNK_FIELD, payload(3 * C), C)
     asm = chunks.Reassembler(1 << 20)

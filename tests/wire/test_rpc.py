@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from hetfed.wire import messages
+from hetfed.wire import chunks, messages
 from hetfed.wire.errors import REASONS, WireError, clip
 from hetfed.wire.payloads import ClassCounts, EvalMetrics, ModelWeights, Received, SeedPosteriors
 from hetfed.wire.rpc import AggregatorClient, RemoteError
@@ -134,12 +134,13 @@ def test_concurrent_pulls_of_one_message_share_one_build_that_lives_as_long_as_t
         release.set()
         results = await asyncio.gather(*waiters[1:])
         assert builds == [1] and len(cache) == 1
-        responses, size = results[0]
-        assert all(r == results[0] for r in results)
+        assert all(r is results[0] for r in results)
+        responses = list(results[0])
+        assert responses == chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, 4096)
         parsed = [apb.PullInstructionsResponse.FromString(r).chunk for r in responses]
         assert [c.index for c in parsed] == [0, 1, 2] and b"".join(c.data for c in parsed) == encoded.data
-        assert size == sum(len(r) for r in responses)
-        assert await cache.responses(encoded, 4096, blocking) == results[0] and builds == [1]
+        assert results[0].nbytes == sum(len(r) for r in responses) and len(results[0]) == 3
+        assert await cache.responses(encoded, 4096, blocking) is results[0] and builds == [1]
         del encoded, waiters, results
         gc.collect()
         assert len(cache) == 0  # the engine dropped the message: its chunks go with it
@@ -151,6 +152,6 @@ def test_concurrent_pulls_of_one_message_share_one_build_that_lives_as_long_as_t
         with pytest.raises(OSError, match="no worker"):
             await cache.responses(other, 4096, failing)
         assert len(cache) == 0  # a failed build is not kept: the next pull builds again
-        assert (await cache.responses(other, 4096, blocking))[1] > 0
+        assert (await cache.responses(other, 4096, blocking)).nbytes > 0
 
     asyncio.run(main())

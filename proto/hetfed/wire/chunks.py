@@ -73,18 +73,38 @@ def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_byt
     The same bytes protobuf would produce for ``Message(..., chunk=c).SerializeToString()`` (the chunk is the
     message's last field), with each byte of ``data`` copied once, into its message, and hashed once.
     """
-    view, bounds, digest = _plan(data, chunk_bytes, first_bytes)
-    total, count = view.nbytes, len(bounds) - 1
-    chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
-    out = []
-    for i in range(count):
-        lo, hi = bounds[i], bounds[i + 1]
-        head = apb.Chunk(index=i, count=count, total_bytes=total).SerializeToString()
+    return list(Framed(envelope, chunk_field, data, chunk_bytes, first_bytes))
+
+
+class Framed:
+    """The messages ``framed`` returns, made one at a time as they are iterated: the digest and the chunk
+    boundaries are taken once, here, and each message is built when it is sent, so a stream of the messages
+    holds one of them, not a copy of ``data``. ``len`` is the number of messages, ``nbytes`` their bytes."""
+
+    def __init__(self, envelope: bytes, chunk_field: int, data: Bytes | bytearray,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, first_bytes: int | None = None) -> None:
+        self._view, self._bounds, self._digest = _plan(data, chunk_bytes, first_bytes)
+        self._envelope = envelope + framing.tag(chunk_field, framing.WIRE_LEN)
+        self._count = len(self._bounds) - 1
+        self.nbytes = sum(len(head) + hi - lo + len(tail) for head, lo, hi, tail in map(self._parts, range(self._count)))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _parts(self, i: int) -> tuple[bytes, int, int, bytes]:
+        """Message ``i`` as the bytes before its data, its data's bounds in ``data``, and the bytes after."""
+        lo, hi = self._bounds[i], self._bounds[i + 1]
+        head = apb.Chunk(index=i, count=self._count, total_bytes=self._view.nbytes).SerializeToString()
         data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
-        tail = _DIGEST_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
+        digest = self._digest
+        tail = _DIGEST_TAG + framing.write_varint(len(digest)) + digest if i == self._count - 1 else b""
         size = len(head) + len(data_head) + (hi - lo) + len(tail)
-        out.append(b"".join((envelope, chunk_tag, framing.write_varint(size), head, data_head, view[lo:hi], tail)))
-    return out
+        return b"".join((self._envelope, framing.write_varint(size), head, data_head)), lo, hi, tail
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._count):
+            head, lo, hi, tail = self._parts(i)
+            yield b"".join((head, self._view[lo:hi], tail))
 
 
 def unframed(raw: bytes, chunk_field: int) -> tuple[bytes, memoryview | None]:

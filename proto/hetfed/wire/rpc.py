@@ -187,28 +187,30 @@ def _caller(context: grpc.aio.ServicerContext) -> Caller:  # type: ignore[type-a
 
 
 class _ChunkCache:
-    """Serialized chunk responses of instructions, by message, built once however many pulls want them.
+    """The chunk responses of instructions, by message, planned once however many pulls want them.
 
-    An entry lives exactly as long as the engine keeps its message (a weak reference drops it when the engine
-    moves on), so closed rounds' broadcasts are not held here. Pulls that arrive while a message is being
-    split share that one build (at a round's start every organization pulls at once): without that, each
-    would build and hold its own copy of the whole message.
+    The plan (``chunks.Framed``: the digest of the whole message and its chunk boundaries) is taken once per
+    message; every pull streams its responses from it, each built as it is sent, so a broadcast costs one copy of
+    the message whatever the number of organizations pulling it. An entry lives exactly as long as the engine
+    keeps its message (a weak reference drops it when the engine moves on), so closed rounds' broadcasts are not
+    held here. Pulls that arrive while a message is being planned share that one digest (at a round's start
+    every organization pulls at once).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[int, asyncio.Future[tuple[list[bytes], int]]] = {}
+        self._items: dict[int, asyncio.Future[chunks.Framed]] = {}
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
 
     def responses(self, encoded: Encoded, chunk_bytes: int,
-                  blocking: Callable[[Callable[[], tuple[list[bytes], int]]], Awaitable[tuple[list[bytes], int]]],
-                  ) -> Awaitable[tuple[list[bytes], int]]:
-        """The responses of ``encoded`` and their bytes: cached, being built, or built now with ``blocking``.
+                  blocking: Callable[[Callable[[], chunks.Framed]], Awaitable[chunks.Framed]],
+                  ) -> Awaitable[chunks.Framed]:
+        """The responses of ``encoded``: planned, being planned, or planned now with ``blocking``.
 
-        Call it on the event loop; a cancelled pull does not cancel the build the others wait on."""
+        Call it on the event loop; a cancelled pull does not cancel the plan the others wait on."""
         key = id(encoded)
         with self._lock:
             fut = self._items.get(key)
@@ -220,15 +222,14 @@ class _ChunkCache:
                                       else self._forget(key, f))
         return asyncio.shield(fut)
 
-    def _forget(self, key: int, fut: asyncio.Future[tuple[list[bytes], int]]) -> None:
+    def _forget(self, key: int, fut: asyncio.Future[chunks.Framed]) -> None:
         with self._lock:
             if self._items.get(key) is fut:
                 del self._items[key]
 
     @staticmethod
-    def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
-        responses = chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
-        return responses, sum(len(r) for r in responses)
+    def _build(encoded: Encoded, chunk_bytes: int) -> chunks.Framed:
+        return chunks.Framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
 
 
 class AggregatorServicer:
@@ -291,13 +292,13 @@ class AggregatorServicer:
         except Exception as exc:
             failure = self._internal("PullInstructions", exc)
         else:
-            responses, size = built
             # The request is traffic too: an envelope-only message up.
             self.handler.count(run_id, org, pulled.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)),
                                in_round=not pulled.waiting)
             self.handler.count(run_id, org, pulled.round, Direction.DOWN,
-                               with_envelope(pulled.encoded.payloads, size, len(responses)), in_round=not pulled.waiting)
-            for r in responses:
+                               with_envelope(pulled.encoded.payloads, built.nbytes, len(built)),
+                               in_round=not pulled.waiting)
+            for r in built:
                 yield r
             return
         await self._fail(context, run_id, failure)
