@@ -336,7 +336,8 @@ class Term:
 
 
 def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: Mapping[str, np.ndarray] | None,
-                dtype: type[np.floating] = np.float32, range_elements: int = FOLD_RANGE) -> dict[str, np.ndarray]:
+                dtype: type[np.floating] = np.float32, range_elements: int = FOLD_RANGE,
+                after_range: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
     """The aggregate of ``terms`` (``make()``'s kind: weighted mean, trimmed mean or median), computed a range
     of ``range_elements`` elements of one tensor at a time and written into new ``dtype`` arrays.
 
@@ -344,7 +345,8 @@ def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: M
     and the median sort each element's values apart), so a range gives the bits the whole tensor gives: one
     model-sized result, no model-sized state. A clipped term is moved as ``clip_to_ball`` moves it,
     ``centre + (a - centre) · clip`` in float64, a range at a time. The pages of the terms' arrays that view a
-    read-only file mapping (the write-ahead log) are given back after each range (``drop_pages``)."""
+    read-only file mapping (the write-ahead log) are given back after each range (``drop_pages``), and
+    ``after_range`` is called (the engine's crash point)."""
     names = list(dict.fromkeys(name for t in terms for name in t.arrays))
     out: dict[str, np.ndarray] = {}
     for name in names:
@@ -367,6 +369,8 @@ def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: M
                 acc.add({name: part}, t.weight)
                 drop_pages(flat[lo:hi])
             flat_out[lo:hi] = acc.mean(dtype)[name]
+            if after_range is not None:
+                after_range()
     return out
 
 

@@ -7,7 +7,7 @@ config's type at run time. Hooks receive typed payloads (``Received``) and the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
@@ -38,6 +38,10 @@ class RunInfo:
     seed_set: SeedSetInfo | None = None
 
 
+def _nothing() -> None:
+    """The default ``range_folded``: no crash point."""
+
+
 class ServerHalf(Generic[C]):
     """Numpy state and the hooks the round engine calls; one instance per run. Hooks default to no-ops."""
 
@@ -51,6 +55,9 @@ class ServerHalf(Generic[C]):
     def __init__(self, config: C, run: RunInfo) -> None:
         self.config = config
         self.run = run
+        # Called after each range of elements a close folds (a half that folds by ranges calls it): the engine
+        # sets its crash point here, so a kill can land in the middle of a close.
+        self.range_folded: Callable[[], None] = _nothing
 
     def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """What ``organization`` receives with its instructions for ``round_`` of ``phase``."""

@@ -141,7 +141,8 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median), a range of
         elements at a time."""
         if self._terms:
-            self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32)
+            self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32,
+                                       after_range=self.range_folded)
             self._global_norm = self._global_max_abs = None
         self._terms = []
 

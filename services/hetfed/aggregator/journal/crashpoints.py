@@ -24,6 +24,7 @@ CRASH_POINTS: tuple[str, ...] = (
     "wal.syncing",  # an fsync covering every record written so far is about to start (outside the run's lock)
     "wal.synced",  # the record is durable; the push is not yet acknowledged
     "push.acknowledged",  # the reply is built (the process dies before or while sending it)
+    "close.folding",  # a close has folded a range of elements of the round's updates (nothing of it is durable)
     "history.written",  # a closing round's history line is written, not yet fsync'd
     "history.synced",  # the history line is durable; the checkpoint that counts it is not written
     "checkpoint.tmp_written",  # the new checkpoint is in its temporary file, not yet fsync'd

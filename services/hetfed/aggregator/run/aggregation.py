@@ -17,6 +17,7 @@ import numpy as np
 from hetfed.aggregator.algorithms.aggregators import drop_pages
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
+from hetfed.aggregator.journal.crashpoints import crash_point
 from hetfed.aggregator.journal.journal import Journal
 from hetfed.aggregator.journal.store import StateError
 from hetfed.aggregator.run import admission, resume
@@ -33,8 +34,14 @@ class Aggregation:
 
     def __init__(self, make: Callable[[], Half], cfg: RunConfig, journal: Journal, max_tensor_elements: int) -> None:
         self._make, self.cfg, self.journal, self.max_tensor_elements = make, cfg, journal, max_tensor_elements
-        self.half: Half = make()
+        self.half: Half = self._new()
         self._stale = False
+
+    def _new(self) -> Half:
+        """A new server half, with the close's crash point set."""
+        half = self._make()
+        half.range_folded = lambda: crash_point("close.folding")
+        return half
 
     @property
     def stale(self) -> bool:
@@ -102,7 +109,7 @@ class Aggregation:
         """A new half from the checkpoint's arrays and the open round's accepted updates."""
         try:
             _, arrays = self.journal.read_checkpoint()
-            half = self._make()
+            half = self._new()
             half.load_state(arrays)
             for u in self.logged(state):
                 if u.organization in state.pushed:
