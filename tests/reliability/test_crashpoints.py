@@ -68,6 +68,34 @@ def test_killed_between_the_history_line_and_the_checkpoint(tmp_path: Path,
 
 
 @pytest.mark.e2e
+def test_killed_between_two_ranges_of_a_close_folds_the_same_aggregate_again(
+        tmp_path: Path, raw_client: Callable[..., RawClient]) -> None:
+    from hetfed.aggregator.algorithms.aggregators import FOLD_RANGE, WeightedMean
+
+    rng = np.random.default_rng(8)
+    big = (rng.standard_normal(2 * FOLD_RANGE + 5) * 10.0 ** rng.integers(-6, 4, 2 * FOLD_RANGE + 5)).astype(np.float32)
+    agg = faults.AggregatorProcess(tmp_path, [run_config()])
+    assert agg.start(crash_at="close.folding:2") == ""  # after the first of the close's three ranges
+    a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
+    for c in (a, b):
+        c.join([(PayloadKind.MODEL_WEIGHTS, "w", big)])
+    ups = {"a": big, "b": (big * np.float32(1.0009765625)).astype(np.float32)}
+    a.push(1, [ModelWeights({"w": ups["a"]}, 3), EvalMetrics(test_accuracy=0.5, num_test_examples=1)])
+    with pytest.raises(grpc.RpcError):
+        b.push(1, [ModelWeights({"w": ups["b"]}, 5), EvalMetrics(test_accuracy=0.5, num_test_examples=1)])
+    wait_until(lambda: agg.exited() is not None, timeout=60, what="the crash")
+    assert agg.exited() == EXIT_CODE
+    assert agg.start() == ""
+    expected = WeightedMean()
+    expected.add({"w": ups["a"]}, 3.0)
+    expected.add({"w": ups["b"]}, 5.0)
+    mw = codec.payload_from_proto(b.pull(completed=1).payloads[0])
+    assert isinstance(mw, ModelWeights)
+    assert mw.tensors["w"].tobytes() == expected.mean(np.float32)["w"].tobytes()
+    agg.stop()
+
+
+@pytest.mark.e2e
 def test_killed_after_an_update_is_durable_but_before_it_is_acknowledged(
         tmp_path: Path, raw_client: Callable[..., RawClient]) -> None:
     agg = faults.AggregatorProcess(tmp_path, [run_config(organizations=["a", "b", "c"])])

@@ -21,6 +21,7 @@ from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec, framing
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import (
+    _ACTION_TO_PROTO,
     Instructions,
     ParsedUpdate,
     Update,
@@ -28,7 +29,15 @@ from hetfed.wire.messages import (
     encode_instructions,
     encode_update,
 )
-from hetfed.wire.payloads import EvalMetrics, HeadWeights, ModelWeights, PayloadKind
+from hetfed.wire.payloads import (
+    ClassCounts,
+    EvalMetrics,
+    FactorizedLayer,
+    FactorizedWeights,
+    HeadWeights,
+    ModelWeights,
+    PayloadKind,
+)
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.specs import get_spec
 from tests.wire.test_codec import PAYLOADS, assert_same
@@ -268,3 +277,42 @@ def test_the_received_bytes_are_freed_with_the_last_array_not_at_the_next_garbag
         assert alive() is None
     finally:
         gc.enable()
+
+
+_RNG = np.random.default_rng(3)
+CONCRETE = [
+    ModelWeights({"enc.w": _RNG.standard_normal((7, 5)).astype(np.float32), "scalar": np.array(2.5, np.float32),
+                  "empty": np.zeros((0, 3), np.float32), "steps": np.arange(4, dtype=np.int64),
+                  "f64": _RNG.standard_normal(6)}, 12),
+    HeadWeights(_RNG.standard_normal((3, 4)).astype(np.float32), np.zeros(3, np.float32), 5),
+    ClassCounts(np.array([0, 4, 9], np.int64)),
+    FactorizedWeights((FactorizedLayer("l0", np.ones(2, np.float32), np.arange(3, dtype=np.float32),
+                                       np.array([1, 4], np.int64), np.array([0.5, -1.0], np.float32), (2, 3)),), 3),
+    EvalMetrics(train_loss=0.25, num_train_examples=3),
+]
+
+
+@pytest.mark.parametrize("wire_dtype", [None, "float16", "bfloat16"])
+def test_instructions_lowered_from_placeholders_are_protobufs_bytes(wire_dtype: str | None) -> None:
+    """encode_instructions writes the tensors' data once, into the serialized message (``framing.lower``):
+    byte for byte what protobuf serializes for the message holding the data, for every payload kind."""
+    payloads = CONCRETE
+    ins = Instructions("run-1", 3, Action.TRAIN, 10, 7, "", payloads)
+    reference = apb.Instructions(envelope=apb.Envelope(run_id="run-1", round=3), action=_ACTION_TO_PROTO[Action.TRAIN],
+                                 round_seed=7, total_rounds=10)
+    for p in payloads:
+        codec.fill_payload(reference.payloads.add(), p, wire_dtype)
+        reference.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+    assert bytes(encode_instructions(ins, wire_dtype).data) == reference.SerializeToString()
+    big = ModelWeights({"w": np.arange(300_000, dtype=np.float32), "b": np.ones(3, np.float32)}, 2)
+    data = encode_instructions(Instructions("run-1", 3, Action.TRAIN, 10, 7, "", [big])).data
+    assert bytes(data) == apb.Instructions(
+        envelope=apb.Envelope(run_id="run-1", round=3, payload_kinds=[big.kind.proto_enum]),
+        action=_ACTION_TO_PROTO[Action.TRAIN], round_seed=7, total_rounds=10,
+        payloads=[codec.payload_to_proto(big)]).SerializeToString()
+
+
+def test_lower_undoes_lift() -> None:
+    raw = apb.Instructions(payloads=[codec.payload_to_proto(p) for p in CONCRETE]).SerializeToString()
+    small, lifted = framing.lift(memoryview(raw), apb.Instructions.DESCRIPTOR, TENSOR, DATA)
+    assert bytes(framing.lower(small, apb.Instructions.DESCRIPTOR, TENSOR, DATA, lifted)) == raw

@@ -13,9 +13,11 @@ payload type when encoding and by the oneof field when decoding.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -124,11 +126,48 @@ def _encode(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[int, 
 
 
 def _fill(target: tpb.Tensor, array: np.ndarray, wire_dtype: str | None = None) -> None:
-    """Encode ``array`` into an existing (empty) Tensor field in place."""
-    enum, shape, data = _encode(array, wire_dtype)
+    """Encode ``array`` into an existing (empty) Tensor field in place (inside ``lowered``: a placeholder)."""
+    held = _LOWERED.get()
+    if held is not None and np.asarray(array).size:
+        enum, shape, view = _encode_view(array, wire_dtype)
+        target.data = len(held).to_bytes(framing.INDEX_BYTES, "little")
+        held.append(view)
+    else:
+        enum, shape, data = _encode(array, wire_dtype)
+        target.data = data
     target.dtype = enum  # type: ignore[assignment]
     target.shape.extend(shape)
-    target.data = data
+
+
+# Inside ``lowered``: the tensor data that placeholders stand for, in the order they were filled.
+_LOWERED: contextvars.ContextVar[list[memoryview] | None] = contextvars.ContextVar("lowered", default=None)
+
+
+def _encode_view(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[int, ...], memoryview]:
+    """``_encode``'s dtype, shape and bytes, the bytes as a view of ``array`` itself when it is already in its
+    wire form (little-endian, C order): no copy."""
+    a = np.asarray(array)
+    name = wire_dtype or wire_dtype_of(a)
+    if name in _WIRE and name != "bfloat16" and a.dtype == _WIRE[name][1] and a.flags.c_contiguous:
+        _encode(a.reshape(-1)[:0], wire_dtype)  # the dtype checks, on no data
+        if a.size * a.itemsize > MAX_TENSOR_BYTES:
+            _encode(a, wire_dtype)  # refused: oversized
+        return _WIRE[name][0], a.shape, memoryview(a.reshape(-1)).cast("B")
+    enum, shape, data = _encode(a, wire_dtype)
+    return enum, shape, memoryview(data)
+
+
+@contextlib.contextmanager
+def lowered() -> Iterator[list[memoryview]]:
+    """Within it, every Tensor filled gets a placeholder (``framing.lift``'s) for its data, and the data goes
+    to the list it yields, as views of the arrays where no conversion is needed: ``framing.lower`` then
+    serializes the message with the data in one pass, without the message holding a copy of it."""
+    held: list[memoryview] = []
+    token = _LOWERED.set(held)
+    try:
+        yield held
+    finally:
+        _LOWERED.reset(token)
 
 
 def tensor_to_proto(array: np.ndarray, wire_dtype: str | None = None) -> tpb.Tensor:

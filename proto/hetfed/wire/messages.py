@@ -242,11 +242,15 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
         round_seed=ins.round_seed,
         total_rounds=ins.total_rounds,
     )
-    for p in ins.payloads:
-        codec.fill_payload(msg.payloads.add(), p, wire_dtype)  # in place: no extra tensor copy
-        msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    data = msg.SerializeToString()
-    return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))
+    with codec.lowered() as held:  # the tensors' data as placeholders: the message holds no copy of them
+        for p in ins.payloads:
+            codec.fill_payload(msg.payloads.add(), p, wire_dtype)
+            msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+    # One copy of the tensors' bytes, written straight into the serialized instructions (protobuf's bytes).
+    data = framing.lower(msg.SerializeToString(), apb.Instructions.DESCRIPTOR, tpb.Tensor.DESCRIPTOR, _TENSOR_DATA,
+                         held)
+    del held
+    return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))  # type: ignore[arg-type]
                    if ins.payloads else TrafficBreakdown())
 
 
@@ -379,13 +383,14 @@ class ParsedUpdate:
             self.privacy.check()
 
     def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
-              run_id: str, round_: int, organization: str) -> Received:
+              run_id: str, round_: int, organization: str, scan: bool = True) -> Received:
         """The envelope against the stream's addressing, the privacy declaration against its domain
-        (``invalid_privacy``), the payloads against the contract; decoded."""
+        (``invalid_privacy``), the payloads against the contract; decoded (``scan``: see
+        ``contract.check_update``)."""
         self.check_envelope(run_id, round_, organization)
         msg = self._msg
         assert msg is not None
-        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted)
+        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted, scan)
         self._msg, self._lifted = None, []  # the decoded arrays view the received bytes themselves
         return received
 

@@ -7,7 +7,6 @@ history lines it counts with a copy of the last one.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,9 +70,9 @@ class CheckpointFile:
         return meta, arrays
 
     def write(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        """Replace the file by ``meta`` and ``arrays``; StorageError leaves the old one."""
-        buf = io.BytesIO()
+        """Replace the file by ``meta`` and ``arrays``; StorageError leaves the old one. The zip is streamed into
+        the file (numpy writes an array in pieces of 16 MiB): no copy of the arrays is made in memory."""
         payload = {f"a/{k}": v for k, v in arrays.items()}
         payload["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        np.savez(buf, **payload)  # type: ignore[arg-type]
-        atomic_write(self.disk, self.path, buf.getbuffer(), checkpoint=True)
+        atomic_write(self.disk, self.path, lambda out: np.savez(out, **payload),  # type: ignore[arg-type]
+                     checkpoint=True)

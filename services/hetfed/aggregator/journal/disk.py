@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from hetfed.aggregator.journal.crashpoints import crash_point
 
@@ -85,14 +86,44 @@ def mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
             yield m
 
 
-def atomic_write(disk: Disk, path: Path, data: bytes | memoryview, checkpoint: bool) -> None:
-    """Replace ``path`` by ``data`` so that a crash leaves the old file or the new one; StorageError if not."""
+class _Appender:
+    """A write-only file object that appends to a descriptor through ``Disk.pwrite`` (no seek: a zip written
+    to it is streamed)."""
+
+    def __init__(self, disk: Disk, fd: int) -> None:
+        self._disk, self._fd, self._pos = disk, fd, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = memoryview(data).nbytes
+        self._disk.pwrite(self._fd, data, self._pos)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        """Not readable (numpy takes an object without ``read`` for a path)."""
+        raise OSError("the file is open for writing only")
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+
+def atomic_write(disk: Disk, path: Path, data: bytes | memoryview | Callable[[BinaryIO], None],
+                 checkpoint: bool) -> None:
+    """Replace ``path`` by ``data`` so that a crash leaves the old file or the new one; StorageError if not.
+    ``data`` may be a function that writes the contents to the file object it is given, a piece at a time
+    (nothing the size of the file is built in memory)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         fd = disk.open(tmp)
         try:
             disk.truncate(fd, 0)
-            disk.pwrite(fd, data, 0)
+            if callable(data):
+                data(_Appender(disk, fd))  # type: ignore[arg-type]
+            else:
+                disk.pwrite(fd, data, 0)
             if checkpoint:
                 crash_point("checkpoint.tmp_written")
             disk.fsync(fd)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from hetfed.aggregator.algorithms.aggregators import drop_pages
 from hetfed.aggregator.algorithms.base import ServerHalf
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.journal.crashpoints import crash_point
@@ -78,12 +77,12 @@ class Aggregation:
         half.accumulate(state.phase, organization, self._weighted(state, organization, received))
 
     def _from_log(self, state: RunState, organization: str) -> Received:
-        """The organization's logged update of the open round, its arrays viewing the mapped log, whose pages
-        read by the check are given back at once."""
+        """The organization's logged update of the open round, its arrays viewing the mapped log. Its values
+        are not scanned again (the received copy passed every check): only the structure is parsed, so the
+        pages of the tensors stay on disk until the close reads them."""
         data = dict(self.journal.views(state.round))[organization]
         _, received = resume.parse_logged(organization, data, self.cfg, state.phase, state.round, state.schema,
-                                          self.max_tensor_elements)
-        drop_pages(np.frombuffer(data, np.uint8))
+                                          self.max_tensor_elements, scan=False)
         return received
 
     def close_round(self, state: RunState, close: Close) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetfed.aggregator.algorithms.aggregators import drop_pages
 from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.journal.checkpoint import CheckpointMeta
 from hetfed.aggregator.journal.history import RoundRecord
@@ -81,13 +82,18 @@ def load_arrays(load: Callable[[dict[str, np.ndarray]], None], arrays: dict[str,
 
 
 def parse_logged(org: str, data: bytes | memoryview, cfg: RunConfig, phase: Phase, round_: int,
-                 schema: contract.Schema, max_tensor_elements: int) -> tuple[ParsedUpdate, Received]:
-    """A logged update parsed and checked again (its arrays view ``data``); ``WireError`` when it no longer
-    passes."""
+                 schema: contract.Schema, max_tensor_elements: int, scan: bool = True,
+                 ) -> tuple[ParsedUpdate, Received]:
+    """A logged update parsed and checked again (its arrays view ``data``; ``scan``: see
+    ``contract.check_update``); ``WireError`` when it no longer passes. The pages of a mapped log that the
+    checks read are given back at once."""
     if org not in cfg.organizations:
         raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
     parsed = ParsedUpdate(data)
-    return parsed, parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org)
+    try:
+        return parsed, parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org, scan)
+    finally:
+        drop_pages(np.frombuffer(data, np.uint8))
 
 
 def logged_updates(logged: Iterable[tuple[str, bytes | memoryview]], cfg: RunConfig, phase: Phase, round_: int,
