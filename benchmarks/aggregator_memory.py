@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faults import AggregatorProcess  # noqa: E402
-from hetfed.v1 import aggregator_pb2 as apb  # noqa: E402
-from hetfed.v1 import aggregator_pb2_grpc as agrpc  # noqa: E402
-from hetfed.wire import chunks, codec  # noqa: E402
-from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind  # noqa: E402
-from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel  # noqa: E402
+from faults import AggregatorProcess
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import aggregator_pb2_grpc as agrpc
+from hetfed.wire import chunks, codec
+from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
+from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
 
 TENSOR_ELEMENTS = 16 << 20  # 64 MB of float32 per tensor
 # Each organization's model is the seeded model times one of these; every full group averages to 1 and the
@@ -100,7 +101,7 @@ def measure(size_mb: float, orgs: int, workdir: Path, chunk_bytes: int = 1 << 20
             mw = ModelWeights({k: v * scale for k, v in weights.items()}, 1)
             ev = EvalMetrics(test_accuracy=0.5, num_test_examples=1)
             data = apb.Update(envelope=apb.Envelope(run_id="big", round=1, organization_id=o,
-                                                    payload_kinds=[p.kind.proto_enum for p in (mw, ev)]),
+                                                    payload_kinds=[p.kind.proto_enum for p in (mw, ev)]),  # type: ignore[misc]
                               payloads=[codec.payload_to_proto(p) for p in (mw, ev)]).SerializeToString()
             del mw
             reply = stub.PushUpdate(_requests(o, data, chunk_bytes), metadata=meta[o], timeout=600)
@@ -112,10 +113,10 @@ def measure(size_mb: float, orgs: int, workdir: Path, chunk_bytes: int = 1 << 20
         equal = True
         for o in names:
             asm = chunks.Reassembler(1 << 40)
-            req = apb.PullInstructionsRequest(run_id="big", organization_id=o, completed_round=1, wait_seconds=60)
-            for resp in stub.PullInstructions(req, metadata=meta[o], timeout=600):
+            pull = apb.PullInstructionsRequest(run_id="big", organization_id=o, completed_round=1, wait_seconds=60)
+            for resp in stub.PullInstructions(pull, metadata=meta[o], timeout=600):
                 asm.add(resp.chunk)
-            got = codec.payload_from_proto(apb.Instructions.FromString(asm.data()).payloads[0])
+            got = codec.payload_from_proto(apb.Instructions.FromString(bytes(asm.data())).payloads[0])
             assert isinstance(got, ModelWeights)
             equal = equal and all(np.array_equal(got.tensors[k], v * expected_scale) for k, v in weights.items())
             del got, asm

@@ -160,8 +160,7 @@ def engine_run(tmp_path: Path, **overrides: object) -> Run:
         "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(tmp_path)},
         "runs": [run_config(organizations=list(ORGS), rounds=4, **overrides)]})
     s = cfg.server
-    run = Run(cfg.runs[0], s.state_dir, _Quiet(), Limits(s.chunk_bytes, s.max_update_bytes, s.max_tensor_elements))
-    return run
+    return Run(cfg.runs[0], s.state_dir, _Quiet(), Limits(s.chunk_bytes, s.max_update_bytes, s.max_tensor_elements))
 
 
 class _Quiet:

@@ -152,7 +152,7 @@ def _encode_view(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[
         _encode(a.reshape(-1)[:0], wire_dtype)  # the dtype checks, on no data
         if a.size * a.itemsize > MAX_TENSOR_BYTES:
             _encode(a, wire_dtype)  # refused: oversized
-        return _WIRE[name][0], a.shape, memoryview(a.reshape(-1)).cast("B")
+        return _WIRE[name][0], a.shape, memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
     enum, shape, data = _encode(a, wire_dtype)
     return enum, shape, memoryview(data)
 
