@@ -61,17 +61,51 @@ def model(size_mb: float) -> dict[str, np.ndarray]:
     return out
 
 
-def _requests(org: str, data: bytes, chunk_bytes: int) -> Iterator[apb.PushUpdateRequest]:
+def _requests(org: str, round_: int, data: bytes, chunk_bytes: int) -> Iterator[apb.PushUpdateRequest]:
     for c in chunks.split(data, chunk_bytes):
-        yield apb.PushUpdateRequest(run_id="big", round=1, organization_id=org, chunk=c)
+        yield apb.PushUpdateRequest(run_id="big", round=round_, organization_id=org, chunk=c)
 
 
-def measure(size_mb: float, orgs: int, workdir: Path, chunk_bytes: int = 1 << 20) -> dict[str, Any]:
-    """Run one round (see the module docstring); the figures and whether the average came back exact."""
+def _round(stub: agrpc.AggregatorStub, meta: dict[str, tuple[tuple[str, str]]], weights: dict[str, np.ndarray],
+           round_: int, chunk_bytes: int, pid: int, phases: dict[str, dict[str, int]]) -> bool:
+    """Every organization pushes its update of ``round_``, then pulls the next instructions; whether every
+    pulled model is the average, exactly. The aggregator's memory is read after each step."""
+    names = list(meta)
+    orgs = len(names)
+    for i, o in enumerate(names):
+        scale = np.float32(SCALES[i % len(SCALES)] if orgs % len(SCALES) == 0 or i < orgs - orgs % len(SCALES)
+                           else 1.0)
+        mw = ModelWeights({k: v * scale for k, v in weights.items()}, 1)
+        ev = EvalMetrics(test_accuracy=0.5, num_test_examples=1)
+        data = apb.Update(envelope=apb.Envelope(run_id="big", round=round_, organization_id=o,
+                                                payload_kinds=[p.kind.proto_enum for p in (mw, ev)]),  # type: ignore[misc]
+                          payloads=[codec.payload_to_proto(p) for p in (mw, ev)]).SerializeToString()
+        del mw
+        reply = stub.PushUpdate(_requests(o, round_, data, chunk_bytes), metadata=meta[o], timeout=600)
+        assert reply.accepted, reply
+        del data
+        phases[f"round {round_} push {i + 1}"] = status(pid)
+    equal = True
+    for o in names:
+        asm = chunks.Reassembler(1 << 40)
+        pull = apb.PullInstructionsRequest(run_id="big", organization_id=o, completed_round=round_, wait_seconds=60)
+        for resp in stub.PullInstructions(pull, metadata=meta[o], timeout=600):
+            asm.add(resp.chunk)
+        got = codec.payload_from_proto(apb.Instructions.FromString(bytes(asm.data())).payloads[0])
+        assert isinstance(got, ModelWeights)
+        equal = equal and all(np.array_equal(got.tensors[k], v) for k, v in weights.items())
+        del got, asm
+        phases[f"round {round_} pull {o}"] = status(pid)
+    return equal
+
+
+def measure(size_mb: float, orgs: int, workdir: Path, rounds: int = 1, chunk_bytes: int = 1 << 20) -> dict[str, Any]:
+    """Run ``rounds`` rounds (see the module docstring); the figures and whether every average came back
+    exact."""
     weights = model(size_mb)
     names = [f"org-{i}" for i in range(orgs)]
     update_bytes = int(size_mb * 1e6) + (64 << 20)
-    agg = AggregatorProcess(workdir, [{"id": "big", "algorithm": "fedavg", "organizations": names, "rounds": 1,
+    agg = AggregatorProcess(workdir, [{"id": "big", "algorithm": "fedavg", "organizations": names, "rounds": rounds,
                                        "round_deadline_seconds": 3600}])
     cfg = json.loads(agg.config.read_text())
     cfg["server"].update(max_update_bytes=2 * update_bytes, max_tensor_elements=max(1 << 31, update_bytes),
@@ -95,32 +129,10 @@ def measure(size_mb: float, orgs: int, workdir: Path, chunk_bytes: int = 1 << 20
         base = status(pid)
         phases: dict[str, dict[str, int]] = {}
         t0 = time.perf_counter()
-        for i, o in enumerate(names):
-            scale = np.float32(SCALES[i % len(SCALES)] if orgs % len(SCALES) == 0 or i < orgs - orgs % len(SCALES)
-                               else 1.0)
-            mw = ModelWeights({k: v * scale for k, v in weights.items()}, 1)
-            ev = EvalMetrics(test_accuracy=0.5, num_test_examples=1)
-            data = apb.Update(envelope=apb.Envelope(run_id="big", round=1, organization_id=o,
-                                                    payload_kinds=[p.kind.proto_enum for p in (mw, ev)]),  # type: ignore[misc]
-                              payloads=[codec.payload_to_proto(p) for p in (mw, ev)]).SerializeToString()
-            del mw
-            reply = stub.PushUpdate(_requests(o, data, chunk_bytes), metadata=meta[o], timeout=600)
-            assert reply.accepted, reply
-            del data
-            phases[f"push {i + 1}"] = status(pid)
-        pushed = time.perf_counter() - t0
-        expected_scale = np.float32(1.0)
         equal = True
-        for o in names:
-            asm = chunks.Reassembler(1 << 40)
-            pull = apb.PullInstructionsRequest(run_id="big", organization_id=o, completed_round=1, wait_seconds=60)
-            for resp in stub.PullInstructions(pull, metadata=meta[o], timeout=600):
-                asm.add(resp.chunk)
-            got = codec.payload_from_proto(apb.Instructions.FromString(bytes(asm.data())).payloads[0])
-            assert isinstance(got, ModelWeights)
-            equal = equal and all(np.array_equal(got.tensors[k], v * expected_scale) for k, v in weights.items())
-            del got, asm
-            phases[f"pull {o}"] = status(pid)
+        for r in range(1, rounds + 1):
+            equal = _round(stub, meta, weights, r, chunk_bytes, pid, phases) and equal
+        elapsed = time.perf_counter() - t0
         after = status(pid)
     finally:
         channel.close()
@@ -128,7 +140,7 @@ def measure(size_mb: float, orgs: int, workdir: Path, chunk_bytes: int = 1 << 20
     model_bytes = sum(v.nbytes for v in weights.values())
     return {"size_mb": size_mb, "orgs": orgs, "model_bytes": model_bytes, "base": base, "after": after,
             "growth_bytes": after["VmHWM"] - base["VmRSS"], "growth_x_model": (after["VmHWM"] - base["VmRSS"]) / model_bytes,
-            "push_and_close_s": pushed, "equal": equal,
+            "rounds": rounds, "seconds": elapsed, "equal": equal,
             "phases": phases}
 
 
@@ -136,19 +148,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=300.0)
     ap.add_argument("--orgs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        r = measure(args.size_mb, args.orgs, Path(tmp))
+        r = measure(args.size_mb, args.orgs, Path(tmp), args.rounds)
     mb = 1e6
-    print(f"model {r['model_bytes'] / mb:.0f} MB, {r['orgs']} organizations, average exact: {r['equal']}")
+    print(f"model {r['model_bytes'] / mb:.0f} MB, {r['orgs']} organizations, {r['rounds']} rounds in "
+          f"{r['seconds']:.1f} s, every average exact: {r['equal']}")
     print(f"aggregator base RSS {r['base']['VmRSS'] / mb:.0f} MB; peak (VmHWM) {r['after']['VmHWM'] / mb:.0f} MB: "
           f"+{r['growth_bytes'] / mb:.0f} MB = {r['growth_x_model']:.2f}x the model")
     for name, st in r["phases"].items():
         print(f"  after {name}: VmHWM {st['VmHWM'] / mb:.0f} MB, RssAnon {st['RssAnon'] / mb:.0f} MB, "
               f"RssFile {st['RssFile'] / mb:.0f} MB")
-    print(f"after the pulls: RssAnon {r['after']['RssAnon'] / mb:.0f} MB, RssFile {r['after']['RssFile'] / mb:.0f} MB;"
-          f" pushes and close {r['push_and_close_s']:.1f} s")
+    print(f"at the end: RssAnon {r['after']['RssAnon'] / mb:.0f} MB, RssFile {r['after']['RssFile'] / mb:.0f} MB")
 
 
 if __name__ == "__main__":

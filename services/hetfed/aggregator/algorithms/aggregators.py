@@ -337,13 +337,16 @@ class Term:
 
 def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: Mapping[str, np.ndarray] | None,
                 dtype: type[np.floating] = np.float32, range_elements: int = FOLD_RANGE,
-                after_range: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
+                after_range: Callable[[], None] | None = None, into: Mapping[str, np.ndarray] | None = None,
+                ) -> dict[str, np.ndarray]:
     """The aggregate of ``terms`` (``make()``'s kind: weighted mean, trimmed mean or median), computed a range
     of ``range_elements`` elements of one tensor at a time and written into new ``dtype`` arrays.
 
     Every aggregator works element by element (the exact sum keeps each element's levels apart, the trimmed mean
     and the median sort each element's values apart), so a range gives the bits the whole tensor gives: one
-    model-sized result, no model-sized state. A clipped term is moved as ``clip_to_ball`` moves it,
+    model-sized result, no model-sized state. A result goes into the array of its name in ``into`` when that
+    one is writable and of its shape and dtype (the old global model: each range is read, as the clip's
+    centre, before it is written), else into a new array. A clipped term is moved as ``clip_to_ball`` moves it,
     ``centre + (a - centre) · clip`` in float64, a range at a time. The pages of the terms' arrays that view a
     read-only file mapping (the write-ahead log) are given back after each range (``drop_pages``), and
     ``after_range`` is called (the engine's crash point)."""
@@ -351,7 +354,10 @@ def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: M
     out: dict[str, np.ndarray] = {}
     for name in names:
         shape = next(np.shape(t.arrays[name]) for t in terms if name in t.arrays)
-        result = out[name] = np.empty(shape, dtype)
+        old = None if into is None else into.get(name)
+        reuse = (isinstance(old, np.ndarray) and old.shape == shape and old.dtype == dtype and old.flags.writeable
+                 and old.flags.c_contiguous)
+        result = out[name] = old if reuse else np.empty(shape, dtype)  # type: ignore[assignment]
         flat_out = result.reshape(-1)
         flats = [np.asarray(t.arrays[name]).reshape(-1) if name in t.arrays else None for t in terms]
         c = None if centre is None or name not in centre else np.broadcast_to(centre[name], shape).reshape(-1)

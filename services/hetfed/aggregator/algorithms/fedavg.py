@@ -141,8 +141,10 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median), a range of
         elements at a time."""
         if self._terms:
+            # In place: the old global model's arrays take the new one (none is held elsewhere: the broadcast
+            # and the checkpoint hold their own bytes), so a close does not hold two models.
             self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32,
-                                       after_range=self.range_folded)
+                                       after_range=self.range_folded, into=self.global_)
             self._global_norm = self._global_max_abs = None
         self._terms = []
 

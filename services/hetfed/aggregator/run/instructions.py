@@ -53,6 +53,11 @@ class InstructionCache:
             self._cache.popitem(last=False)
         return encoded
 
+    def drop(self) -> None:
+        """Forget the built instructions (a round is closing: its broadcast is not sent again). A pull that is
+        streaming one keeps it until it is sent."""
+        self._cache.clear()
+
     def wait(self, round_: int) -> Pulled:
         """The WAIT instructions of ``round_`` (lock-free: the event loop answers an expired long-poll)."""
         cached = self._wait
