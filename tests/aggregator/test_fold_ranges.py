@@ -205,3 +205,16 @@ def test_the_engine_folds_from_the_log_the_bits_of_a_fold_from_memory_and_again_
         assert list(got) == list(memory.state())
         assert all(got[k].tobytes() == memory.state()[k].tobytes() for k in got), round_
     run.close()
+
+
+@pytest.mark.parametrize("kind", ["mean", "median"])
+def test_a_fold_into_the_clips_own_centre_gives_the_bits_of_a_fold_into_new_arrays(kind: str) -> None:
+    arrays = models(21)
+    centre = models(22, 1)[0]
+    terms = [Term(a, 1.0 + i, 0.25 + 0.1 * i) for i, a in enumerate(arrays)]
+    make = {"mean": WeightedMean, "median": CoordinateMedian}[kind]
+    fresh = fold_ranges(make, terms, centre, np.float32, 100)  # type: ignore[arg-type]
+    own = {k: v.copy() for k, v in centre.items()}
+    got = fold_ranges(make, terms, own, np.float32, 100, into=own)  # type: ignore[arg-type]
+    assert all(got[k] is own[k] for k in own)  # written in place
+    assert all(got[k].tobytes() == fresh[k].tobytes() for k in fresh)

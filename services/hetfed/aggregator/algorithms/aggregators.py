@@ -355,9 +355,10 @@ def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: M
     for name in names:
         shape = next(np.shape(t.arrays[name]) for t in terms if name in t.arrays)
         old = None if into is None else into.get(name)
-        reuse = (isinstance(old, np.ndarray) and old.shape == shape and old.dtype == dtype and old.flags.writeable
-                 and old.flags.c_contiguous)
-        result = out[name] = old if reuse else np.empty(shape, dtype)  # type: ignore[assignment]
+        if (old is None or old.shape != shape or old.dtype != dtype or not old.flags.writeable
+                or not old.flags.c_contiguous):
+            old = np.empty(shape, dtype)
+        result = out[name] = old
         flat_out = result.reshape(-1)
         flats = [np.asarray(t.arrays[name]).reshape(-1) if name in t.arrays else None for t in terms]
         c = None if centre is None or name not in centre else np.broadcast_to(centre[name], shape).reshape(-1)
