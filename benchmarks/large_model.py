@@ -71,7 +71,10 @@ from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
 def _sibling(name: str) -> ModuleType:
     """benchmarks/<name>.py (the benchmarks folder is scripts, not a package), imported once."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{name}.py"))
+        path = Path(__file__).resolve().with_name(f"{name}.py")
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is needed (--rtt-ms and --mbit route through its LinkRelay)")
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

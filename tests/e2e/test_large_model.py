@@ -54,8 +54,8 @@ def test_streamed_update_and_its_chunks_are_protobufs_own_bytes() -> None:
     sent: list[int] = []
     pieces, total = bench.update_pieces(shapes, 7, 1, 2, "org-1")
     framed = list(bench.push_messages(envelope, pieces, total, 100_000, chunks.FIRST_PUSH_CHUNK_BYTES, sent))
-    assert framed == chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, data, 100_000,
-                                   first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
+    assert framed == list(chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, data, 100_000,
+                                        first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES))
     assert sent == [len(m) for m in framed] and len(framed) == 1 + math.ceil((total - (16 << 10)) / 100_000)
 
 
@@ -105,3 +105,14 @@ def test_the_harness_runs_and_the_broadcast_is_the_mean_of_the_generated_updates
             assert np.all(np.abs(got.tensors[name] - expected) <= np.spacing(np.abs(expected))), name
             assert not np.array_equal(got.tensors[name], bench.synth.update_tensor(shapes, name, 3, 0, 1))
     assert (dump / "org-0-round-2.bin").read_bytes() == (dump / "org-1-round-2.bin").read_bytes()
+
+
+@pytest.mark.e2e
+def test_the_memory_guard_stops_a_federation_and_says_where(tmp_path: Path) -> None:
+    bench = load_benchmark("large_model")
+    # A cap under what an aggregator process holds when it starts: the first sample stops the federation.
+    row = bench.measure(0.008, 2, 2, tmp_path, guard=(0.0, 0.01), timeout=120.0)
+    assert row["stopped"].startswith("stopped at ") and " GB in round 1 " in row["stopped"], row["stopped"]
+    assert "round_s" not in row and "floor_s" not in row
+    assert row["agg_peak_rss_gb"] > 0.01
+    assert "| stopped at " in bench.report(row)
