@@ -493,6 +493,19 @@ def disk_seconds(n_bytes: int, directory: Path) -> float:
 
 # --------------------------------------------------------------------------------------------- driver
 
+def tree_commit() -> str:
+    """The commit of the tree whose aggregator runs (``git describe --always --dirty``), "" outside git."""
+    import hetfed.aggregator
+
+    root = Path(hetfed.aggregator.__file__).resolve().parents[3]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
 def aggregator_config(clients: int, rounds: int, state: Path, chunk_bytes: int, update_bytes: int,
                       largest: int) -> dict[str, Any]:
     """One FedAvg run of ``clients`` organizations, limits above the update, plausibility bounds on."""
@@ -596,7 +609,7 @@ def measure(size_gb: float, clients: int, rounds: int, workdir: Path, *, chunk_b
     relay_args = {"rtt_ms": rtt_ms, "mbit": mbit} if rtt_ms or mbit else None
     row: dict[str, Any] = {"size_gb": size_gb, "model_bytes": model, "tensors": len(shapes), "clients": clients,
                            "rounds": rounds, "rtt_ms": rtt_ms, "mbit": mbit, "chunk_bytes": chunk_bytes,
-                           "update_bytes": update_bytes}
+                           "update_bytes": update_bytes, "commit": tree_commit()}
     client_args = ["--shapes", str(shapes_file), "--seed", str(seed), "--chunk-bytes", str(chunk_bytes),
                    *(["--dump", str(dump)] if dump else [])]
     fed = Federation(workdir, relay_args)
@@ -744,8 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     guard = (args.guard_gb, args.max_total_gb)
     print(f"$ python benchmarks/large_model.py {' '.join(argv)}")
-    print(f"FedAvg, synthetic GPT-2-Large-like float32 models, {args.rounds} rounds; {os.cpu_count()} CPU cores; "
-          f"{mem_available() / 1e9:.1f} GB available")
+    print(f"hetfed {tree_commit()}; FedAvg, synthetic GPT-2-Large-like float32 models, {args.rounds} rounds; "
+          f"{os.cpu_count()} CPU cores; {mem_available() / 1e9:.1f} GB available")
     print(HEADER, flush=True)
     rows = []
     for size in _floats(args.size_gb):

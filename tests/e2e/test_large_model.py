@@ -8,6 +8,7 @@ the mean of the generated updates, computed here in float64 from the same seeds.
 from __future__ import annotations
 
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,13 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as ppb
 from hetfed.wire import chunks, codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights
-from tests.conftest import load_benchmark
+from tests.conftest import REPO, load_benchmark
 
 ROW_FIELDS = {"size_gb", "model_bytes", "tensors", "clients", "rounds", "rtt_ms", "mbit", "chunk_bytes",
               "update_bytes", "agg_peak_rss_gb", "agg_rss_anon_gb", "agg_rss_file_gb", "agg_rss_over_model",
               "client_peak_rss_gb", "client_peak_rss_each_gb", "stopped", "round_s", "round_max_s", "open_close_s",
               "agg_cpu_s", "clients_cpu_s", "pushed_wire_bytes", "pulled_wire_bytes", "same_broadcast",
-              "client_push_s", "disk_s", "net_s", "floor_s", "ratio", "load_average"}
+              "client_push_s", "disk_s", "net_s", "floor_s", "ratio", "load_average", "commit"}
 
 
 def test_model_shapes_total_the_declared_size_and_scale_gpt2_large() -> None:
@@ -83,6 +84,8 @@ def test_the_harness_runs_and_the_broadcast_is_the_mean_of_the_generated_updates
     row = bench.measure(0.008, 2, 2, tmp_path, seed=3, dump=dump, timeout=300.0)
     assert set(row) == ROW_FIELDS, set(row) ^ ROW_FIELDS
     assert row["stopped"] == "" and row["same_broadcast"] is True
+    assert row["commit"].startswith(subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=7", "HEAD"],
+                                                   capture_output=True, text=True, check=True).stdout.strip())
     shapes = bench.synth.model_shapes(8_000_000)
     assert row["model_bytes"] == bench.synth.model_bytes(shapes) and row["tensors"] == len(shapes) == 436
     for key in ("round_s", "open_close_s", "agg_cpu_s", "clients_cpu_s", "disk_s", "net_s", "agg_peak_rss_gb",
