@@ -26,7 +26,7 @@ Figures per configuration (one table row, one JSON row with ``--json``):
   ``client_peak_rss_gb``, the largest client's VmHWM; ``/model``: the aggregator's peak over the model size;
 - the floor, measured in the same run after the federation: ``disk_s``, writing the round's update bytes
   (N x model) to a file in the state directory's file system once, fsync included, and ``net_s``, moving them
-  once through a loopback TCP connection (with ``--rtt-ms``/``--mbit``: through the same relay as the clients);
+  once through a loopback TCP connection (with ``--rtt-ms``/``--mbit``: through a relay of the same settings);
   ``floor_s`` is their sum and ``ratio`` the round over it.
 
 A memory guard stops a federation when the machine's available memory falls under ``--guard-gb`` or the
