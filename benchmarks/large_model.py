@@ -425,8 +425,9 @@ def train_closes(log: Path) -> dict[int, float]:
     return out
 
 
-def _drain_server() -> tuple[socket.socket, list[int]]:
-    """A listening socket whose one connection is read to its end in a thread; the list gets the count."""
+def _drain_server(n_bytes: int) -> tuple[socket.socket, list[int]]:
+    """A listening socket whose one connection is read in a thread until ``n_bytes`` or its end have come;
+    the list then gets the count."""
     server = socket.create_server(("127.0.0.1", 0))
     got: list[int] = []
 
@@ -434,7 +435,7 @@ def _drain_server() -> tuple[socket.socket, list[int]]:
         conn, _ = server.accept()
         n = 0
         with conn:
-            while chunk := conn.recv(1 << 20):
+            while n < n_bytes and (chunk := conn.recv(1 << 20)):
                 n += len(chunk)
         got.append(n)
 
@@ -445,7 +446,7 @@ def _drain_server() -> tuple[socket.socket, list[int]]:
 def stream_seconds(n_bytes: int, relay_args: dict[str, Any] | None) -> float:
     """Seconds to move ``n_bytes`` through one TCP connection on loopback (through a LinkRelay with
     ``relay_args``), from the first byte sent to the receiver's last."""
-    server, got = _drain_server()
+    server, got = _drain_server(n_bytes)
     port = server.getsockname()[1]
     relay = None
     if relay_args is not None:
