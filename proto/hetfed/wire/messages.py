@@ -26,6 +26,7 @@ from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.privacy import PrivacyDeclaration
+from hetfed.wire.serialize import Placed, serialize
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
@@ -217,9 +218,11 @@ _ACTION_FROM_PROTO = {v: k for k, v in _ACTION_TO_PROTO.items()}
 
 @dataclass(frozen=True)
 class Encoded:
-    """A serialized message and the traffic of the payloads it carries (the envelope not included)."""
+    """A serialized message and the traffic of the payloads it carries (the envelope not included).
 
-    data: bytes
+    ``data`` is a read-only view of the one buffer ``serialize`` wrote (``bytes(data)`` copies it)."""
+
+    data: Bytes
     payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
 
 
@@ -242,10 +245,11 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
         round_seed=ins.round_seed,
         total_rounds=ins.total_rounds,
     )
+    sources: list[Placed] = []
     for p in ins.payloads:
-        codec.fill_payload(msg.payloads.add(), p, wire_dtype)  # in place: no extra tensor copy
+        codec.fill_payload_placed(msg.payloads.add(), p, sources, wire_dtype)  # placeholders: no tensor copied
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    data = msg.SerializeToString()
+    data = serialize(msg, sources)  # each tensor copied once, into its place
     return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))
                    if ins.payloads else TrafficBreakdown())
 
@@ -316,10 +320,11 @@ def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
         msg.leave_reason = update.leave_reason
     if update.privacy is not None:
         privacy_to_proto(update.privacy.check(), msg.privacy)
+    sources: list[Placed] = []
     for p in update.payloads:
-        codec.fill_payload(msg.payloads.add(), p, wire_dtype)
+        codec.fill_payload_placed(msg.payloads.add(), p, sources, wire_dtype)
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    data = msg.SerializeToString()
+    data = serialize(msg, sources)
     return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _UPDATE_PAYLOADS)))
 
 
