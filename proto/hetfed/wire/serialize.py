@@ -41,13 +41,13 @@ class Placed:
 
     def write(self, out: np.ndarray) -> None:
         """Convert the array into ``out`` (uint8, ``nbytes`` long): one pass over it, no whole-tensor copy."""
-        if not self.bfloat16:
-            with np.errstate(over="ignore"):  # narrowing may overflow to +-inf by design (IEEE rounding)
+        with np.errstate(over="ignore"):  # narrowing may overflow to +-inf by design (IEEE rounding)
+            if not self.bfloat16:
                 np.copyto(out.view(self.raw).reshape(self.array.shape), self.array, casting="unsafe")
-            return
-        flat, bits = self.array.reshape(-1), out.view("<u2")
-        for lo in range(0, flat.size, _BLOCK):
-            bits[lo:lo + _BLOCK] = to_bfloat16_bits(flat[lo:lo + _BLOCK])
+                return
+            flat, bits = self.array.reshape(-1), out.view("<u2")
+            for lo in range(0, flat.size, _BLOCK):
+                bits[lo:lo + _BLOCK] = to_bfloat16_bits(flat[lo:lo + _BLOCK])
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
