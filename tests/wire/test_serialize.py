@@ -68,7 +68,7 @@ def test_the_serializer_writes_protobufs_bytes_for_every_payload_kind(kind: Payl
 def test_awkward_arrays_serialize_as_protobuf_does(wire_dtype: str | None) -> None:
     rng = np.random.default_rng(5)
     x = rng.normal(size=(6, 5))
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "float64": x,  # travels as float32 (or narrower)
         "fortran": np.asfortranarray(x.astype(np.float32)),
         "strided": x.astype(np.float32)[::2, 1::2],
@@ -113,9 +113,9 @@ def test_encoding_an_update_copies_each_tensor_once() -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert encoded.data.nbytes > w.nbytes + w[0].nbytes
+    assert len(encoded.data) > w.nbytes + w[0].nbytes
     # The message's buffer and small change: no bytes copy of a tensor, no second copy of the message.
-    assert encoded.data.nbytes <= peak < encoded.data.nbytes + (256 << 10)
+    assert len(encoded.data) <= peak < len(encoded.data) + (256 << 10)
 
 
 # ---------------------------------------------------------------- past protobuf's 2 GiB
@@ -137,9 +137,9 @@ def zero_backed(pieces: list[serialize.Piece], size: int) -> np.ndarray:
 
 
 def test_a_tensor_and_a_payload_past_2_gib_are_laid_out_and_decoded_as_views() -> None:
-    msg = apb.Update(envelope=apb.Envelope(run_id="run", round=1, organization_id="org",
-                                           payload_kinds=[PayloadKind.MODEL_WEIGHTS.proto_enum,
-                                                          PayloadKind.EVAL_METRICS.proto_enum]))
+    msg = apb.Update(envelope=apb.Envelope(run_id="run", round=1, organization_id="org"))
+    msg.envelope.payload_kinds.extend([PayloadKind.MODEL_WEIGHTS.proto_enum,  # type: ignore[list-item]
+                                       PayloadKind.EVAL_METRICS.proto_enum])  # type: ignore[list-item]
     sources: list[serialize.Placed] = []
     huge = np.broadcast_to(np.uint8(0), (BIG,))  # no memory behind it: only its size is laid out
     codec.fill_payload_placed(msg.payloads.add(), ModelWeights({"huge": huge}, 3), sources)
