@@ -238,7 +238,8 @@ class Pulled:
 
 
 def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:
-    """Serialize instructions; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
+    """Serialize instructions as ``encode_update`` does an update: one buffer, each tensor copied once into it
+    (``wire_dtype`` narrows floats)."""
     msg = apb.Instructions(
         envelope=apb.Envelope(run_id=ins.run_id, round=ins.round, organization_id=ins.organization),
         action=_ACTION_TO_PROTO[ins.action],  # type: ignore[arg-type]
@@ -306,7 +307,8 @@ def privacy_from_proto(msg: apb.PrivacyDeclaration) -> PrivacyDeclaration:
 
 
 def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
-    """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats). A privacy
+    """Serialize an update into one buffer, each tensor copied once, straight into its place (``serialize``; no
+    2 GiB limit on a tensor or payload; ``wire_dtype`` narrows floats). A privacy
     declaration out of its domain is WireError ``invalid_privacy`` before anything is sent. A leave notice (a
     declaration with ``budget_spent``, or a ``leave_reason``) has no payloads: ``ValueError`` when it has some, or
     when its reason is empty of text or longer than ``MAX_LEAVE_REASON_CHARS``."""
