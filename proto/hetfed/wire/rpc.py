@@ -228,7 +228,7 @@ class _ChunkCache:
     @staticmethod
     def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
         responses = chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
-        return responses, sum(len(r) for r in responses)
+        return list(responses), responses.total_bytes
 
 
 class AggregatorServicer:
@@ -579,7 +579,7 @@ class AggregatorClient:
         raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count(Direction.UP, with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
+            self._count(Direction.UP, with_envelope(encoded.payloads, requests.total_bytes, len(requests)))
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
