@@ -311,8 +311,3 @@ def test_instructions_lowered_from_placeholders_are_protobufs_bytes(wire_dtype: 
         action=_ACTION_TO_PROTO[Action.TRAIN], round_seed=7, total_rounds=10,
         payloads=[codec.payload_to_proto(big)]).SerializeToString()
 
-
-def test_lower_undoes_lift() -> None:
-    raw = apb.Instructions(payloads=[codec.payload_to_proto(p) for p in CONCRETE]).SerializeToString()
-    small, lifted = framing.lift(memoryview(raw), apb.Instructions.DESCRIPTOR, TENSOR, DATA)
-    assert bytes(framing.lower(small, apb.Instructions.DESCRIPTOR, TENSOR, DATA, lifted)) == raw

@@ -136,10 +136,10 @@ def test_concurrent_pulls_of_one_message_share_one_build_that_lives_as_long_as_t
         assert builds == [1] and len(cache) == 1
         assert all(r is results[0] for r in results)
         responses = list(results[0])
-        assert responses == chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, 4096)
+        assert responses == list(chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, 4096))
         parsed = [apb.PullInstructionsResponse.FromString(r).chunk for r in responses]
         assert [c.index for c in parsed] == [0, 1, 2] and b"".join(c.data for c in parsed) == encoded.data
-        assert results[0].nbytes == sum(len(r) for r in responses) and len(results[0]) == 3
+        assert results[0].total_bytes == sum(len(r) for r in responses) and len(results[0]) == 3
         assert await cache.responses(encoded, 4096, blocking) is results[0] and builds == [1]
         del encoded, waiters, results
         gc.collect()
@@ -152,6 +152,6 @@ def test_concurrent_pulls_of_one_message_share_one_build_that_lives_as_long_as_t
         with pytest.raises(OSError, match="no worker"):
             await cache.responses(other, 4096, failing)
         assert len(cache) == 0  # a failed build is not kept: the next pull builds again
-        assert (await cache.responses(other, 4096, blocking)).nbytes > 0
+        assert (await cache.responses(other, 4096, blocking)).total_bytes > 0
 
     asyncio.run(main())

@@ -124,54 +124,9 @@ def lift(view: memoryview, root: Descriptor, target: Descriptor, number: int) ->
     lifted: list[memoryview] = []
     # A function of the module, not a closure: a recursive closure is a reference cycle, which would keep
     # ``view`` (the whole received message) alive until the next garbage collection.
-    small = _lift_walk(view, 0, view.nbytes, root.full_name, _lift_plan(root, target), (target.full_name, number),
+    small = _lift_walk(view, 0, view.nbytes, root.full_name, lift_plan(root, target), (target.full_name, number),
                        lifted, 0)
     return bytes(small), lifted
-
-
-def lower(small: bytes, root: Descriptor, target: Descriptor, number: int, values: list[Any]) -> bytearray:
-    """The inverse of ``lift``: ``small`` (a ``root`` message whose ``target`` messages hold placeholders in
-    field ``number``) with each placeholder replaced by its value from ``values`` (byte buffers), written
-    once into one new buffer: the bytes protobuf would serialize for the message holding the values. Only the
-    nested messages' lengths change; every other byte is kept as it is."""
-    pieces, size = _lower_walk(memoryview(small), 0, len(small), root.full_name, _lift_plan(root, target),
-                               (target.full_name, number), values, 0)
-    out = bytearray(size)
-    at = 0
-    for piece in pieces:
-        n = memoryview(piece).nbytes
-        out[at : at + n] = piece
-        at += n
-    return out
-
-
-def _lower_walk(view: memoryview, start: int, end: int, name: str, plan: dict[str, dict[int, str]],
-                lift_field: tuple[str, int], values: list[Any], depth: int) -> tuple[list[Any], int]:
-    """The pieces of ``view[start:end]``, a message of type ``name``, with its placeholders replaced, and
-    their total size (see ``lower``)."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"messages nested more than {MAX_DEPTH} deep")
-    children = plan[name]
-    number = lift_field[1] if name == lift_field[0] else 0
-    pieces: list[Any] = []
-    size = 0
-    kept = start
-    for field, wire_type, at, value, stop in fields(view, start, end):
-        if wire_type != WIRE_LEN:
-            continue
-        if field == number:
-            inner: list[Any] = [values[int.from_bytes(view[value:stop], "little")]]
-            n = memoryview(inner[0]).nbytes
-        elif field in children:
-            inner, n = _lower_walk(view, value, stop, children[field], plan, lift_field, values, depth + 1)
-        else:
-            continue
-        head = tag(field, WIRE_LEN) + write_varint(n)
-        pieces += [view[kept:at], head, *inner]
-        size += at - kept + len(head) + n
-        kept = stop
-    pieces.append(view[kept:end])
-    return pieces, size + end - kept
 
 
 def lifted_value(placeholder: bytes, lifted: list[memoryview]) -> memoryview | bytes:
@@ -184,7 +139,7 @@ def lifted_value(placeholder: bytes, lifted: list[memoryview]) -> memoryview | b
 _PLANS: dict[tuple[str, str], dict[str, dict[int, str]]] = {}
 
 
-def _lift_plan(root: Descriptor, target: Descriptor) -> dict[str, dict[int, str]]:
+def lift_plan(root: Descriptor, target: Descriptor) -> dict[str, dict[int, str]]:
     """For each message type reachable from ``root``: its message fields whose type leads to ``target``."""
     cache_key = (root.full_name, target.full_name)
     if cache_key in _PLANS:

@@ -229,7 +229,7 @@ class _ChunkCache:
 
     @staticmethod
     def _build(encoded: Encoded, chunk_bytes: int) -> chunks.Framed:
-        return chunks.Framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
+        return chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
 
 
 class AggregatorServicer:
@@ -296,7 +296,7 @@ class AggregatorServicer:
             self.handler.count(run_id, org, pulled.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)),
                                in_round=not pulled.waiting)
             self.handler.count(run_id, org, pulled.round, Direction.DOWN,
-                               with_envelope(pulled.encoded.payloads, built.nbytes, len(built)),
+                               with_envelope(pulled.encoded.payloads, built.total_bytes, len(built)),
                                in_round=not pulled.waiting)
             for r in built:
                 yield r
@@ -580,7 +580,7 @@ class AggregatorClient:
         raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count(Direction.UP, with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
+            self._count(Direction.UP, with_envelope(encoded.payloads, requests.total_bytes, len(requests)))
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
