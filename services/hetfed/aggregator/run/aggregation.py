@@ -85,9 +85,13 @@ class Aggregation:
                                           self.max_tensor_elements, scan=False)
         return received
 
-    def close_round(self, state: RunState, close: Close) -> dict[str, np.ndarray]:
+    def close_round(self, state: RunState, close: Close, release: Callable[[], None] = lambda: None,
+                    ) -> dict[str, np.ndarray]:
         """Aggregate the round ``close`` names; the half is ``stale`` until ``durable`` says the close is on disk.
-        Returns the arrays the close's checkpoint holds."""
+        ``release`` is called first: it drops what the closing round holds beside the half (its built broadcast),
+        so the fold does not hold the old model's broadcast beside the new model. Returns the arrays the close's
+        checkpoint holds."""
+        release()
         half = self.current(state)
         self._stale = True
         half.close_round(close.phase, close.round)

@@ -325,8 +325,7 @@ class Run:
     def _close_locked(self, effect: Close, nxt: RunState) -> None:
         """Carry out a Close: aggregate, commit (history line, then checkpoint), then move on in memory."""
         rec = self.open_round.end(len(self.pushed))
-        self.instructions.drop()  # the closing round's broadcast: not in memory beside the new model
-        arrays = self.aggregation.close_round(self.state, effect)  # ahead of the disk until durable()
+        arrays = self.aggregation.close_round(self.state, effect, self.instructions.drop)  # ahead until durable()
         self.journal.append_history(self.open_round.line())
         # The history line is durable; the checkpoint that counts it (the commit point) is written by
         # commit_pending once the lock is released, while clients already fetch the next round. Should the
