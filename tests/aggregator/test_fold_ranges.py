@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetfed.aggregator.algorithms import fedavg as fedavg_half
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.algorithms.aggregators import (
     CoordinateMedian,
@@ -110,7 +111,10 @@ def test_a_tensor_some_updates_lack_is_divided_by_every_weight_as_before() -> No
     assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
 
 
-def test_fedavg_folds_nothing_before_the_close_and_its_state_is_the_whole_model_fold() -> None:
+@pytest.mark.parametrize("running_bytes", [0, 64 << 20])
+def test_fedavgs_state_after_a_close_is_the_whole_model_fold(running_bytes: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fedavg_half, "RUNNING_SUM_BYTES", running_bytes)  # 0: by ranges at the close
     spec = SPECS["fedavg"]
     for config in (spec.config(), dataclasses.replace(spec.config(), aggregation="median", max_update_norm_ratio=0),
                    dataclasses.replace(spec.config(), update_norm_policy="clip", max_update_norm_ratio=0.5)):
@@ -175,9 +179,12 @@ def push(run: Run, org: str, round_: int, arrays: dict[str, np.ndarray]) -> None
     assert run.push(org, round_, messages.ParsedUpdate(data), content.digest(data), TrafficBreakdown()).accepted
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize(("aggregation", "running_bytes"), [("mean", 0), ("mean", 64 << 20), ("trimmed_mean", 0)])
 def test_the_engine_folds_from_the_log_the_bits_of_a_fold_from_memory_and_again_after_a_restart(
-        tmp_path: Path, aggregation: str) -> None:
+        tmp_path: Path, aggregation: str, running_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # running_bytes 0: every model is folded at the close by ranges; 64 MiB: this small one goes into a
+    # running sum as its updates arrive, read from the log all the same.
+    monkeypatch.setattr(fedavg_half, "RUNNING_SUM_BYTES", running_bytes)
     extra = {} if aggregation == "mean" else {"aggregation": "trimmed_mean", "trim": 1}
     run = engine_run(tmp_path, algorithm_config=extra)
     first = models(0, 1)[0]

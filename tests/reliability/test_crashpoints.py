@@ -73,9 +73,10 @@ def test_killed_between_two_ranges_of_a_close_folds_the_same_aggregate_again(
     from hetfed.aggregator.algorithms.aggregators import FOLD_RANGE, WeightedMean
 
     rng = np.random.default_rng(8)
-    big = (rng.standard_normal(2 * FOLD_RANGE + 5) * 10.0 ** rng.integers(-6, 4, 2 * FOLD_RANGE + 5)).astype(np.float32)
+    n = 3 * FOLD_RANGE + 5  # above RUNNING_SUM_BYTES: folded at the close, in four ranges
+    big = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4, n)).astype(np.float32)
     agg = faults.AggregatorProcess(tmp_path, [run_config()])
-    assert agg.start(crash_at="close.folding:2") == ""  # after the first of the close's three ranges
+    assert agg.start(crash_at="close.folding:2") == ""  # after the second of the close's four ranges
     a, b = raw_client(agg.port, "a"), raw_client(agg.port, "b")
     for c in (a, b):
         c.join([(PayloadKind.MODEL_WEIGHTS, "w", big)])

@@ -381,6 +381,18 @@ def fold_ranges(make: Callable[[], Aggregator], terms: Sequence[Term], centre: M
     return out
 
 
+def moved(term: Term, centre: Mapping[str, np.ndarray] | None) -> Mapping[str, np.ndarray]:
+    """A term's arrays as ``fold_ranges`` adds them: clipped terms moved toward ``centre`` (float64 copies),
+    others as they are."""
+    if term.clip is None:
+        return term.arrays
+    out = {}
+    for name, a in term.arrays.items():
+        base = centre[name] if centre is not None and name in centre else 0.0
+        out[name] = base + (np.asarray(a, np.float64) - base) * term.clip
+    return out
+
+
 def drop_pages(a: np.ndarray) -> None:
     """Give the pages that ``a`` views back to the kernel when they belong to a read-only file mapping (the log,
     mapped by ``WriteAheadLog.views``): the bytes stay in the file and the page cache, and come back on the next

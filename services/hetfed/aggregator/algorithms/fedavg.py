@@ -16,6 +16,7 @@ from hetfed.aggregator.algorithms.aggregators import (
     drop_pages,
     fold_ranges,
     global_norm,
+    moved,
 )
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
@@ -28,6 +29,9 @@ A = TypeVar("A", bound=AveragingConfig)
 # Relative slack of the distance's shortcut past ``max_abs_weight``: far above the distance's rounding (about 10⁻⁸,
 # float32 differences summed in float64), so a value the shortcut passes is within the bound exactly.
 _SLACK = 1e-6
+# The largest running exact sum a round keeps (25 bytes an element: about 2.7 M float32 values, a 10 MB model):
+# below it the close only divides, off the round's critical path; above it the updates are folded at the close.
+RUNNING_SUM_BYTES = 64 << 20
 
 
 class AveragingServer(ServerHalf[A], Generic[A]):
@@ -49,7 +53,8 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         self.global_: dict[str, np.ndarray] | None = None
         self._global_norm: float | None = None
         self._global_max_abs: float | None = None
-        self._terms: list[Term] = []
+        self._terms: list[Term] = []  # the round's updates, folded at the close
+        self._running = WeightedMean()  # or their running sum, for a small model under the weighted mean
 
     def _aggregator(self) -> Aggregator:
         """A fresh aggregator of the configured kind (one per range at the close)."""
@@ -135,18 +140,37 @@ class AveragingServer(ServerHalf[A], Generic[A]):
                 clip = radius / dist if dist > radius else None
                 for a in arrays.values():
                     drop_pages(np.asarray(a))
-            self._terms.append(Term(arrays, float(weight), clip))
+            term = Term(arrays, float(weight), clip)
+            if self._runs(arrays):
+                self._running.add(moved(term, self.global_), term.weight)
+                for a in arrays.values():
+                    drop_pages(np.asarray(a))
+            else:
+                self._terms.append(term)
+
+    def _runs(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Whether the round's updates go into a running sum as they arrive (then the close only divides): under
+        the weighted mean, for a model whose exact sum takes at most ``RUNNING_SUM_BYTES``, as the round's first
+        update decides. Elsewhere they are kept and folded at the close, a range at a time."""
+        if self._terms or self._running.count:
+            return bool(self._running.count)
+        elements = sum(np.size(a) for a in arrays.values())
+        return self.config.aggregation not in ("trimmed_mean", "median") and elements * 25 <= RUNNING_SUM_BYTES
 
     def close_round(self, phase: Phase, round_: int) -> None:
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median), a range of
         elements at a time."""
-        if self._terms:
+        if self._running.count:
+            self.global_ = self._running.mean(np.float32)
+            self._global_norm = self._global_max_abs = None
+        elif self._terms:
             # In place: the old global model's arrays take the new one (none is held elsewhere: the broadcast
             # and the checkpoint hold their own bytes), so a close does not hold two models.
             self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32,
                                        after_range=self.range_folded, into=self.global_)
             self._global_norm = self._global_max_abs = None
         self._terms = []
+        self._running.reset()
 
     def state(self) -> dict[str, np.ndarray]:
         """The global arrays."""
