@@ -225,3 +225,16 @@ def test_a_fold_into_the_clips_own_centre_gives_the_bits_of_a_fold_into_new_arra
     got = fold_ranges(make, terms, own, np.float32, 100, into=own)  # type: ignore[arg-type]
     assert all(got[k] is own[k] for k in own)  # written in place
     assert all(got[k].tobytes() == fresh[k].tobytes() for k in fresh)
+
+
+def test_the_finiteness_check_goes_by_blocks_and_finds_values_past_the_first() -> None:
+    from hetfed.wire import contract
+    from hetfed.wire.errors import WireError
+
+    w = np.zeros(contract.FINITE_BLOCK * 2 + 10, np.float32)
+    contract.check_finite(PayloadKind.MODEL_WEIGHTS, ModelWeights({"w": w}, 1))
+    w[contract.FINITE_BLOCK + 3] = np.nan
+    w[-1] = np.inf
+    with pytest.raises(WireError) as err:
+        contract.check_finite(PayloadKind.MODEL_WEIGHTS, ModelWeights({"w": w}, 1))
+    assert (err.value.reason, err.value.message) == ("non_finite", "model_weights.w holds 2 NaN or infinite values")

@@ -142,10 +142,20 @@ def check_envelope(update: apb.Update, run_id: str, round_: int, organization: s
         raise WireError("envelope_mismatch", f"envelope lists {declared[:8]}, the update carries {actual[:8]}")
 
 
+# Elements of a tensor the finiteness check takes at a time: its mask stays 1 MiB whatever the tensor's size.
+FINITE_BLOCK = 1 << 20
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether every value is finite, a block at a time (no mask the size of the tensor)."""
+    flat = array.reshape(-1)
+    return all(bool(np.isfinite(flat[lo:lo + FINITE_BLOCK]).all()) for lo in range(0, flat.size, FINITE_BLOCK))
+
+
 def check_finite(kind: PayloadKind, payload: Payload) -> None:
     """Reject NaN or infinite values in any floating tensor or metric."""
     for name, array in named_tensors(payload):
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array.dtype.kind == "f" and not _all_finite(array):
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise WireError("non_finite", f"{kind.value}.{name} holds {bad} NaN or infinite values")
     if isinstance(payload, EvalMetrics):
