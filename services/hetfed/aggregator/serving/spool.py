@@ -1,0 +1,230 @@
+"""Pushes received into files: each push's chunks are written, as they arrive, to a spool file under the state
+directory, and a push cut mid-stream is kept there for a while so that its sender can resume it.
+
+A push holds about one chunk of memory while it is received; once complete and verified, the handler reads the
+update from a read-only memory map of its file. Writes are not fsynced: a partial push lives as long as the
+aggregator process (a restart empties the spool and the push starts again from chunk 0), and the update is made
+durable by the write-ahead log before it is acknowledged, as before.
+
+One partial push per run and organization: a new push of the organization replaces it. A partial push the
+sender left is dropped when it is older than ``partial_push_seconds``, when its round is no longer open, or,
+oldest first, when the partial pushes together hold more than ``max_partial_push_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter
+
+from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.wire import chunks
+from hetfed.wire.chunks import Bytes
+from hetfed.wire.errors import WireError
+from hetfed.wire.rpc import Receiving
+
+log = logging.getLogger("hetfed.aggregator")
+SPOOL_DIR = "spool"
+
+
+class FileSink:
+    """A reassembler's sink in a file: chunks written at their offsets, the whole mapped read-only at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+        self._total = 0
+
+    def allocate(self, total: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self._total = total
+
+    def write(self, offset: int, data: Bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def view(self) -> memoryview:
+        fd, self._fd = self._fd, -1
+        try:
+            if self._total == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(fd, self._total, access=mmap.ACCESS_READ))
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Close and delete the file (a memory map of it stays readable until its last view is gone)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+@dataclass(eq=False)
+class Partial:
+    """One push being received, or cut and kept for its sender to resume."""
+
+    run_id: str
+    organization: str
+    round: int
+    digest: bytes
+    sink: FileSink
+    receiving: Receiving
+    attached: bool = True  # a stream is feeding it
+    touched: float = field(default_factory=time.monotonic)
+    detached: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(chunks, bytes) received."""
+        return self.receiving.assembler.next_index, self.receiving.assembler.received
+
+
+class Spool:
+    """The spool directory and its partial pushes (its methods run on the event loop, ``sweep`` anywhere)."""
+
+    def __init__(self, directory: Path, keep_seconds: float, max_bytes: int, max_update_bytes: int,
+                 dropped: Counter, round_open: Callable[[str, str, int], bool]) -> None:
+        self.directory = directory
+        self.keep_seconds = keep_seconds
+        self.max_bytes = max_bytes
+        self.max_update_bytes = max_update_bytes
+        self._dropped = dropped
+        self._round_open = round_open
+        # Partial pushes of a previous process cannot be resumed (their hash state is gone).
+        shutil.rmtree(directory, ignore_errors=True)
+        self._partials: dict[tuple[str, str], Partial] = {}
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._partials)
+
+    async def receive(self, organization: str, run_id: str, round_: int, digest: bytes, first: apb.Chunk,
+                      wait: float) -> Receiving:
+        """The reception of a push whose first message carries ``first``: a new one from chunk 0, or the partial
+        push it resumes (WireError ``not_resumable`` when there is no such partial)."""
+        self.sweep()
+        old = await self._settled((run_id, organization), wait)
+        if first.index == 0:
+            if old is not None:
+                self._drop(old, "replaced")
+            return self._start(organization, run_id, round_, digest).receiving
+        if not digest:
+            raise WireError("malformed", f"chunk {first.index}/{first.count} out of order (expected 0): only a "
+                                         "stream naming its push by update_blake3 resumes it past chunk 0")
+        held = old.held[0] if old is not None and self._same(old, round_, digest, first.total_bytes) else 0
+        if old is None or held != first.index or old.receiving.assembler.shape != (first.count, first.total_bytes):
+            raise WireError("not_resumable", f"a push resuming at chunk {first.index}, but the aggregator holds "
+                                             f"{held} chunks of it; push it again from chunk 0")
+        old.attached = True
+        old.detached.clear()
+        return old.receiving
+
+    async def progress(self, organization: str, run_id: str, round_: int, digest: bytes, total_bytes: int,
+                       wait: float) -> tuple[int, int]:
+        """(chunks, bytes) held of the push of ``digest``, once no stream feeds it; (0, 0) when none is held."""
+        self.sweep()
+        if not digest:
+            return 0, 0
+        partial = await self._settled((run_id, organization), wait)
+        if partial is None or not self._same(partial, round_, digest, total_bytes):
+            return 0, 0
+        return partial.held
+
+    def finish(self, receiving: Receiving, accepted: bool) -> None:
+        """A stream of a push ended: accepted (the file goes, its map stays), cut while it waited for a chunk
+        (kept, when resumable), or refused (dropped)."""
+        partial = receiving.owner
+        if not isinstance(partial, Partial):
+            return
+        if accepted:
+            self._forget(partial)
+            partial.sink.remove()
+        elif receiving.waiting and partial.digest and not receiving.assembler.complete:
+            partial.attached = False
+            partial.touched = time.monotonic()
+            partial.detached.set()
+            log.info("push of %s for run %s round %d cut after %d chunks (%d bytes): kept for resumption",
+                     partial.organization, partial.run_id, partial.round, *partial.held)
+            self.sweep()
+        else:
+            self._drop(partial, "refused")
+
+    def sweep(self) -> None:
+        """Drop the partial pushes past their time, of closed rounds, then the oldest past the size bound."""
+        now = time.monotonic()
+        with self._lock:
+            idle = sorted((p for p in self._partials.values() if not p.attached), key=lambda p: p.touched)
+        for p in idle:
+            if now - p.touched > self.keep_seconds:
+                self._drop(p, "expired")
+            elif not self._round_open(p.run_id, p.organization, p.round):
+                self._drop(p, "round_closed")
+        with self._lock:
+            total = sum(p.held[1] for p in self._partials.values())
+            idle = sorted((p for p in self._partials.values() if not p.attached), key=lambda p: p.touched)
+        for p in idle:
+            if total <= self.max_bytes:
+                break
+            total -= p.held[1]
+            self._drop(p, "over_size")
+
+    @staticmethod
+    def _same(p: Partial, round_: int, digest: bytes, total_bytes: int) -> bool:
+        return (p.round, p.digest, p.receiving.assembler.shape[1]) == (round_, digest, total_bytes)
+
+    async def _settled(self, key: tuple[str, str], wait: float) -> Partial | None:
+        """The partial push of ``key`` once no stream feeds it (WireError ``busy`` after ``wait`` seconds)."""
+        with self._lock:
+            partial = self._partials.get(key)
+        if partial is not None and partial.attached:
+            try:
+                await asyncio.wait_for(partial.detached.wait(), wait)
+            except TimeoutError:
+                raise WireError("busy", "another stream of this organization's push is still being received; "
+                                        "retry later") from None
+        with self._lock:
+            return self._partials.get(key)
+
+    def _start(self, organization: str, run_id: str, round_: int, digest: bytes) -> Partial:
+        tag = digest[:8].hex() if digest else f"stream{next(self._names)}"
+        sink = FileSink(self.directory / run_id / f"{organization}-{round_}-{tag}.part")
+        receiving = Receiving(chunks.Reassembler(self.max_update_bytes, sink))
+        partial = Partial(run_id, organization, round_, digest, sink, receiving)
+        receiving.owner = partial
+        with self._lock:
+            self._partials[(run_id, organization)] = partial
+        return partial
+
+    def _forget(self, partial: Partial) -> bool:
+        with self._lock:
+            key = (partial.run_id, partial.organization)
+            if self._partials.get(key) is not partial:
+                return False
+            del self._partials[key]
+            return True
+
+    def _drop(self, partial: Partial, reason: str) -> None:
+        if self._forget(partial):
+            partial.sink.remove()
+            if partial.held[0] and reason != "refused":
+                log.info("dropped the partial push of %s for run %s round %d (%s, %d bytes)",
+                         partial.organization, partial.run_id, partial.round, reason, partial.held[1])
+            self._dropped.labels(reason).inc()
