@@ -6,6 +6,7 @@ that ends early test the refusals and the bounds without a relay.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -15,18 +16,18 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from hetfed.aggregator.serving.server import RunningAggregator
 from hetfed.cli.certs import make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec, messages
 from hetfed.wire import digest as content
+from hetfed.wire.config import to_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind
 from hetfed.wire.rpc import SERVICE_NAME, AggregatorClient, RemoteError
-from hetfed.wire.config import to_mapping
-from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_channel
 from hetfed.wire.traffic import TrafficMetrics
-from prometheus_client import CollectorRegistry
+from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_channel
 from tests.conftest import RawClient, run_config, wait_until
 
 Start = Callable[..., RunningAggregator]
@@ -86,10 +87,8 @@ class Relay:
         except OSError:
             pass
         for s in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def close(self) -> None:

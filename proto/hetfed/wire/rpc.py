@@ -91,9 +91,9 @@ class AdmittedPush(Protocol):
         waits under HTTP/2 flow control meanwhile); raises WireError when none frees up in time."""
         ...
 
-    async def receive(self, update_digest: bytes, first: apb.Chunk) -> Receiving:
-        """Where the push's chunks go: a new reception when ``first`` is chunk 0, else the partial push of
-        ``update_digest`` that it resumes (WireError ``not_resumable`` when the handler holds no such push)."""
+    async def receive(self, update_digest: bytes, index: int, count: int, total_bytes: int) -> Receiving:
+        """Where the push's chunks go, given its first chunk's header: a new reception when ``index`` is 0, else
+        the partial push of ``update_digest`` that it resumes (WireError ``not_resumable`` when none is held)."""
         ...
 
     def release(self, refused: bool = False) -> None:
@@ -346,7 +346,8 @@ class AggregatorServicer:
             # Refuse a stale, foreign or over-limit push before reading it.
             admitted = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
             await admitted.reassembly_slot()
-            receiving = await admitted.receive(first.update_blake3, first.chunk)
+            head = first.chunk
+            receiving = await admitted.receive(first.update_blake3, head.index, head.count, head.total_bytes)
             received = [(first, data, len(raw))]
             del raw, data
             update, digest = await self._reassemble(stream, received, receiving)

@@ -33,7 +33,6 @@ from hetfed.aggregator.run.admission import Limits
 from hetfed.aggregator.run.conductor import Run
 from hetfed.aggregator.serving.memory import Trimmer
 from hetfed.aggregator.serving.spool import SPOOL_DIR, Spool
-from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError, clip
 from hetfed.wire.messages import (
@@ -94,11 +93,12 @@ class PushReservation:
         self.destination: tuple[Spool, str, int, float] | None = None
         self._receiving: Receiving | None = None
 
-    async def receive(self, update_digest: bytes, first: apb.Chunk) -> Receiving:
+    async def receive(self, update_digest: bytes, index: int, count: int, total_bytes: int) -> Receiving:
         """The push's spool file: a new one, or the partial push this stream resumes."""
         assert self.destination is not None
         spool, run_id, round_, wait = self.destination
-        self._receiving = await spool.receive(self.organization, run_id, round_, update_digest, first, wait)
+        self._receiving = await spool.receive(self.organization, run_id, round_, update_digest,
+                                              (index, count, total_bytes), wait)
         return self._receiving
 
     async def reassembly_slot(self) -> None:

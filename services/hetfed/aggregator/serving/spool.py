@@ -28,7 +28,6 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError
@@ -116,22 +115,23 @@ class Spool:
         with self._lock:
             return len(self._partials)
 
-    async def receive(self, organization: str, run_id: str, round_: int, digest: bytes, first: apb.Chunk,
-                      wait: float) -> Receiving:
-        """The reception of a push whose first message carries ``first``: a new one from chunk 0, or the partial
-        push it resumes (WireError ``not_resumable`` when there is no such partial)."""
+    async def receive(self, organization: str, run_id: str, round_: int, digest: bytes,
+                      first: tuple[int, int, int], wait: float) -> Receiving:
+        """The reception of a push whose first chunk has the header ``first`` (index, count, total bytes): a new
+        one from chunk 0, or the partial push it resumes (WireError ``not_resumable`` when none is held)."""
         self.sweep()
+        index, count, total_bytes = first
         old = await self._settled((run_id, organization), wait)
-        if first.index == 0:
+        if index == 0:
             if old is not None:
                 self._drop(old, "replaced")
             return self._start(organization, run_id, round_, digest).receiving
         if not digest:
-            raise WireError("malformed", f"chunk {first.index}/{first.count} out of order (expected 0): only a "
+            raise WireError("malformed", f"chunk {index}/{count} out of order (expected 0): only a "
                                          "stream naming its push by update_blake3 resumes it past chunk 0")
-        held = old.held[0] if old is not None and self._same(old, round_, digest, first.total_bytes) else 0
-        if old is None or held != first.index or old.receiving.assembler.shape != (first.count, first.total_bytes):
-            raise WireError("not_resumable", f"a push resuming at chunk {first.index}, but the aggregator holds "
+        held = old.held[0] if old is not None and self._same(old, round_, digest, total_bytes) else 0
+        if old is None or held != index or old.receiving.assembler.shape != (count, total_bytes):
+            raise WireError("not_resumable", f"a push resuming at chunk {index}, but the aggregator holds "
                                              f"{held} chunks of it; push it again from chunk 0")
         old.attached = True
         old.detached.clear()
