@@ -162,7 +162,7 @@ def test_a_push_cut_by_the_link_resumes_from_the_chunks_the_aggregator_holds(
     cut, rest = relay.carried
     remainder = len(data) - cut
     assert remainder <= rest <= remainder + chunks.DEFAULT_CHUNK_BYTES + (64 << 10)
-    assert len(agg.service.spool) == 0 and not list((Path(agg.service.config.server.state_dir) / "spool").rglob("*.part"))
+    assert len(agg.service.spool) == 0 and not list((Path(agg.service.config.server.state_dir) / ".spool").rglob("*.part"))
     # Traffic: both sides count every chunk once, one digest field per stream that carried kept chunks, and the
     # PushProgress call: the same bytes.
     server = counted(agg.service.metrics.registry, "aggregator", "a", "up") - joined_bytes
@@ -287,7 +287,7 @@ def test_a_partial_push_past_its_time_is_dropped(channel: Callable[..., tuple[Ru
     assert len(agg.service.spool) == 1
     wait_until(lambda: dropped(agg, "expired") == 1, timeout=20, what="the partial push expired")
     assert progress(ch, "a", content.digest(data), len(data), metadata=md("a")) == (0, 0)
-    assert not list((Path(agg.service.config.server.state_dir) / "spool").rglob("*.part"))
+    assert not list((Path(agg.service.config.server.state_dir) / ".spool").rglob("*.part"))
 
 
 def test_a_partial_push_of_a_closed_round_is_dropped(
@@ -310,11 +310,11 @@ def test_a_restarted_aggregator_holds_no_partial_push(
     agg, ch = channel()
     data = encoded("a")
     leave_partial(ch, "a", data, 3, metadata=md("a"))
-    spool = Path(agg.service.config.server.state_dir) / "spool"
+    spool = Path(agg.service.config.server.state_dir) / ".spool"
     assert len(list(spool.rglob("*.part"))) == 1
     agg.stop()
     again = aggregator(run_config())
-    assert not spool.exists()
+    assert not (spool / "r").exists()
     with grpc.insecure_channel(f"127.0.0.1:{again.port}") as ch2:
         assert progress(ch2, "a", content.digest(data), len(data), metadata=md("a")) == (0, 0)
         msgs = messages_of("a", data)
@@ -354,4 +354,28 @@ def test_under_mtls_only_the_same_organization_resumes_its_push(aggregator: Star
         assert progress(a, "a", digest, len(data)) == (3, held_bytes(msgs, 3))
         reply = send(a, [named(msgs[3], digest), *msgs[4:]])
         assert isinstance(reply, bytes) and apb.PushUpdateResponse.FromString(reply).accepted
+    assert logged(agg) == [("a", data)]
+
+
+def test_a_push_whose_client_cancels_mid_stream_is_kept_for_resumption(
+        channel: Callable[..., tuple[RunningAggregator, grpc.Channel]]) -> None:
+    agg, ch = channel()
+    data = encoded("a")
+    digest = content.digest(data)
+    msgs = messages_of("a", data)
+    release = threading.Event()
+
+    def stream() -> Iterator[bytes]:
+        yield named(msgs[0], digest)
+        yield from msgs[1:3]
+        release.wait(30)  # the client goes away here, mid-push
+
+    call = ch.stream_unary(f"/{SERVICE_NAME}/PushUpdate").future(stream(), metadata=md("a"), timeout=30)
+    wait_until(lambda: agg.service.spool.held("r", "a") == (3, held_bytes(msgs, 3)), timeout=20,
+               what="three chunks received")
+    call.cancel()
+    release.set()
+    assert progress(ch, "a", digest, len(data), metadata=md("a")) == (3, held_bytes(msgs, 3))
+    reply = send(ch, [named(msgs[3], digest), *msgs[4:]], md("a"))
+    assert isinstance(reply, bytes) and apb.PushUpdateResponse.FromString(reply).accepted
     assert logged(agg) == [("a", data)]

@@ -213,8 +213,9 @@ class AggregatorService:
         self.push_idle_seconds = s.push_idle_seconds
         self.pushes = PushBudget(s.max_pushes_per_organization, s.max_buffered_bytes_per_organization,
                                  s.max_concurrent_reassemblies, s.reassembly_wait_seconds)
-        self.spool = Spool(Path(s.state_dir) / SPOOL_DIR, s.partial_push_seconds, s.max_partial_push_bytes,
-                           s.max_update_bytes, metrics.partial_pushes_dropped, self._round_open)
+        self.spool = Spool(Path(s.state_dir) / SPOOL_DIR, self.runs, s.partial_push_seconds,
+                           s.max_partial_push_bytes, s.max_update_bytes, metrics.partial_pushes_dropped,
+                           self._round_open)
         self._executor = ThreadPoolExecutor(max_workers=s.worker_threads, thread_name_prefix="hetfed-work")
         self._stopping = False
 

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,8 @@ from hetfed.wire.errors import WireError
 from hetfed.wire.rpc import Receiving
 
 log = logging.getLogger("hetfed.aggregator")
-SPOOL_DIR = "spool"
+# A run id starts with a letter or digit (config.NAME_RE), so no run's state directory can be this one.
+SPOOL_DIR = ".spool"
 
 
 class FileSink:
@@ -97,16 +98,18 @@ class Partial:
 class Spool:
     """The spool directory and its partial pushes (its methods run on the event loop, ``sweep`` anywhere)."""
 
-    def __init__(self, directory: Path, keep_seconds: float, max_bytes: int, max_update_bytes: int,
-                 dropped: Counter, round_open: Callable[[str, str, int], bool]) -> None:
+    def __init__(self, directory: Path, run_ids: Iterable[str], keep_seconds: float, max_bytes: int,
+                 max_update_bytes: int, dropped: Counter, round_open: Callable[[str, str, int], bool]) -> None:
         self.directory = directory
         self.keep_seconds = keep_seconds
         self.max_bytes = max_bytes
         self.max_update_bytes = max_update_bytes
         self._dropped = dropped
         self._round_open = round_open
-        # Partial pushes of a previous process cannot be resumed (their hash state is gone).
-        shutil.rmtree(directory, ignore_errors=True)
+        # Partial pushes of a previous process cannot be resumed (their hash state is gone). Only the hosted
+        # runs' folders: another aggregator may host other runs on the same state directory.
+        for run_id in run_ids:
+            shutil.rmtree(directory / run_id, ignore_errors=True)
         self._partials: dict[tuple[str, str], Partial] = {}
         self._lock = threading.Lock()
         self._names = itertools.count()
@@ -133,9 +136,19 @@ class Spool:
         if old is None or held != index or old.receiving.assembler.shape != (count, total_bytes):
             raise WireError("not_resumable", f"a push resuming at chunk {index}, but the aggregator holds "
                                              f"{held} chunks of it; push it again from chunk 0")
-        old.attached = True
+        with self._lock:  # taken back from a sweep in another thread, or dropped by it just now
+            taken = self._partials.get((run_id, organization)) is old
+            old.attached = taken
+        if not taken:
+            raise WireError("not_resumable", "the partial push was dropped just now; push it again from chunk 0")
         old.detached.clear()
         return old.receiving
+
+    def held(self, run_id: str, organization: str) -> tuple[int, int]:
+        """(chunks, bytes) of the organization's push being received or kept; (0, 0) when none."""
+        with self._lock:
+            partial = self._partials.get((run_id, organization))
+        return partial.held if partial is not None else (0, 0)
 
     async def progress(self, organization: str, run_id: str, round_: int, digest: bytes, total_bytes: int,
                        wait: float) -> tuple[int, int]:
@@ -213,16 +226,16 @@ class Spool:
             self._partials[(run_id, organization)] = partial
         return partial
 
-    def _forget(self, partial: Partial) -> bool:
+    def _forget(self, partial: Partial, idle_only: bool = False) -> bool:
         with self._lock:
             key = (partial.run_id, partial.organization)
-            if self._partials.get(key) is not partial:
+            if self._partials.get(key) is not partial or (idle_only and partial.attached):
                 return False
             del self._partials[key]
             return True
 
     def _drop(self, partial: Partial, reason: str) -> None:
-        if self._forget(partial):
+        if self._forget(partial, idle_only=reason in ("expired", "round_closed", "over_size")):
             partial.sink.remove()
             if partial.held[0] and reason != "refused":
                 log.info("dropped the partial push of %s for run %s round %d (%s, %d bytes)",
