@@ -138,10 +138,13 @@ def joined(aggregator: Start, raw_client: Callable[..., RawClient]) -> Callable[
     return start
 
 
+@pytest.mark.parametrize("received_in", ["memory", "file"])
 @pytest.mark.parametrize("share", [0.5, 0.99])
 def test_a_push_cut_by_the_link_resumes_from_the_chunks_the_aggregator_holds(
-        joined: Callable[..., RunningAggregator], share: float) -> None:
+        joined: Callable[..., RunningAggregator], share: float, received_in: str) -> None:
     agg = joined()
+    if received_in == "file":  # the path of pushes from MEMORY_BELOW_BYTES on
+        agg.service.spool.memory_below = 0
     data = encoded("a")
     relay = Relay(agg.port, int(share * len(data)))
     joined_bytes = counted(agg.service.metrics.registry, "aggregator", "a", "up")  # its Join, by another client

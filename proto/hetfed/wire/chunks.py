@@ -147,6 +147,11 @@ class MemorySink:
         assert buffer is not None
         return buffer.data.toreadonly()
 
+    def prefix(self, n: int) -> memoryview:
+        """The first ``n`` bytes written (a view of the buffer)."""
+        assert self._buffer is not None
+        return self._buffer[:n].data
+
 
 class Reassembler:
     """Collects chunks in order; rejects gaps, extra chunks, oversize and checksum mismatches.
@@ -183,6 +188,14 @@ class Reassembler:
     def shape(self) -> tuple[int, int]:
         """(chunk count, total bytes) as the first chunk announced them; (0, 0) before it."""
         return self._count, self._total
+
+    def move_to(self, sink: Sink) -> None:
+        """Go on in ``sink`` instead of the memory buffer, the bytes received so far copied there."""
+        if not isinstance(self._sink, MemorySink) or not self._allocated:
+            raise ValueError("only a started reassembly in memory moves")
+        sink.allocate(self._total)
+        sink.write(0, self._sink.prefix(self._received))
+        self._sink = sink
 
     def add(self, chunk: apb.Chunk, data: Bytes | None = None) -> bool:
         """Add the next chunk (``data``: its bytes, when read apart from the message with ``unframed``);
