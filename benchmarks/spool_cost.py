@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         for mb in (float(s) for s in args.sizes_mb.split(",")):
             data = os.urandom(int(mb * 1e6))
             parts = list(chunks.split(data, chunks.DEFAULT_CHUNK_BYTES, chunks.FIRST_PUSH_CHUNK_BYTES))
-            memory = cpu_ms(lambda: receive(parts, None), args.repeat)
-            spooled = cpu_ms(lambda: receive(parts, FileSink(path)), args.repeat)
+            memory = cpu_ms(lambda parts=parts: receive(parts, None), args.repeat)
+            spooled = cpu_ms(lambda parts=parts: receive(parts, FileSink(path)), args.repeat)
             print(f"| {mb:g} MB | {memory:.2f} | {spooled:.2f} |")
     return 0
 
