@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hetfed.aggregator.config import aggregator_config_from_mapping
 from hetfed.aggregator.serving.server import RunningAggregator
 from hetfed.cli.certs import make_federation_certs
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec, messages
 from hetfed.wire import digest as content
-from hetfed.wire.config import to_mapping
+from hetfed.wire.config import ConfigError, to_mapping
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind
 from hetfed.wire.rpc import SERVICE_NAME, AggregatorClient, RemoteError
 from hetfed.wire.traffic import TrafficMetrics
@@ -382,3 +383,13 @@ def test_a_push_whose_client_cancels_mid_stream_is_kept_for_resumption(
     reply = send(ch, [named(msgs[3], digest), *msgs[4:]], md("a"))
     assert isinstance(reply, bytes) and apb.PushUpdateResponse.FromString(reply).accepted
     assert logged(agg) == [("a", data)]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("partial_push_seconds", 0, "partial_push_seconds must be a positive number"),
+    ("partial_push_seconds", float("inf"), "partial_push_seconds must be a positive number"),
+    ("max_partial_push_bytes", -1, "max_partial_push_bytes must be >= 0"),
+])
+def test_the_partial_push_bounds_are_validated(field: str, value: float, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        aggregator_config_from_mapping({"server": {field: value}, "runs": [run_config()]})
