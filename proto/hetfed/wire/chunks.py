@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol, TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeAlias, overload
 
 import numpy as np
 
@@ -65,26 +65,72 @@ _DATA_TAG = framing.tag(_DATA, framing.WIRE_LEN)
 _DIGEST_TAG = framing.tag(apb.Chunk.BLAKE3_FIELD_NUMBER, framing.WIRE_LEN)
 
 
+class Framed(Sequence[bytes]):
+    """The serialized messages that carry ``data`` in chunks (``framed``), each built only when asked for.
+
+    Iterating (a gRPC request stream) holds one framed message at a time, not the whole update framed again;
+    iterating once more (a retry) frames the same bytes again from ``data``, which it keeps (a view, no copy).
+    """
+
+    def __init__(self, envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int,
+                 first_bytes: int | None) -> None:
+        self._view, self._bounds, self._digest = _plan(data, chunk_bytes, first_bytes)
+        self._envelope = envelope
+        self._chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
+        self._count = len(self._bounds) - 1
+        self._heads = [self._head(i) for i in range(self._count)]  # a few dozen bytes per chunk
+        self.total_bytes = sum(len(envelope) + len(head) + (self._bounds[i + 1] - self._bounds[i]) + len(tail)
+                               for i, (head, tail) in enumerate(self._heads))
+        """Bytes of all the messages together (what the stream puts on the wire), without building them."""
+
+    def _head(self, i: int) -> tuple[bytes, bytes]:
+        """Message ``i``'s bytes before its chunk's data (after the envelope) and after it."""
+        lo, hi = self._bounds[i], self._bounds[i + 1]
+        head = apb.Chunk(index=i, count=self._count, total_bytes=self._view.nbytes).SerializeToString()
+        data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
+        tail = _DIGEST_TAG + framing.write_varint(len(self._digest)) + self._digest if i == self._count - 1 else b""
+        size = len(head) + len(data_head) + (hi - lo) + len(tail)
+        return self._chunk_tag + framing.write_varint(size) + head + data_head, tail
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def digest(self) -> bytes:
+        """The BLAKE3 digest of the whole ``data`` (what the last message carries)."""
+        return self._digest
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError(f"message {i} of {self._count}")
+        head, tail = self._heads[i]
+        return b"".join((self._envelope, head, self._view[self._bounds[i]:self._bounds[i + 1]], tail))
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._count):
+            yield self[i]
+
+
 def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-           first_bytes: int | None = None) -> list[bytes]:
+           first_bytes: int | None = None) -> Framed:
     """The serialized messages that carry ``data`` in chunks: each is ``envelope`` (a serialized message
     without its chunk) with field ``chunk_field`` set to the next ``split`` chunk.
 
     The same bytes protobuf would produce for ``Message(..., chunk=c).SerializeToString()`` (the chunk is the
-    message's last field), with each byte of ``data`` copied once, into its message, and hashed once.
+    message's last field), with each byte of ``data`` hashed once (here) and copied once, into its message,
+    when that message is asked for (``Framed``: a lazy sequence).
     """
-    view, bounds, digest = _plan(data, chunk_bytes, first_bytes)
-    total, count = view.nbytes, len(bounds) - 1
-    chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
-    out = []
-    for i in range(count):
-        lo, hi = bounds[i], bounds[i + 1]
-        head = apb.Chunk(index=i, count=count, total_bytes=total).SerializeToString()
-        data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
-        tail = _DIGEST_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
-        size = len(head) + len(data_head) + (hi - lo) + len(tail)
-        out.append(b"".join((envelope, chunk_tag, framing.write_varint(size), head, data_head, view[lo:hi], tail)))
-    return out
+    return Framed(envelope, chunk_field, data, chunk_bytes, first_bytes)
 
 
 def unframed(raw: bytes, chunk_field: int) -> tuple[bytes, memoryview | None]:

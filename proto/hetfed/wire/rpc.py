@@ -28,7 +28,6 @@ from grpc_status import rpc_status
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
 from hetfed.wire import chunks, messages
-from hetfed.wire import digest as content
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import ERROR_DOMAIN, REASONS, WireError, clip
 from hetfed.wire.messages import (
@@ -254,7 +253,7 @@ class _ChunkCache:
     @staticmethod
     def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
         responses = chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
-        return responses, sum(len(r) for r in responses)
+        return list(responses), responses.total_bytes
 
 
 class AggregatorServicer:
@@ -516,11 +515,11 @@ class _PushStreams:
     the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
     the push for a resume."""
 
-    def __init__(self, requests: Sequence[bytes], update_digest: bytes, total_bytes: int) -> None:
+    def __init__(self, requests: chunks.Framed, total_bytes: int) -> None:
         self.requests = requests
-        self.digest = update_digest
+        self.digest = requests.digest
         self.total_bytes = total_bytes
-        self._named = apb.PushUpdateRequest(update_blake3=update_digest).SerializeToString()
+        self._named = apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString()
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
         self._starts: list[int] = []
@@ -532,13 +531,13 @@ class _PushStreams:
         while self._starts and self._starts[-1] >= start:
             self._starts.pop()
         self._starts.append(start)
-        return itertools.chain((self.requests[start] + self._named,),
-                               itertools.islice(self.requests, start + 1, None))
+        rest = (self.requests[i] for i in range(start + 1, len(self.requests)))  # each framed when it is sent
+        return itertools.chain((self.requests[start] + self._named,), rest)
 
     def wire_bytes(self) -> int:
         """The bytes of the messages that made up the accepted push: every chunk once, and one digest field per
         stream that carried some of them (what the aggregator counts too)."""
-        return sum(len(r) for r in self.requests) + len(self._named) * len(self._starts)
+        return self.requests.total_bytes + len(self._named) * len(self._starts)
 
 
 class AggregatorClient:
@@ -662,7 +661,7 @@ class AggregatorClient:
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
                                  first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        streams = _PushStreams(requests, content.digest(encoded.data), memoryview(encoded.data).nbytes)
+        streams = _PushStreams(requests, memoryview(encoded.data).nbytes)
         raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
