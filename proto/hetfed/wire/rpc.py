@@ -513,13 +513,15 @@ def call_once(what: str, call: Callable[[], T]) -> T:
 class _PushStreams:
     """The streams of one push: the first from chunk 0, each later one from where the aggregator says it holds
     the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
-    the push for a resume."""
+    the push for a resume, unless the push is one chunk."""
 
     def __init__(self, requests: chunks.Framed, total_bytes: int) -> None:
         self.requests = requests
         self.digest = requests.digest
         self.total_bytes = total_bytes
-        self._named = apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString()
+        # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
+        named = len(requests) > 1
+        self._named = apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString() if named else b""
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
         self._starts: list[int] = []
