@@ -14,6 +14,7 @@ from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec
 from hetfed.wire.errors import WireError
+from hetfed.wire.pages import drop_pages
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received, SeedPosteriors, named_tensors
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs import AlgorithmSpec
@@ -147,9 +148,16 @@ FINITE_BLOCK = 1 << 20
 
 
 def _all_finite(array: np.ndarray) -> bool:
-    """Whether every value is finite, a block at a time (no mask the size of the tensor)."""
+    """Whether every value is finite, a block at a time (no mask the size of the tensor). A block that views a
+    read-only file mapping (a push received into its spool file) gives its pages back once checked."""
     flat = array.reshape(-1)
-    return all(bool(np.isfinite(flat[lo:lo + FINITE_BLOCK]).all()) for lo in range(0, flat.size, FINITE_BLOCK))
+    for lo in range(0, flat.size, FINITE_BLOCK):
+        block = flat[lo:lo + FINITE_BLOCK]
+        finite = bool(np.isfinite(block).all())
+        drop_pages(block)
+        if not finite:
+            return False
+    return True
 
 
 def check_finite(kind: PayloadKind, payload: Payload) -> None:

@@ -10,12 +10,13 @@ result does not depend on which organization pushes first, nor on the order a re
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+
+from hetfed.wire.pages import drop_pages
 
 
 class ExactSum:
@@ -393,29 +394,11 @@ def moved(term: Term, centre: Mapping[str, np.ndarray] | None) -> Mapping[str, n
     return out
 
 
-def drop_pages(a: np.ndarray) -> None:
-    """Give the pages that ``a`` views back to the kernel when they belong to a read-only file mapping (the log,
-    mapped by ``WriteAheadLog.views``): the bytes stay in the file and the page cache, and come back on the next
-    read; the process's resident memory drops. Partial pages at either end are kept. Any other array (anonymous
-    memory, where ``MADV_DONTNEED`` would zero the values) is left alone."""
-    base: object = a
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if not (isinstance(base, memoryview) and base.readonly and isinstance(base.obj, mmap.mmap)):
-        return
-    mapping = base.obj
-    if mapping.closed or not a.flags.c_contiguous or not a.nbytes:
-        return
-    start = a.ctypes.data - np.frombuffer(mapping, np.uint8, count=1).ctypes.data
-    page = mmap.PAGESIZE
-    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
-    if hi > lo:
-        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-
 # Elements of a tensor taken at a time by the norms below: one scratch block of this size stays in cache, so a
 # norm reads each tensor once and allocates nothing the size of a model.
 NORM_BLOCK = 1 << 16
+# Elements between two page drops of a mapped update in a norm (a multiple of NORM_BLOCK).
+DROP_EVERY = 1 << 22
 
 
 def _sum_of_squares(a: np.ndarray, centre: np.ndarray | None, scratch: np.ndarray) -> float:
@@ -438,6 +421,8 @@ def _sum_of_squares(a: np.ndarray, centre: np.ndarray | None, scratch: np.ndarra
             np.subtract(flat[lo:hi], ref[lo:hi], out=part, casting="unsafe")
             np.multiply(part, part, out=part)
         total += float(part.sum())
+        if hi % DROP_EVERY == 0 or hi == flat.size:
+            drop_pages(flat[(hi - 1) // DROP_EVERY * DROP_EVERY:hi])  # a mapped update: its block's pages go back
     return total
 
 

@@ -7,6 +7,7 @@ from typing import ClassVar, Generic, TypeVar
 import numpy as np
 
 from hetfed.aggregator.algorithms.aggregators import (
+    DROP_EVERY,
     Aggregator,
     CoordinateMedian,
     Term,
@@ -34,6 +35,16 @@ _SLACK = 1e-6
 RUNNING_SUM_BYTES = 64 << 20
 
 
+def _max_abs(a: np.ndarray) -> float:
+    """The largest magnitude in ``a``, a block at a time: a block of a mapped update gives its pages back."""
+    flat, largest = np.asarray(a).reshape(-1), 0.0
+    for lo in range(0, flat.size, DROP_EVERY):
+        block = flat[lo:lo + DROP_EVERY]
+        largest = max(largest, abs(float(block.max())), abs(float(block.min())))
+        drop_pages(block)
+    return largest
+
+
 class AveragingServer(ServerHalf[A], Generic[A]):
     """Averages the named arrays of one payload type and sends the result back: the mean weighted by example
     counts, or (``aggregation``) the coordinate-wise trimmed mean or median.
@@ -47,6 +58,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
     the new global model."""
 
     keeps_updates: ClassVar[bool] = True
+    shares_payloads: ClassVar[bool] = True  # the global model: written only by the close's fold
 
     def __init__(self, config: A, run: RunInfo) -> None:
         super().__init__(config, run)
@@ -107,7 +119,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         if bound and not (dist is not None and (self._max_abs_global() + dist) * (1 + _SLACK) < bound):
             for name, a in arrays.items():
                 if a.dtype.kind == "f" and a.size:
-                    largest = max(abs(float(a.max())), abs(float(a.min())))
+                    largest = _max_abs(a)
                     if largest > bound:
                         raise WireError("implausible_update", f"{name} holds a value of magnitude {largest:.3g}; "
                                                               f"at most {bound:g} (max_abs_weight)")
@@ -164,8 +176,9 @@ class AveragingServer(ServerHalf[A], Generic[A]):
             self.global_ = self._running.mean(np.float32)
             self._global_norm = self._global_max_abs = None
         elif self._terms:
-            # In place: the old global model's arrays take the new one (none is held elsewhere: the broadcast
-            # and the checkpoint hold their own bytes), so a close does not hold two models.
+            # In place: the old global model's arrays take the new one, so a close does not hold two models.
+            # The broadcast views them: the engine made them read-only if a pull may still send them (then the
+            # fold writes new arrays); the checkpoint of the last close is written before this one begins.
             self.global_ = fold_ranges(self._aggregator, self._terms, self.global_, np.float32,
                                        after_range=self.range_folded, into=self.global_)
             self._global_norm = self._global_max_abs = None

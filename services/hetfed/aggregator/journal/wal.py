@@ -37,6 +37,7 @@ from pathlib import Path
 from hetfed.aggregator.journal.crashpoints import crash_point
 from hetfed.aggregator.journal.disk import Disk, StateError, StorageError, atomic_write, mapped
 from hetfed.wire import digest as content
+from hetfed.wire.pages import BLOCK_BYTES, drop_pages
 
 log = logging.getLogger("hetfed.aggregator")
 
@@ -302,7 +303,10 @@ class WriteAheadLog:
                 self._cut_back()
             self.disk.pwrite(self._fd, head, self._size)
             crash_point("wal.header_written")
-            self.disk.pwrite(self._fd, data, self._size + len(head))
+            view = memoryview(data).cast("B")
+            for lo in range(0, view.nbytes, BLOCK_BYTES):  # a mapped push's pages go back after each block
+                self.disk.pwrite(self._fd, view[lo:lo + BLOCK_BYTES], self._size + len(head) + lo)
+                drop_pages(view[lo:lo + BLOCK_BYTES])
             crash_point("wal.data_written")
         except OSError as exc:
             self._dirty = True
