@@ -165,3 +165,30 @@ def test_per_organization_instructions_are_bounded_and_rebuilt_identically(
     assert again is not first[orgs[0]] and again.data == first[orgs[0]].data
     assert get(half, run.phase, run.round, orgs[-1]) is first[orgs[-1]]  # still kept: not rebuilt
     assert built == [*orgs, orgs[0]]
+
+
+def test_a_broadcast_views_the_global_arrays_which_a_close_leaves_alone_while_a_pull_holds_it(
+        aggregator: Callable[..., Any]) -> None:
+    agg = aggregator(run_config(algorithm="fedavg", organizations=["a", "b"]))
+    run = agg.service.runs["r"]
+
+    class Shared:  # the parts of a server half the instructions use
+        broadcast = True
+        shares_payloads = True
+
+        def __init__(self) -> None:
+            self.w = np.arange(6, dtype=np.float32)
+
+        def payloads_for(self, phase: Any, round_: int, organization: str) -> list[Any]:
+            return [ModelWeights({"w": self.w}, 1)]
+
+    half: Any = Shared()
+    held = run.instructions.get(half, run.phase, run.round, "a")
+    assert held.data.arrays[0] is half.w  # the broadcast's tensor bytes are the array's: no copy
+    run.instructions.drop()  # a close: a pull still holds the broadcast, so its array becomes read-only
+    assert half.w.flags.writeable is False
+    half.w = np.arange(6, dtype=np.float32)
+    run.instructions.get(half, run.phase, run.round, "a")  # built, then let go
+    run.instructions.drop()
+    assert half.w.flags.writeable is True  # nothing holds it: the close may write into it
+    assert bytes(held.data).count(np.arange(6, dtype=np.float32).tobytes()) == 1

@@ -241,3 +241,21 @@ def test_a_push_holds_at_most_two_framed_messages(aggregator: Callable[..., Any]
     # aggregator's cached round-1 instructions, a message of a few dozen bytes).
     assert alive_before_each[0] < 200
     assert max(alive_before_each) < max(built) + 200
+
+
+@pytest.mark.parametrize("wire_dtype", [None, "float16", "bfloat16"])
+def test_scattered_instructions_are_the_same_bytes_and_view_the_float32_arrays(wire_dtype: str | None) -> None:
+    rng = np.random.default_rng(3)
+    tensors = {"a": rng.standard_normal((300, 7), dtype=np.float32), "empty": np.zeros(0, np.float32),
+               "b": rng.standard_normal(5, dtype=np.float32), "c": rng.standard_normal((700, 999), dtype=np.float32)}
+    ins = messages.Instructions("r", 3, Action.TRAIN, 5, 77, "", [ModelWeights(tensors, 3)])
+    whole = messages.encode_instructions(ins, wire_dtype)
+    pieces = messages.encode_instructions(ins, wire_dtype, scattered=True)
+    assert isinstance(pieces.data, serialize.Scattered)
+    assert bytes(pieces.data) == bytes(whole.data) and pieces.payloads == whole.payloads
+    # Not narrowed, the three non-empty tensors go on the wire as the arrays themselves (no copy).
+    assert len(pieces.data.arrays) == (3 if wire_dtype is None else 0)
+    assert all(any(a is t for t in tensors.values()) for a in pieces.data.arrays)
+    one, other = chunks.framed(b"", 5, whole.data, 4096), chunks.framed(b"", 5, pieces.data, 4096)
+    assert one.digest == other.digest and one.total_bytes == other.total_bytes
+    assert list(one) == list(other) and len(one) == (685 if wire_dtype is None else 343)  # 4 KiB chunks

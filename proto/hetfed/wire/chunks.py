@@ -11,6 +11,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import digest as content
 from hetfed.wire import framing
 from hetfed.wire.errors import WireError
+from hetfed.wire.serialize import Scattered
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 # An update's first chunk: the aggregator reads it before admitting the push (it names the run, round and
@@ -21,16 +22,17 @@ FIRST_PUSH_CHUNK_BYTES = 16 << 10
 Bytes: TypeAlias = bytes | memoryview
 
 
-def _plan(data: Bytes | bytearray, chunk_bytes: int, first_bytes: int | None) -> tuple[memoryview, list[int], bytes]:
+def _plan(data: Bytes | bytearray | Scattered, chunk_bytes: int, first_bytes: int | None,
+          ) -> tuple[memoryview | Scattered, list[int], bytes]:
     """``data`` as a byte view, its chunk boundaries (0, ..., total: one chunk, maybe empty, at least) and the
     digest of the whole (``hetfed.wire.digest``)."""
     if chunk_bytes <= 0 or (first_bytes is not None and first_bytes <= 0):
         raise ValueError("chunk sizes must be positive")
-    view = memoryview(data).cast("B")
+    view = data if isinstance(data, Scattered) else memoryview(data).cast("B")
     total = view.nbytes
     first = chunk_bytes if first_bytes is None else min(first_bytes, chunk_bytes)
     bounds = [0, *range(first, total, chunk_bytes), total] if total > first else [0, total]
-    return view, bounds, content.digest(view)
+    return view, bounds, view.digest() if isinstance(view, Scattered) else content.digest(view)
 
 
 def split(data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -72,7 +74,7 @@ class Framed(Sequence[bytes]):
     iterating once more (a retry) frames the same bytes again from ``data``, which it keeps (a view, no copy).
     """
 
-    def __init__(self, envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int,
+    def __init__(self, envelope: bytes, chunk_field: int, data: Bytes | bytearray | Scattered, chunk_bytes: int,
                  first_bytes: int | None) -> None:
         self._view, self._bounds, self._digest = _plan(data, chunk_bytes, first_bytes)
         self._envelope = envelope
@@ -121,7 +123,7 @@ class Framed(Sequence[bytes]):
             yield self[i]
 
 
-def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray | Scattered, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            first_bytes: int | None = None) -> Framed:
     """The serialized messages that carry ``data`` in chunks: each is ``envelope`` (a serialized message
     without its chunk) with field ``chunk_field`` set to the next ``split`` chunk.

@@ -18,6 +18,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError
 
 from hetfed.v1 import aggregator_pb2 as apb
+from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import codec, contract, framing
 from hetfed.wire.chunks import Bytes
@@ -26,7 +27,7 @@ from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.serialize import Placed, serialize
+from hetfed.wire.serialize import Placed, Scattered, layout, serialize, serialize_scattered
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
@@ -220,9 +221,10 @@ _ACTION_FROM_PROTO = {v: k for k, v in _ACTION_TO_PROTO.items()}
 class Encoded:
     """A serialized message and the traffic of the payloads it carries (the envelope not included).
 
-    ``data`` is a read-only view of the one buffer ``serialize`` wrote (``bytes(data)`` copies it)."""
+    ``data`` is a read-only view of the one buffer ``serialize`` wrote (``bytes(data)`` copies it), or the
+    message in pieces (``serialize.Scattered``: instructions that view the global model's arrays)."""
 
-    data: Bytes
+    data: Bytes | Scattered
     payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
 
 
@@ -237,9 +239,10 @@ class Pulled:
     waiting: bool = False
 
 
-def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:
+def encode_instructions(ins: Instructions, wire_dtype: str | None = None, scattered: bool = False) -> Encoded:
     """Serialize instructions as ``encode_update`` does an update: one buffer, each tensor copied once into it
-    (``wire_dtype`` narrows floats)."""
+    (``wire_dtype`` narrows floats). ``scattered``: kept in pieces instead (``serialize.Scattered``), each
+    tensor that goes on the wire as its array is viewed, not copied; only a narrowed one is converted."""
     msg = apb.Instructions(
         envelope=apb.Envelope(run_id=ins.run_id, round=ins.round, organization_id=ins.organization),
         action=_ACTION_TO_PROTO[ins.action],  # type: ignore[arg-type]
@@ -250,6 +253,12 @@ def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Enc
     for p in ins.payloads:
         codec.fill_payload_placed(msg.payloads.add(), p, sources, wire_dtype)  # placeholders: no tensor copied
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
+    if scattered:
+        sizes = [s.nbytes for s in sources]
+        pieces = serialize_scattered(msg, sources)
+        return Encoded(pieces, payload_breakdown(msg.payloads, [
+            layout(p.SerializeToString(), pb.Payload.DESCRIPTOR, sizes)[1] for p in msg.payloads])
+            if ins.payloads else TrafficBreakdown())
     data = serialize(msg, sources)  # each tensor copied once, into its place
     return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))
                    if ins.payloads else TrafficBreakdown())

@@ -11,6 +11,7 @@ check every payload kind); only their size is not bounded by protobuf's 2 GiB.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from hetfed.v1 import tensor_pb2 as tpb
+from hetfed.wire import digest as content
 from hetfed.wire import framing
 
 _TENSOR_DATA = tpb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -130,3 +132,82 @@ def serialize(message: Message, sources: Sequence[Placed]) -> memoryview:
     if pos != size:
         raise ValueError(f"wrote {pos} of the {size} bytes laid out")
     return buffer.data.toreadonly()
+
+
+class Scattered:
+    """A serialized message kept as its pieces, in order: the small message's bytes and every tensor's bytes,
+    where a tensor goes on the wire as its array is (C order, little-endian, not narrowed) a read-only view of
+    the array itself, not a copy. Read by slices (``[lo:hi]`` gives ``bytes``); ``digest`` hashes the pieces
+    once (a slice within one piece is a view of it). The arrays must not change while it is read: its owner (the aggregator's instructions) stops
+    writing into them while a pull may still hold it."""
+
+    def __init__(self, pieces: Sequence[memoryview], arrays: Sequence[np.ndarray]) -> None:
+        self._pieces = [p for p in pieces if p.nbytes]
+        self._starts = [0]
+        for p in self._pieces:
+            self._starts.append(self._starts[-1] + p.nbytes)
+        self.nbytes = self._starts[-1]
+        self.arrays = tuple(arrays)
+        """The arrays whose bytes are pieces of the message (viewed, not copied)."""
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, i: slice) -> bytes | memoryview:
+        lo, hi, step = i.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("a scattered message is read by contiguous slices")
+        out: list[memoryview] = []
+        k = bisect.bisect_right(self._starts, lo) - 1
+        if lo < hi and hi <= self._starts[k + 1]:  # within one piece: a view of it, no copy
+            return self._pieces[k][lo - self._starts[k]:hi - self._starts[k]]
+        while lo < hi:
+            start, piece = self._starts[k], self._pieces[k]
+            take = min(hi, start + piece.nbytes)
+            out.append(piece[lo - start:take - start])
+            lo, k = take, k + 1
+        return b"".join(out)
+
+    def digest(self) -> bytes:
+        """The digest of the whole message (``hetfed.wire.digest``), the pieces hashed in order."""
+        h = content.hasher()
+        for p in self._pieces:
+            h.update(p)
+        return h.digest()
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self._pieces)
+
+
+def _verbatim(source: Placed) -> memoryview | None:
+    """The source's array as its wire bytes, a view with no copy, where it goes on the wire as it is."""
+    a = source.array
+    if source.bfloat16 or a.dtype != source.raw or not a.flags.c_contiguous or not a.size:
+        return None
+    return a.reshape(-1).view(np.uint8).data.toreadonly()
+
+
+def serialize_scattered(message: Message, sources: Sequence[Placed]) -> Scattered:
+    """``message`` serialized as ``serialize`` does, kept in pieces: each source that goes on the wire as its
+    array is (``_verbatim``) a view of that array, each other one converted into its own buffer (a narrowed
+    tensor: its wire bytes, once)."""
+    small = message.SerializeToString()
+    pieces, size = layout(small, message.DESCRIPTOR, [s.nbytes for s in sources])
+    out: list[memoryview] = []
+    arrays: list[np.ndarray] = []
+    for piece in pieces:
+        if not isinstance(piece, int):
+            out.append(memoryview(piece).cast("B"))
+            continue
+        view = _verbatim(sources[piece])
+        if view is None:
+            buffer = np.empty(sources[piece].nbytes, np.uint8)
+            sources[piece].write(buffer)
+            view = buffer.data.toreadonly()
+        else:
+            arrays.append(sources[piece].array)
+        out.append(view)
+    scattered = Scattered(out, arrays)
+    if scattered.nbytes != size:
+        raise ValueError(f"pieces of {scattered.nbytes} bytes for the {size} laid out")
+    return scattered

@@ -51,6 +51,10 @@ class ServerHalf(Generic[C]):
     # engine then hands it the logged copy, arrays that view the write-ahead log's file, never the received
     # bytes, so the round's updates cost file pages the kernel can drop, not memory.
     keeps_updates: ClassVar[bool] = False
+    # True when the arrays ``payloads_for`` returns are written only by ``close_round``, in place only where they
+    # are writable: the engine then sends them without a copy (their bytes are the broadcast's), and makes them
+    # read-only before a close while a pull may still send them (the close then writes new arrays).
+    shares_payloads: ClassVar[bool] = False
 
     def __init__(self, config: C, run: RunInfo) -> None:
         self.config = config
