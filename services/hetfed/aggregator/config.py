@@ -174,11 +174,11 @@ class ServerConfig:
     # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
     max_concurrent_reassemblies: int = 4
     # The HTTP/2 receive window of each stream. A push the aggregator does not read yet (one waiting for
-    # admission) gets about two windows into its buffers before flow control stops it.
-    # A push moves about half a window per round trip: the 16 MiB default moves 88 % of a 1 Gbit/s link at 100 ms
-    # (benchmarks/window_throughput.py); 64 KiB moved 10 MB/s. 0: gRPC's adaptive windows (BDP
-    # probing: at least 4 MiB each, growing with the link without a bound). Socket reads are capped at 64 KiB
-    # whatever the window (an idle connection keeps little).
+    # admission) gets about two windows into its buffers before flow control stops it. A push moves about half
+    # a window per round trip: 4 MiB moves a 1 Gbit/s link at 20 ms at its rate, 16 MiB one at 100 ms
+    # (benchmarks/window_throughput.py); 64 KiB moved one 1 MiB chunk per round trip. 0: gRPC's adaptive
+    # windows (BDP probing: at least 4 MiB each, growing with the link without a bound). Socket reads are
+    # capped at 64 KiB whatever the window (an idle connection keeps little).
     stream_window_bytes: int = DEFAULT_WINDOW_BYTES
     reassembly_wait_seconds: float = 30.0
     push_idle_seconds: float = 30.0
