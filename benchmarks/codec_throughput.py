@@ -15,7 +15,10 @@ What is timed (best of ``--repeat``, after one warm-up; MB = 10^6 bytes of float
   (the machine's copy bandwidth) and ``bytes(memoryview)`` into a fresh buffer (one copy plus the
   page faults of new memory, which every encoder that produces new bytes also pays);
 * the codec alone: ``payload_to_proto`` (encode) and ``payload_from_proto`` (decode);
-* the codec with Protobuf serialization: encode + ``SerializeToString`` and ``FromString`` + decode.
+* the codec with Protobuf serialization: encode + ``SerializeToString`` and ``FromString`` + decode;
+* what a client sends: ``messages.encode_update`` (the payload laid out and each tensor written once into
+  the message's one buffer by ``hetfed.wire.serialize``), whose bytes must equal encode + ``SerializeToString``
+  of the same Update.
 
 Each line prints MB/s and the ratio to both memcpy baselines; the goal is a codec at least 1/3 as
 fast as a memory copy. The result is checked for equality after the timings.
@@ -35,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import payloads_pb2 as pb
-from hetfed.wire import codec
+from hetfed.wire import codec, messages
 from hetfed.wire.payloads import ModelWeights
 
 
@@ -151,6 +155,14 @@ def measure(size_mb: float, repeat: int) -> int:
     t_ser = best_time(lambda: codec.payload_to_proto(weights).SerializeToString(), args.repeat)
     t_par = best_time(lambda: codec.payload_from_proto(pb.Payload.FromString(wire)), args.repeat)
 
+    update = messages.Update("run", 1, "org", [weights])
+    t_upd = best_time(lambda: messages.encode_update(update), args.repeat)
+    whole = apb.Update(envelope=apb.Envelope(run_id="run", round=1, organization_id="org",
+                                             payload_kinds=[weights.kind.proto_enum]))  # type: ignore[list-item]
+    whole.payloads.add().CopyFrom(msg)
+    assert bytes(messages.encode_update(update).data) == whole.SerializeToString()
+    del whole
+
     back = codec.payload_from_proto(pb.Payload.FromString(wire))
     assert isinstance(back, ModelWeights) and back.num_examples == weights.num_examples
     assert list(back.tensors) == list(weights.tensors)
@@ -166,6 +178,7 @@ def measure(size_mb: float, repeat: int) -> int:
         ("encode + SerializeToString", t_ser),
         ("FromString + decode", t_par),
         ("full round trip (serialize + parse)", t_ser + t_par),
+        ("encode_update (serializer, one buffer)", t_upd),
     ]
     print(f"{'measurement':<42}{'MB/s':>10}{'vs copyto':>11}{'vs bytes()':>12}")
     for label, t in rows:

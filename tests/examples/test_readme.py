@@ -6,7 +6,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from hetfed_example import data, models
+from hetfed_example import data, lora, models
 
 from hetfed.client.config import load_client_config
 
@@ -27,8 +27,9 @@ def test_the_client_config_in_the_readme_loads(tmp_path: Path) -> None:
 
 
 def test_every_reference_in_the_readme_names_a_function_of_the_example() -> None:
-    modules = {"models": models, "data": data}
-    refs = set(re.findall(r"hetfed_example\.(models|data):(\w+)", README.read_text()))
-    assert {("models", "resnet"), ("models", "dsconv"), ("models", "mixer"), ("data", "fashion_folder")} <= refs
+    modules = {"models": models, "data": data, "lora": lora}
+    refs = set(re.findall(r"hetfed_example\.(models|data|lora):(\w+)", README.read_text()))
+    assert {("models", "resnet"), ("models", "dsconv"), ("models", "mixer"), ("data", "fashion_folder"),
+            ("lora", "lora_cnn"), ("lora", "full_cnn")} <= refs
     for module, name in refs:
         assert callable(getattr(modules[module], name)), f"{module}:{name}"

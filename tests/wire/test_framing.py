@@ -24,10 +24,13 @@ def push_envelope(round_: int = 3) -> apb.PushUpdateRequest:
 
 
 def test_the_chunk_is_the_last_field_of_both_chunked_messages() -> None:
-    # framed() appends the chunk to the serialized envelope: protobuf's field order holds only if it is last.
+    # framed() appends the chunk to the serialized envelope: protobuf's field order holds only if it is last
+    # of the envelope's fields. A push's update digest comes after it: the client appends it to a message.
+    after = {"update_blake3"}
     for cls, number in ((apb.PushUpdateRequest, chunks.PUSH_CHUNK_FIELD),
                         (apb.PullInstructionsResponse, chunks.PULL_CHUNK_FIELD)):
-        assert max(f.number for f in cls.DESCRIPTOR.fields) == number
+        assert max(f.number for f in cls.DESCRIPTOR.fields if f.name not in after) == number
+        assert all(f.number > number for f in cls.DESCRIPTOR.fields if f.name in after)
         assert cls.DESCRIPTOR.fields_by_number[number].message_type is apb.Chunk.DESCRIPTOR
     assert [f.name for f in apb.Chunk.DESCRIPTOR.fields] == [
         "index", "count", "total_bytes", "data", "sha256", "blake3"]
@@ -41,14 +44,15 @@ def test_framed_push_is_protobufs_serialization_byte_for_byte(n: int, first: int
     expected = [apb.PushUpdateRequest(run_id=env.run_id, round=env.round, organization_id=env.organization_id,
                                       chunk=c).SerializeToString() for c in chunks.split(data, C, first)]
     got = chunks.framed(env.SerializeToString(), chunks.PUSH_CHUNK_FIELD, data, C, first)
-    assert got == expected
+    assert list(got) == expected and got.total_bytes == sum(map(len, expected))
+    assert [got[i] for i in range(-len(got), len(got))] == expected * 2 and got[1:] == expected[1:]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.binary(max_size=5000), st.integers(1, 3000), st.sampled_from([bytes, bytearray, memoryview]))
 def test_framed_pull_responses_are_protobufs_bytes(data: bytes, chunk_bytes: int, kind: type) -> None:
     expected = [apb.PullInstructionsResponse(chunk=c).SerializeToString() for c in chunks.split(data, chunk_bytes)]
-    assert chunks.framed(b"", chunks.PULL_CHUNK_FIELD, kind(data), chunk_bytes) == expected
+    assert list(chunks.framed(b"", chunks.PULL_CHUNK_FIELD, kind(data), chunk_bytes)) == expected
 
 
 def test_unframed_reads_the_data_as_a_view_of_the_received_bytes() -> None:

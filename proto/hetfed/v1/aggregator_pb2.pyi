@@ -190,16 +190,40 @@ class Update(_message.Message):
     def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[_payloads_pb2.Payload, _Mapping]]] = ..., privacy: _Optional[_Union[PrivacyDeclaration, _Mapping]] = ..., leave_reason: _Optional[str] = ...) -> None: ...
 
 class PushUpdateRequest(_message.Message):
-    __slots__ = ("run_id", "round", "organization_id", "chunk")
+    __slots__ = ("run_id", "round", "organization_id", "chunk", "update_blake3")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_BLAKE3_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     organization_id: str
     chunk: Chunk
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    update_blake3: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., update_blake3: _Optional[bytes] = ...) -> None: ...
+
+class PushProgressRequest(_message.Message):
+    __slots__ = ("run_id", "round", "organization_id", "update_blake3", "total_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    organization_id: str
+    update_blake3: bytes
+    total_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., update_blake3: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class PushProgressResponse(_message.Message):
+    __slots__ = ("chunks_held", "bytes_held")
+    CHUNKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    chunks_held: int
+    bytes_held: int
+    def __init__(self, chunks_held: _Optional[int] = ..., bytes_held: _Optional[int] = ...) -> None: ...
 
 class PushUpdateResponse(_message.Message):
     __slots__ = ("accepted", "duplicate", "round")

@@ -51,6 +51,11 @@ class AggregatorStub:
                 request_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushUpdateRequest.SerializeToString,
                 response_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushUpdateResponse.FromString,
                 _registered_method=True)
+        self.PushProgress = channel.unary_unary(
+                '/hetfed.v1.Aggregator/PushProgress',
+                request_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.SerializeToString,
+                response_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/hetfed.v1.Aggregator/Status',
                 request_serializer=hetfed_dot_v1_dot_aggregator__pb2.StatusRequest.SerializeToString,
@@ -80,7 +85,15 @@ class AggregatorServicer:
 
     def PushUpdate(self, request_iterator, context):
         """Uploads this organization's update for a round: a serialized Update split into chunks.
-        Idempotent by (run, round, organization).
+        Idempotent by (run, round, organization). A stream cut mid-push resumes: PushProgress says how many
+        chunks the aggregator holds, and a new stream sends the rest, starting at that chunk's index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushProgress(self, request, context):
+        """How much of a push (named by run, round, organization and update digest) the aggregator holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +123,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.PushUpdate,
                     request_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushUpdateRequest.FromString,
                     response_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushUpdateResponse.SerializeToString,
+            ),
+            'PushProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushProgress,
+                    request_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.FromString,
+                    response_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -200,6 +218,33 @@ class Aggregator:
             '/hetfed.v1.Aggregator/PushUpdate',
             hetfed_dot_v1_dot_aggregator__pb2.PushUpdateRequest.SerializeToString,
             hetfed_dot_v1_dot_aggregator__pb2.PushUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetfed.v1.Aggregator/PushProgress',
+            hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.SerializeToString,
+            hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeAlias, overload
 
 import numpy as np
 
@@ -65,26 +65,72 @@ _DATA_TAG = framing.tag(_DATA, framing.WIRE_LEN)
 _DIGEST_TAG = framing.tag(apb.Chunk.BLAKE3_FIELD_NUMBER, framing.WIRE_LEN)
 
 
+class Framed(Sequence[bytes]):
+    """The serialized messages that carry ``data`` in chunks (``framed``), each built only when asked for.
+
+    Iterating (a gRPC request stream) holds one framed message at a time, not the whole update framed again;
+    iterating once more (a retry) frames the same bytes again from ``data``, which it keeps (a view, no copy).
+    """
+
+    def __init__(self, envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int,
+                 first_bytes: int | None) -> None:
+        self._view, self._bounds, self._digest = _plan(data, chunk_bytes, first_bytes)
+        self._envelope = envelope
+        self._chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
+        self._count = len(self._bounds) - 1
+        self._heads = [self._head(i) for i in range(self._count)]  # a few dozen bytes per chunk
+        self.total_bytes = sum(len(envelope) + len(head) + (self._bounds[i + 1] - self._bounds[i]) + len(tail)
+                               for i, (head, tail) in enumerate(self._heads))
+        """Bytes of all the messages together (what the stream puts on the wire), without building them."""
+
+    def _head(self, i: int) -> tuple[bytes, bytes]:
+        """Message ``i``'s bytes before its chunk's data (after the envelope) and after it."""
+        lo, hi = self._bounds[i], self._bounds[i + 1]
+        head = apb.Chunk(index=i, count=self._count, total_bytes=self._view.nbytes).SerializeToString()
+        data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
+        tail = _DIGEST_TAG + framing.write_varint(len(self._digest)) + self._digest if i == self._count - 1 else b""
+        size = len(head) + len(data_head) + (hi - lo) + len(tail)
+        return self._chunk_tag + framing.write_varint(size) + head + data_head, tail
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def digest(self) -> bytes:
+        """The BLAKE3 digest of the whole ``data`` (what the last message carries)."""
+        return self._digest
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError(f"message {i} of {self._count}")
+        head, tail = self._heads[i]
+        return b"".join((self._envelope, head, self._view[self._bounds[i]:self._bounds[i + 1]], tail))
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._count):
+            yield self[i]
+
+
 def framed(envelope: bytes, chunk_field: int, data: Bytes | bytearray, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-           first_bytes: int | None = None) -> list[bytes]:
+           first_bytes: int | None = None) -> Framed:
     """The serialized messages that carry ``data`` in chunks: each is ``envelope`` (a serialized message
     without its chunk) with field ``chunk_field`` set to the next ``split`` chunk.
 
     The same bytes protobuf would produce for ``Message(..., chunk=c).SerializeToString()`` (the chunk is the
-    message's last field), with each byte of ``data`` copied once, into its message, and hashed once.
+    message's last field), with each byte of ``data`` hashed once (here) and copied once, into its message,
+    when that message is asked for (``Framed``: a lazy sequence).
     """
-    view, bounds, digest = _plan(data, chunk_bytes, first_bytes)
-    total, count = view.nbytes, len(bounds) - 1
-    chunk_tag = framing.tag(chunk_field, framing.WIRE_LEN)
-    out = []
-    for i in range(count):
-        lo, hi = bounds[i], bounds[i + 1]
-        head = apb.Chunk(index=i, count=count, total_bytes=total).SerializeToString()
-        data_head = _DATA_TAG + framing.write_varint(hi - lo) if hi > lo else b""  # proto3 omits empty bytes
-        tail = _DIGEST_TAG + framing.write_varint(len(digest)) + digest if i == count - 1 else b""
-        size = len(head) + len(data_head) + (hi - lo) + len(tail)
-        out.append(b"".join((envelope, chunk_tag, framing.write_varint(size), head, data_head, view[lo:hi], tail)))
-    return out
+    return Framed(envelope, chunk_field, data, chunk_bytes, first_bytes)
 
 
 def unframed(raw: bytes, chunk_field: int) -> tuple[bytes, memoryview | None]:
@@ -112,17 +158,59 @@ def unframed(raw: bytes, chunk_field: int) -> tuple[bytes, memoryview | None]:
     return small, view[data_start:data_end]
 
 
+class Sink(Protocol):
+    """Where a reassembler puts a message's bytes as they arrive: memory, or a file (the aggregator's spool)."""
+
+    def allocate(self, total: int) -> None:
+        """Make room for a message of ``total`` bytes (called once, before the first write)."""
+        ...
+
+    def write(self, offset: int, data: Bytes) -> None:
+        """Store ``data`` at ``offset``."""
+        ...
+
+    def view(self) -> memoryview:
+        """The whole message, read-only (called once, when it is complete and verified)."""
+        ...
+
+
+class MemorySink:
+    """One buffer of the announced size, allocated uninitialised: its pages become memory only as chunks fill
+    them, so a sender announcing more than it sends costs what it sent."""
+
+    def __init__(self) -> None:
+        self._buffer: np.ndarray | None = None
+
+    def allocate(self, total: int) -> None:
+        self._buffer = np.empty(total, np.uint8)
+
+    def write(self, offset: int, data: Bytes) -> None:
+        assert self._buffer is not None
+        self._buffer[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def view(self) -> memoryview:
+        buffer, self._buffer = self._buffer, None
+        assert buffer is not None
+        return buffer.data.toreadonly()
+
+    def prefix(self, n: int) -> memoryview:
+        """The first ``n`` bytes written (a view of the buffer)."""
+        assert self._buffer is not None
+        return self._buffer[:n].data
+
+
 class Reassembler:
     """Collects chunks in order; rejects gaps, extra chunks, oversize and checksum mismatches.
 
-    Each chunk's bytes are hashed and copied, as they arrive, into one buffer of the announced size: the
-    message is never held twice (chunks and joined copy). The buffer is allocated uninitialised, so its pages
-    become memory only as chunks fill them: a sender announcing more than it sends costs what it sent.
+    Each chunk's bytes are hashed and written, as they arrive, into a ``Sink`` of the announced size (one
+    memory buffer unless another is given): the message is never held twice (chunks and joined copy). The
+    hash state lives here, so a reassembler fed by one stream can be fed the rest by another (a resumed push).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, sink: Sink | None = None) -> None:
         self.max_bytes = max_bytes
-        self._buffer: np.ndarray | None = None
+        self._sink: Sink | None = sink or MemorySink()
+        self._allocated = False
         self._received = 0
         self._hash = content.hasher()
         self._data: memoryview | None = None
@@ -132,10 +220,33 @@ class Reassembler:
         self._total = 0
         self.digest = b""  # the verified message's BLAKE3 digest, once complete
 
+    @property
+    def next_index(self) -> int:
+        """The index of the next chunk expected (the number of chunks held)."""
+        return self._next
+
+    @property
+    def received(self) -> int:
+        """The message bytes held so far."""
+        return self._received
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(chunk count, total bytes) as the first chunk announced them; (0, 0) before it."""
+        return self._count, self._total
+
+    def move_to(self, sink: Sink) -> None:
+        """Go on in ``sink`` instead of the memory buffer, the bytes received so far copied there."""
+        if not isinstance(self._sink, MemorySink) or not self._allocated:
+            raise ValueError("only a started reassembly in memory moves")
+        sink.allocate(self._total)
+        sink.write(0, self._sink.prefix(self._received))
+        self._sink = sink
+
     def add(self, chunk: apb.Chunk, data: Bytes | None = None) -> bool:
         """Add the next chunk (``data``: its bytes, when read apart from the message with ``unframed``);
         returns True once the message is complete and verified."""
-        if self._buffer is None:
+        if not self._allocated:
             if self._done:
                 raise WireError("malformed", f"a chunk after the last announced chunk ({self._count} chunks)")
             if chunk.count < 1 or chunk.total_bytes < 0 or chunk.count > max(1, chunk.total_bytes):
@@ -146,7 +257,9 @@ class Reassembler:
                 )
             self._count = chunk.count
             self._total = chunk.total_bytes
-            self._buffer = np.empty(self._total, np.uint8)
+            assert self._sink is not None
+            self._sink.allocate(self._total)
+            self._allocated = True
         if chunk.index != self._next or chunk.count != self._count or chunk.total_bytes != self._total:
             raise WireError(
                 "malformed",
@@ -160,7 +273,8 @@ class Reassembler:
         if end > self._total:
             raise WireError("malformed", f"chunks carry more than the announced {self._total} bytes")
         self._hash.update(data)
-        self._buffer[self._received:end] = np.frombuffer(data, np.uint8)
+        assert self._sink is not None
+        self._sink.write(self._received, data)
         self._received = end
         self._next += 1
         if self._next < self._count:
@@ -175,8 +289,9 @@ class Reassembler:
                                 "the wire; upgrade it to this version")
             raise WireError("checksum_mismatch", "BLAKE3 digest of the reassembled message does not match the last chunk")
         self.digest = digest
-        buffer, self._buffer = self._buffer, None
-        self._data = buffer.data.toreadonly()
+        sink, self._sink = self._sink, None
+        self._data = sink.view()
+        self._allocated = False
         self._done = True
         return True
 

@@ -1,9 +1,11 @@
 """Pure conversions between numpy/dataclass payloads and hetfed.v1 Protobuf messages.
 
-Tensors travel as raw little-endian bytes and no function loops over elements. Encoding copies a
-tensor twice (array -> ``bytes`` -> the message; Protobuf's bytes setter accepts nothing else) and
-fills every payload message in place, never through a constructor or ``add(tensor=...)`` that
-would copy the finished sub-message once more. Decoding reads each ``data`` field once (every read
+Tensors travel as raw little-endian bytes and no function loops over elements. Encoding a message to
+send (``fill_payload_placed``, then ``serialize.serialize``) copies no tensor here: each tensor's ``data``
+holds a placeholder, and the serializer converts the array once, into its place in the message. Encoding
+into a message protobuf serializes (``fill_payload``) copies a tensor twice (array -> ``bytes`` -> the
+message; Protobuf's bytes setter accepts nothing else). Both fill every payload message in place, never
+through a constructor or ``add(tensor=...)`` that would copy the finished sub-message once more. Decoding reads each ``data`` field once (every read
 of a bytes field is a fresh copy) and returns a read-only ``np.frombuffer`` view of that copy.
 
 Each payload kind has one flat pair, ``x_to_proto`` (fills the kind's field of a Payload in place) and
@@ -13,6 +15,7 @@ payload type when encoding and by the oneof field when decoding.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import typing
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from google.protobuf.message import EncodeError
 
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
-from hetfed.wire import framing
+from hetfed.wire import framing, serialize
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import (
     ClassCounts,
@@ -39,6 +42,7 @@ from hetfed.wire.payloads import (
     SeedPosteriors,
     named_tensors,
 )
+from hetfed.wire.serialize import Placed
 
 # Wire dtype name -> (enum, little-endian numpy dtype of the raw bytes).
 # bfloat16 has no numpy dtype: its bytes are the upper halves of float32 words, decoded to float32.
@@ -89,43 +93,47 @@ def dtype_name(enum_value: int) -> str:
     return _BY_ENUM[enum_value][0]
 
 
-def _to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
-    """Round float32 to bfloat16 (round to nearest even) and return the 16-bit patterns."""
-    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4")
-    rounding = ((bits >> 16) & 1) + 0x7FFF
-    out = ((bits + rounding) >> 16).astype("<u2")
-    nan = np.isnan(array)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
-def _encode(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[int, ...], bytes]:
-    """(dtype enum, shape, little-endian C-order bytes) of ``array`` sent as ``wire_dtype``."""
+def _placed(array: np.ndarray, wire_dtype: str | None) -> tuple[int, Placed]:
+    """(dtype enum, what to write) of ``array`` sent as ``wire_dtype``; nothing is converted yet."""
     array = np.asarray(array)
     name = wire_dtype or wire_dtype_of(array)
     if name not in _WIRE:
         raise WireError("unsupported_dtype", f"unknown wire dtype {name!r}; expected one of {WIRE_DTYPES}")
     enum, raw = _WIRE[name]
-    n_bytes = array.size * raw.itemsize
-    if n_bytes > MAX_TENSOR_BYTES:
+    return enum, Placed(array, raw, name == "bfloat16")
+
+
+def _encode(array: np.ndarray, wire_dtype: str | None) -> tuple[int, tuple[int, ...], bytes]:
+    """(dtype enum, shape, little-endian C-order bytes) of ``array`` sent as ``wire_dtype``."""
+    enum, placed = _placed(array, wire_dtype)
+    if placed.nbytes > MAX_TENSOR_BYTES:
         raise WireError(
             "oversized",
-            f"a tensor of shape {list(array.shape)} takes {n_bytes} bytes as {name}; one tensor may take at most "
-            f"{MAX_TENSOR_BYTES} bytes (Protobuf's limit on one bytes field): split it into smaller tensors",
+            f"a tensor of shape {list(placed.array.shape)} takes {placed.nbytes} bytes; one tensor may take at most "
+            f"{MAX_TENSOR_BYTES} bytes in a message protobuf serializes (Protobuf's limit on one bytes field): "
+            "send it with messages.encode_update / encode_instructions, which have no such limit",
         )
-    # Narrowing may overflow to +-inf by design (IEEE rounding); the receiver's finiteness check decides.
-    with np.errstate(over="ignore"):
-        if name == "bfloat16":
-            data = _to_bfloat16_bits(array).tobytes()
-        else:
-            data = np.ascontiguousarray(array, dtype=raw).tobytes()
-    return enum, array.shape, data
+    out = np.empty(placed.nbytes, np.uint8)
+    placed.write(out)
+    return enum, placed.array.shape, out.tobytes()
+
+
+# While a payload is filled for ``serialize``: the sources its tensors' placeholders stand for.
+_SOURCES: contextvars.ContextVar[list[Placed] | None] = contextvars.ContextVar("hetfed_wire_sources", default=None)
 
 
 def _fill(target: tpb.Tensor, array: np.ndarray, wire_dtype: str | None = None) -> None:
-    """Encode ``array`` into an existing (empty) Tensor field in place."""
-    enum, shape, data = _encode(array, wire_dtype)
+    """Encode ``array`` into an existing (empty) Tensor field in place (a placeholder of its bytes when
+    filling for ``serialize``: ``fill_payload_placed``)."""
+    sources = _SOURCES.get()
+    if sources is None:
+        enum, shape, data = _encode(array, wire_dtype)
+    else:
+        enum, placed = _placed(array, wire_dtype)
+        shape, data = placed.array.shape, b""
+        if placed.nbytes:  # proto3 omits empty bytes: an empty tensor has no data field, so no placeholder
+            data = serialize.placeholder(len(sources))
+            sources.append(placed)
     target.dtype = enum  # type: ignore[assignment]
     target.shape.extend(shape)
     target.data = data
@@ -218,6 +226,18 @@ def fill_payload(out: pb.Payload, payload: Payload, wire_dtype: str | None = Non
             out.Clear()
             raise _oversized_payload(payload, f"more than {MAX_PAYLOAD_BYTES}" if size is None else str(size))
     return out
+
+
+def fill_payload_placed(out: pb.Payload, payload: Payload, sources: list[Placed],
+                        wire_dtype: str | None = None) -> pb.Payload:
+    """Fill ``out`` as ``fill_payload`` does, but with each tensor's bytes left to ``serialize.serialize``: its
+    ``data`` holds a placeholder and its array is appended to ``sources`` (nothing is copied). No size limit
+    applies: the serializer writes fields of any size. Returns ``out``."""
+    token = _SOURCES.set(sources)
+    try:
+        return _fill_payload(out, payload, wire_dtype)
+    finally:
+        _SOURCES.reset(token)
 
 
 # ------------------------------------------------------------------------------------------ payload pairs

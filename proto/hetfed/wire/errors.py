@@ -95,6 +95,9 @@ REASONS: dict[str, Reason] = {
     "buffer_full": Reason("RESOURCE_EXHAUSTED", True),
     # Every reassembly slot of the aggregator stayed taken while this push waited (admission control).
     "busy": Reason("RESOURCE_EXHAUSTED", True),
+    # A stream that resumes a push the aggregator does not hold at that chunk (dropped, or another digest, size
+    # or organization): the push is sent again from chunk 0.
+    "not_resumable": Reason("FAILED_PRECONDITION", True),
     # A push stream that sent no chunk for server.push_idle_seconds: refused, so it frees its slot.
     "stalled": Reason("DEADLINE_EXCEEDED", True),
     # The aggregator could not make the update (or the round's close) durable: nothing was acknowledged or

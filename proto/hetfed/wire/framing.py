@@ -124,7 +124,7 @@ def lift(view: memoryview, root: Descriptor, target: Descriptor, number: int) ->
     lifted: list[memoryview] = []
     # A function of the module, not a closure: a recursive closure is a reference cycle, which would keep
     # ``view`` (the whole received message) alive until the next garbage collection.
-    small = _lift_walk(view, 0, view.nbytes, root.full_name, _lift_plan(root, target), (target.full_name, number),
+    small = _lift_walk(view, 0, view.nbytes, root.full_name, lift_plan(root, target), (target.full_name, number),
                        lifted, 0)
     return bytes(small), lifted
 
@@ -139,7 +139,7 @@ def lifted_value(placeholder: bytes, lifted: list[memoryview]) -> memoryview | b
 _PLANS: dict[tuple[str, str], dict[str, dict[int, str]]] = {}
 
 
-def _lift_plan(root: Descriptor, target: Descriptor) -> dict[str, dict[int, str]]:
+def lift_plan(root: Descriptor, target: Descriptor) -> dict[str, dict[int, str]]:
     """For each message type reachable from ``root``: its message fields whose type leads to ``target``."""
     cache_key = (root.full_name, target.full_name)
     if cache_key in _PLANS:

@@ -26,6 +26,7 @@ from hetfed.wire.errors import MAX_LEAVE_REASON_CHARS, WireError
 from hetfed.wire.payloads import EvalMetrics, Payload, PayloadKind, Received
 from hetfed.wire.phases import Action, Phase
 from hetfed.wire.privacy import PrivacyDeclaration
+from hetfed.wire.serialize import Placed, serialize
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.traffic import Direction, KindCount, TrafficBreakdown, field_sizes, payload_breakdown
 
@@ -217,9 +218,11 @@ _ACTION_FROM_PROTO = {v: k for k, v in _ACTION_TO_PROTO.items()}
 
 @dataclass(frozen=True)
 class Encoded:
-    """A serialized message and the traffic of the payloads it carries (the envelope not included)."""
+    """A serialized message and the traffic of the payloads it carries (the envelope not included).
 
-    data: bytes
+    ``data`` is a read-only view of the one buffer ``serialize`` wrote (``bytes(data)`` copies it)."""
+
+    data: Bytes
     payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
 
 
@@ -235,17 +238,19 @@ class Pulled:
 
 
 def encode_instructions(ins: Instructions, wire_dtype: str | None = None) -> Encoded:
-    """Serialize instructions; payload tensors are encoded in place (``wire_dtype`` narrows floats)."""
+    """Serialize instructions as ``encode_update`` does an update: one buffer, each tensor copied once into it
+    (``wire_dtype`` narrows floats)."""
     msg = apb.Instructions(
         envelope=apb.Envelope(run_id=ins.run_id, round=ins.round, organization_id=ins.organization),
         action=_ACTION_TO_PROTO[ins.action],  # type: ignore[arg-type]
         round_seed=ins.round_seed,
         total_rounds=ins.total_rounds,
     )
+    sources: list[Placed] = []
     for p in ins.payloads:
-        codec.fill_payload(msg.payloads.add(), p, wire_dtype)  # in place: no extra tensor copy
+        codec.fill_payload_placed(msg.payloads.add(), p, sources, wire_dtype)  # placeholders: no tensor copied
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    data = msg.SerializeToString()
+    data = serialize(msg, sources)  # each tensor copied once, into its place
     return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _INSTRUCTIONS_PAYLOADS))
                    if ins.payloads else TrafficBreakdown())
 
@@ -302,7 +307,8 @@ def privacy_from_proto(msg: apb.PrivacyDeclaration) -> PrivacyDeclaration:
 
 
 def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
-    """Serialize an update; payload tensors are encoded in place (``wire_dtype`` narrows floats). A privacy
+    """Serialize an update into one buffer, each tensor copied once, straight into its place (``serialize``; no
+    2 GiB limit on a tensor or payload; ``wire_dtype`` narrows floats). A privacy
     declaration out of its domain is WireError ``invalid_privacy`` before anything is sent. A leave notice (a
     declaration with ``budget_spent``, or a ``leave_reason``) has no payloads: ``ValueError`` when it has some, or
     when its reason is empty of text or longer than ``MAX_LEAVE_REASON_CHARS``."""
@@ -316,10 +322,11 @@ def encode_update(update: Update, wire_dtype: str | None = None) -> Encoded:
         msg.leave_reason = update.leave_reason
     if update.privacy is not None:
         privacy_to_proto(update.privacy.check(), msg.privacy)
+    sources: list[Placed] = []
     for p in update.payloads:
-        codec.fill_payload(msg.payloads.add(), p, wire_dtype)
+        codec.fill_payload_placed(msg.payloads.add(), p, sources, wire_dtype)
         msg.envelope.payload_kinds.append(p.kind.proto_enum)  # type: ignore[arg-type]
-    data = msg.SerializeToString()
+    data = serialize(msg, sources)
     return Encoded(data, payload_breakdown(msg.payloads, field_sizes(data, _UPDATE_PAYLOADS)))
 
 

@@ -11,11 +11,12 @@ caller decides whether to retry by reason, never by matching text.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
 
 import grpc
@@ -67,12 +68,31 @@ class Caller:
     peer: str
 
 
+@dataclass(eq=False)
+class Receiving:
+    """One push's reassembly, which the handler keeps across the streams of a resumed push."""
+
+    assembler: chunks.Reassembler
+    # The messages added to the assembler and their bytes, over every stream of the push.
+    wire_bytes: int = 0
+    messages: int = 0
+    # True while a stream waits for its next chunk: a stream cut then leaves a partial push worth resuming.
+    waiting: bool = False
+    # What the handler keeps the reception in (the wire package does not look at it).
+    owner: object = field(default=None, repr=False)
+
+
 class AdmittedPush(Protocol):
     """An admitted push: released once the push has been answered (its stream and buffered bytes freed)."""
 
     async def reassembly_slot(self) -> None:
         """Wait for one of the aggregator's bounded reassembly slots before the chunks are read (the stream
         waits under HTTP/2 flow control meanwhile); raises WireError when none frees up in time."""
+        ...
+
+    async def receive(self, update_digest: bytes, index: int, count: int, total_bytes: int) -> Receiving:
+        """Where the push's chunks go, given its first chunk's header: a new reception when ``index`` is 0, else
+        the partial push of ``update_digest`` that it resumes (WireError ``not_resumable`` when none is held)."""
         ...
 
     def release(self, refused: bool = False) -> None:
@@ -114,6 +134,11 @@ class AggregatorHandler(Protocol):
         """Parse, check, persist and fold in a reassembled update (``digest``: its BLAKE3 digest); records its traffic.
 
         ``data`` is handed over: the handler should drop it as soon as the update is logged."""
+        ...
+
+    async def push_progress(self, organization: str, run_id: str, round_: int, update_digest: bytes,
+                            total_bytes: int) -> tuple[int, int]:
+        """(chunks, bytes) the handler holds of the push of ``update_digest``: (0, 0) when none."""
         ...
 
     async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
@@ -228,7 +253,7 @@ class _ChunkCache:
     @staticmethod
     def _build(encoded: Encoded, chunk_bytes: int) -> tuple[list[bytes], int]:
         responses = chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
-        return responses, sum(len(r) for r in responses)
+        return list(responses), responses.total_bytes
 
 
 class AggregatorServicer:
@@ -320,11 +345,14 @@ class AggregatorServicer:
             # Refuse a stale, foreign or over-limit push before reading it.
             admitted = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
             await admitted.reassembly_slot()
+            head = first.chunk
+            receiving = await admitted.receive(first.update_blake3, head.index, head.count, head.total_bytes)
             received = [(first, data, len(raw))]
             del raw, data
-            update, digest, wire_bytes, n = await self._reassemble(stream, received)
+            update, digest = await self._reassemble(stream, received, receiving)
             # Handed over, not kept here: the handler frees the bytes as soon as they are logged.
-            reply = await self.handler.push(org, run_id, first.round, update, digest, wire_bytes, n)
+            reply = await self.handler.push(org, run_id, first.round, update, digest, receiving.wire_bytes,
+                                            receiving.messages)
             resp = messages.push_reply_to_proto(reply).SerializeToString()
             accepted = True
         except WireError as err:
@@ -339,31 +367,34 @@ class AggregatorServicer:
         return await self._fail(context, run_id, failure)
 
     async def _reassemble(self, stream: AsyncIterator[bytes],
-                          received: list[tuple[apb.PushUpdateRequest, Bytes | None, int]]) -> tuple[Bytes, bytes, int, int]:
-        """The update a push stream carries (its first chunk in ``received``, handed over): the bytes, their
-        BLAKE3 digest, the bytes on the wire and the number of chunks. Raises WireError; the partial update lives only
-        in this frame, which a refusal's traceback no longer reaches once ``_detached``."""
+                          received: list[tuple[apb.PushUpdateRequest, Bytes | None, int]],
+                          receiving: Receiving) -> tuple[Bytes, bytes]:
+        """The update a push stream carries (its first chunk in ``received``, handed over; earlier streams of a
+        resumed push in ``receiving``): the bytes and their BLAKE3 digest. Raises WireError; the partial update
+        lives only in ``receiving``, which a refusal's traceback no longer reaches once ``_detached``."""
         first, data, size = received.pop()
-        assembler = chunks.Reassembler(self.handler.max_update_bytes)
+        assembler = receiving.assembler
         address = (first.run_id, first.round, first.organization_id)
-        wire_bytes, n, done = 0, 0, False
+        done = False
         req: apb.PushUpdateRequest | None = first
         while req is not None:
             if (req.run_id, req.round, req.organization_id) != address:
                 raise WireError("envelope_mismatch", "chunks of one push name different runs, rounds or organizations")
             if done:
                 raise WireError("malformed", "chunks after the last announced chunk")
-            wire_bytes += size
-            n += 1
             done = assembler.add(req.chunk, data)
+            receiving.wire_bytes += size
+            receiving.messages += 1
             data = None
+            receiving.waiting = not done
             raw = await self._next_chunk(stream)
             if raw is None:
                 req, size = None, 0
             else:
+                receiving.waiting = False
                 (req, data), size = parse_chunked(apb.PushUpdateRequest, raw, chunks.PUSH_CHUNK_FIELD), len(raw)
                 del raw
-        return assembler.take(), assembler.digest, wire_bytes, n
+        return assembler.take(), assembler.digest
 
     async def _next_chunk(self, stream: AsyncIterator[bytes]) -> bytes | None:
         """The stream's next message (None at its end); a stream silent for ``push_idle_seconds`` is refused,
@@ -373,6 +404,26 @@ class AggregatorServicer:
         except TimeoutError:
             raise WireError("stalled", f"no chunk for {self.handler.push_idle_seconds:g} s "
                                        "(server.push_idle_seconds); push the update again") from None
+
+    async def progress(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """PushProgress: how much of a cut push the aggregator holds."""
+        run_id = ""
+        try:
+            msg = parse(apb.PushProgressRequest, request)
+            _check_ids(msg.run_id, msg.organization_id)
+            run_id = msg.run_id
+            org = self.handler.identify(_caller(context), msg.organization_id)
+            held, size = await self.handler.push_progress(org, run_id, msg.round, msg.update_blake3, msg.total_bytes)
+            resp = apb.PushProgressResponse(chunks_held=held, bytes_held=size).SerializeToString()
+        except WireError as err:
+            failure = err
+        except Exception as exc:
+            failure = self._internal("PushProgress", exc)
+        else:
+            self.handler.count(run_id, org, msg.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+            self.handler.count(run_id, org, msg.round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
+            return resp
+        return await self._fail(context, run_id, failure)
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """Status: the runs the caller may see."""
@@ -396,6 +447,7 @@ class AggregatorServicer:
             "Join": grpc.unary_unary_rpc_method_handler(self.join),
             "PullInstructions": grpc.unary_stream_rpc_method_handler(self.pull),
             "PushUpdate": grpc.stream_unary_rpc_method_handler(self.push),
+            "PushProgress": grpc.unary_unary_rpc_method_handler(self.progress),
             "Status": grpc.unary_unary_rpc_method_handler(self.status),
         })
 
@@ -458,6 +510,38 @@ def call_once(what: str, call: Callable[[], T]) -> T:
     return call()
 
 
+class _PushStreams:
+    """The streams of one push: the first from chunk 0, each later one from where the aggregator says it holds
+    the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
+    the push for a resume, unless the push is one chunk."""
+
+    def __init__(self, requests: chunks.Framed, total_bytes: int) -> None:
+        self.requests = requests
+        self.digest = requests.digest
+        self.total_bytes = total_bytes
+        # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
+        named = len(requests) > 1
+        self._named = apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString() if named else b""
+        # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
+        # one that the aggregator kept (a resume at k drops the streams from k on).
+        self._starts: list[int] = []
+        self.cut = False  # a stream of this push failed: the next one asks where to resume
+
+    def stream(self, start: int) -> Iterator[bytes]:
+        """The messages from chunk ``start`` on (0 when it is past the last chunk)."""
+        start = start if start < len(self.requests) else 0
+        while self._starts and self._starts[-1] >= start:
+            self._starts.pop()
+        self._starts.append(start)
+        rest = (self.requests[i] for i in range(start + 1, len(self.requests)))  # each framed when it is sent
+        return itertools.chain((self.requests[start] + self._named,), rest)
+
+    def wire_bytes(self) -> int:
+        """The bytes of the messages that made up the accepted push: every chunk once, and one digest field per
+        stream that carried some of them (what the aggregator counts too)."""
+        return self.requests.total_bytes + len(self._named) * len(self._starts)
+
+
 class AggregatorClient:
     """One organization's typed client of the Aggregator service; counts the traffic of every RPC it makes.
 
@@ -503,6 +587,7 @@ class AggregatorClient:
         # messages sent and received, not a protobuf ByteSize(), which serializes the message once more.
         self._pull_raw = channel.unary_stream(f"/{SERVICE_NAME}/PullInstructions")
         self._push_raw = channel.stream_unary(f"/{SERVICE_NAME}/PushUpdate")
+        self._progress_raw = channel.unary_unary(f"/{SERVICE_NAME}/PushProgress")
 
     def close(self) -> None:
         """Close the channel."""
@@ -569,19 +654,45 @@ class AggregatorClient:
              privacy: PrivacyDeclaration | None = None, leave_reason: str = "") -> PushReply:
         """Upload this organization's update for ``round_`` as a chunked stream (idempotent on retry); ``privacy``:
         what protects its payloads (docs/privacy.md), None when the client declares none; ``leave_reason``: a leave
-        notice instead (no payloads), which the aggregator refuses ``organization_left`` (a ``RemoteError``)."""
+        notice instead (no payloads), which the aggregator refuses ``organization_left`` (a ``RemoteError``).
+
+        A retry after a stream failed resumes the push from the chunks the aggregator holds (``PushProgress``)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy,
                                                          leave_reason), wire_dtype)
         envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
                                  first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        raw = self._call("PushUpdate", lambda: self._push_raw(iter(requests), metadata=self._metadata, timeout=600))
+        streams = _PushStreams(requests, memoryview(encoded.data).nbytes)
+        raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count(Direction.UP, with_envelope(encoded.payloads, sum(len(r) for r in requests), len(requests)))
+            self._count(Direction.UP, with_envelope(encoded.payloads, streams.wire_bytes(), len(requests)))
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
+
+    def _push_stream(self, round_: int, streams: _PushStreams) -> bytes:
+        """One attempt of a push: after a failed one, from where the aggregator holds it (raises grpc.RpcError)."""
+        start = self._push_progress(round_, streams) if streams.cut else 0
+        streams.cut = True
+        try:
+            return self._push_raw(streams.stream(start), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
+        except grpc.RpcError as err:
+            if start == 0 or RemoteError.of(err).reason != "not_resumable":
+                raise
+        # The aggregator dropped what it held meanwhile: the whole push again.
+        return self._push_raw(streams.stream(0), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
+
+    def _push_progress(self, round_: int, streams: _PushStreams) -> int:
+        """The chunks of the push the aggregator holds (PushProgress)."""
+        req = apb.PushProgressRequest(run_id=self.run_id, round=round_, organization_id=self.organization,
+                                      update_blake3=streams.digest, total_bytes=streams.total_bytes).SerializeToString()
+        raw = self._progress_raw(req, metadata=self._metadata, timeout=self._timeout)
+        resp = parse(apb.PushProgressResponse, raw, "response")
+        self._count(Direction.UP, with_envelope(TrafficBreakdown(), len(req)))
+        self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
+        log.info("resuming the push of round %d at chunk %d (%d bytes held)", round_, resp.chunks_held, resp.bytes_held)
+        return int(resp.chunks_held)
 
     def leave(self, round_: int, leave_reason: str = "", privacy: PrivacyDeclaration | None = None,
               wire_dtype: str | None = None, attempts: int = 3) -> RemoteError | None:

@@ -183,6 +183,10 @@ class ServerConfig:
     reassembly_wait_seconds: float = 30.0
     push_idle_seconds: float = 30.0
     max_buffered_bytes_per_organization: int = 4 << 30
+    # A push cut mid-stream is kept in the spool (under state_dir) for its sender to resume, at most this long,
+    # and all such partial pushes together at most this many bytes (the oldest dropped first).
+    partial_push_seconds: float = 600.0
+    max_partial_push_bytes: int = 8 << 30
     # Bound on the training examples an organization declares at Join (its declaration bounds its updates'
     # counts; without one, this bounds them).
     max_examples_per_organization: int = 1_000_000_000
@@ -206,10 +210,11 @@ class ServerConfig:
         check(1 <= self.max_concurrent_reassemblies <= 4096, "max_concurrent_reassemblies must be in [1, 4096]")
         check(self.stream_window_bytes == 0 or 64 << 10 <= self.stream_window_bytes <= 1 << 30,
               "stream_window_bytes must be 0 (gRPC's adaptive windows) or in [64 KiB, 1 GiB]")
-        for name in ("reassembly_wait_seconds", "push_idle_seconds"):
+        for name in ("reassembly_wait_seconds", "push_idle_seconds", "partial_push_seconds"):
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0, f"{name} must be a positive number")
         check(self.max_buffered_bytes_per_organization > 0, "max_buffered_bytes_per_organization must be > 0")
+        check(self.max_partial_push_bytes >= 0, "max_partial_push_bytes must be >= 0")
         check(self.max_examples_per_organization >= 1, "max_examples_per_organization must be >= 1")
         check(self.max_metrics_per_report >= 0, "max_metrics_per_report must be >= 0")
         check(16 <= self.max_name_chars <= 4096, "max_name_chars must be in [16, 4096]")

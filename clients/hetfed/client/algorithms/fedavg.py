@@ -28,9 +28,56 @@ from hetfed.wire.specs.fedavg import FedAvgConfig
 C = TypeVar("C", bound=FedAvgConfig)
 
 
+def _trains(module: torch.nn.Module) -> bool | None:
+    """Whether every parameter of ``module`` (its submodules' included) trains; None when it has none."""
+    flags = [p.requires_grad for p in module.parameters()]
+    return all(flags) if flags else None
+
+
+def _buffer_trains(model: torch.nn.Module, owner: str) -> bool:
+    """Whether the buffers of module ``owner`` follow the training: the nearest module on the path from ``owner``
+    up to ``model`` that has parameters has every one of them training (a model without any: True)."""
+    parts = owner.split(".") if owner else []
+    for depth in range(len(parts), -1, -1):
+        verdict = _trains(model.get_submodule(".".join(parts[:depth])))
+        if verdict is not None:
+            return verdict
+    return True
+
+
 def shared_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The floating-point entries of a model's state (parameters and running statistics) FedAvg averages."""
-    return {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    """The entries of a model's state FedAvg averages, in ``state_dict`` order: its trainable parameters
+    (``requires_grad``), and the floating buffers (running statistics) of modules whose parameters all train.
+
+    A frozen parameter never crosses, and a frozen module's running statistics stay local; a buffer of a
+    module without parameters (a BatchNorm without affine weights) goes with the nearest module above it that
+    has some. With nothing frozen this is every floating entry of the state."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owners: dict[str, bool] = {}
+    shared: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        if not value.is_floating_point():
+            continue
+        param = params.get(name)
+        if param is not None:
+            trains = param.requires_grad
+        else:
+            owner = name.rpartition(".")[0]
+            if owner not in owners:
+                owners[owner] = _buffer_trains(model, owner)
+            trains = owners[owner]
+        if trains:
+            shared[name] = value
+    return shared
+
+
+def check_received(model: torch.nn.Module, weights: ModelWeights) -> None:
+    """Refuse global weights that name a tensor this organization does not share (a frozen or unknown one):
+    a download never overwrites what does not train here."""
+    unexpected = sorted(set(weights.tensors) - set(shared_state(model)))
+    if unexpected:
+        raise ValueError(f"the global model carries tensors this organization does not share (frozen or not in "
+                         f"its model): {unexpected[:5]}")
 
 
 def load_shared_state(model: torch.nn.Module, weights: ModelWeights) -> None:
@@ -66,7 +113,7 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         return trainable(self.ctx.model)
 
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
-        """Every floating state entry of the model."""
+        """The model's shared state (``shared_state``: what trains), as the run's schema fixes it at Join."""
         return [DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, k, v.cpu().numpy(), wire_dtype)
                 for k, v in shared_state(self.ctx.model).items()]
 
@@ -74,6 +121,7 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
         """Take the global model, when the aggregator sent one (round 1 starts from the run seed)."""
         mw = received.maybe(ModelWeights)
         if mw is not None:
+            check_received(self.ctx.model, mw)
             load_shared_state(self.ctx.model, mw)
 
     def terms(self) -> list[LossTerm]:

@@ -15,10 +15,11 @@ HEAD = "head."
 
 @fedavg_body.SPEC.client_half
 class FedAvgBodyClient(ModelAveragingClient[FedAvgBodyConfig]):
-    """Shares every state entry but the head's; loading takes only what arrives, so the head stays local."""
+    """Shares FedAvg's shared state (what trains) but the head's; loading takes only what arrives, so the head
+    stays local."""
 
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
-        """The encoder's state entries."""
+        """The encoder's shared state entries (its frozen tensors stay local, as under FedAvg)."""
         return [d for d in super().declarations(wire_dtype) if not d.name.startswith(HEAD)]
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:

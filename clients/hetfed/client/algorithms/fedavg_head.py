@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from hetfed.client.algorithms.base import ClientHalf
+from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.training import Objective, epoch_batches, fit
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, HeadWeights, Payload, PayloadKind, Received
@@ -21,6 +21,13 @@ class HeadFedAvgClient(ClientHalf[HeadFedAvgConfig]):
 
     # Under DP the model trains with DP-SGD; the head it uploads is post-processing.
     privacy_mechanism = "dp-sgd"
+
+    def __init__(self, ctx: ClientContext[HeadFedAvgConfig]) -> None:
+        super().__init__(ctx)
+        frozen = [name for name, p in ctx.model.head.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"head-only FedAvg averages the classifier head, but this organization's head has frozen "
+                             f"parameters {frozen}: a frozen tensor is never sent or overwritten, so let the head train")
 
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
         """The head's weight and bias."""

@@ -21,6 +21,10 @@ class AggregatorMetrics:
             "hetfed_duplicate_pushes", "Retried pushes of an already accepted update (acknowledged, not re-applied)",
             ["run"], registry=r,
         )
+        self.partial_pushes_dropped = Counter(
+            "hetfed_partial_pushes_dropped", "Pushes cut mid-stream whose received part was dropped (or never kept), "
+            "by reason: expired, round_closed, over_size, replaced, refused", ["reason"], registry=r,
+        )
         self.storage_errors = Counter(
             "hetfed_storage_errors", "Writes to the state directory that failed (a push answered storage_unavailable, "
             "a join or round close retried); nothing acknowledged was lost", ["run"], registry=r,

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 from hetfed.aggregator.config import AggregatorConfig, RunConfig
@@ -31,6 +32,7 @@ from hetfed.aggregator.observe.observers import RunObserver
 from hetfed.aggregator.run.admission import Limits
 from hetfed.aggregator.run.conductor import Run
 from hetfed.aggregator.serving.memory import Trimmer
+from hetfed.aggregator.serving.spool import SPOOL_DIR, Spool
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import WireError, clip
 from hetfed.wire.messages import (
@@ -42,7 +44,7 @@ from hetfed.wire.messages import (
     PushReply,
     RunStatus,
 )
-from hetfed.wire.rpc import Caller
+from hetfed.wire.rpc import Caller, Receiving
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -79,7 +81,7 @@ class _RateLimiter:
 
 class PushReservation:
     """What one admitted push stream of an organization holds of its ``PushBudget`` (a stream, the bytes its
-    first chunk announced, later a reassembly slot) until ``release``: the wire's ``AdmittedPush``."""
+    first chunk announced, later a reassembly slot, its spool file) until ``release``: the wire's ``AdmittedPush``."""
 
     def __init__(self, budget: PushBudget, organization: str, reserved: int) -> None:
         self._budget = budget
@@ -87,6 +89,17 @@ class PushReservation:
         self.reserved = reserved
         self._released = False
         self._slot = False
+        # Where its chunks go: set by the service (the spool, the run and round), then by ``receive``.
+        self.destination: tuple[Spool, str, int, float] | None = None
+        self._receiving: Receiving | None = None
+
+    async def receive(self, update_digest: bytes, index: int, count: int, total_bytes: int) -> Receiving:
+        """The push's spool file: a new one, or the partial push this stream resumes."""
+        assert self.destination is not None
+        spool, run_id, round_, wait = self.destination
+        self._receiving = await spool.receive(self.organization, run_id, round_, update_digest,
+                                              (index, count, total_bytes), wait)
+        return self._receiving
 
     async def reassembly_slot(self) -> None:
         """Wait (up to ``wait_seconds``) for one of the bounded reassembly slots; WireError ``busy`` if none."""
@@ -106,6 +119,9 @@ class PushReservation:
         is then handed back to the system too, not kept for reuse."""
         if not self._released:
             self._released = True
+            if self._receiving is not None and self.destination is not None:
+                self.destination[0].finish(self._receiving, accepted=not refused)
+                self._receiving = None
             if self._slot:
                 self._budget.slots.release()
                 if refused:
@@ -197,8 +213,22 @@ class AggregatorService:
         self.push_idle_seconds = s.push_idle_seconds
         self.pushes = PushBudget(s.max_pushes_per_organization, s.max_buffered_bytes_per_organization,
                                  s.max_concurrent_reassemblies, s.reassembly_wait_seconds)
+        self.spool = Spool(Path(s.state_dir) / SPOOL_DIR, self.runs, s.partial_push_seconds,
+                           s.max_partial_push_bytes, s.max_update_bytes, metrics.partial_pushes_dropped,
+                           self._round_open)
         self._executor = ThreadPoolExecutor(max_workers=s.worker_threads, thread_name_prefix="hetfed-work")
         self._stopping = False
+
+    def _round_open(self, run_id: str, organization: str, round_: int) -> bool:
+        """Whether ``organization`` may still push ``round_`` of ``run_id`` (else its partial push is dropped)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return False
+        try:
+            run.admit_push(organization, round_)
+        except WireError:
+            return False
+        return True
 
     def _refuse_run(self, run: RunConfig, why: str) -> None:
         """Serve the other runs; this one is answered ``run_refused`` and shown in Status, the log and an Event."""
@@ -273,7 +303,16 @@ class AggregatorService:
         # A refusal here is not recorded as permanent: recording may close a round (disk writes), and this runs
         # on the event loop; a client refused here was refused at Join first, or gets it on its next Join.
         self._run(run_id).admit_push(organization, round_)
-        return self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
+        reservation = self.pushes.admit(organization, announced_bytes, self.max_update_bytes)
+        reservation.destination = (self.spool, run_id, round_, self.push_idle_seconds)
+        return reservation
+
+    async def push_progress(self, organization: str, run_id: str, round_: int, update_digest: bytes,
+                            total_bytes: int) -> tuple[int, int]:
+        """(chunks, bytes) held of the organization's cut push of ``update_digest``; (0, 0) when none."""
+        self._run(run_id).check_member(organization)
+        return await self.spool.progress(organization, run_id, round_, update_digest, total_bytes,
+                                         self.push_idle_seconds)
 
     async def push(self, organization: str, run_id: str, round_: int, data: Bytes, digest: bytes, wire_bytes: int,
                    chunks: int) -> PushReply:
@@ -360,6 +399,7 @@ class AggregatorService:
         """Close overdue rounds, retrying closes that failed (blocking: call it from the worker pool)."""
         for run in self.runs.values():
             run.tick()
+        self.spool.sweep()
 
     def stopping(self) -> None:
         """Answer every waiting and later long-poll with WAIT at once (the server is shutting down)."""

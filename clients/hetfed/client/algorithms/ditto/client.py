@@ -243,7 +243,9 @@ class DittoClient(ModelAveragingClient[DittoConfig]):
     def personal_objective(self, round_seed: int) -> Objective:
         """w_L's objective: cross-entropy, the drift term, and the weight penalty as a gradient before each step."""
         params = trainable(self.personal)
-        reference = [p.detach() for p in self.reference.parameters()]
+        # w̄'s parameters at the places of w_L's trainable ones (a frozen parameter is the same in both).
+        reference = [r.detach() for p, r in zip(self.personal.parameters(), self.reference.parameters(), strict=True)
+                     if p.requires_grad]
         lam = float(self.config.lam)
         terms: list[LossTerm] = [self.classification()]
         forward: Callable[[nn.Module, Batch], Forward] = plain_forward
