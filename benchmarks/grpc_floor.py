@@ -13,8 +13,8 @@ sends 4 MiB pushes through ``make_channel`` channels (one TCP connection each), 
   Python bytes), with no hashing, parsing or copying of hetfed's;
 - **memory per connection**: the server's RSS growth after one push on each of ``--connections``
   connections in turn, which then stay open and idle, divided by their number: what gRPC keeps per
-  connection between pushes (its read buffer grows to the largest read and is kept, unless capped: the
-  server's ``stream_window_bytes`` caps it).
+  connection between pushes (its read buffer grows to the largest read and is kept, unless capped:
+  ``make_server`` caps it at 64 KiB whatever the window).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from hetfed.aggregator.config import ServerConfig
 from hetfed.cli import allocator
 from hetfed.wire.transport import make_channel, make_server
 
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="1048576,262144,65536", help="message sizes of a push, bytes")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--pushes", type=int, default=40)
-    ap.add_argument("--window", type=int, default=64 << 10, help="stream_window_bytes of the server")
+    ap.add_argument("--window", type=int, default=ServerConfig().stream_window_bytes,
+                    help="stream_window_bytes of the server (default: the product's)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

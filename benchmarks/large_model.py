@@ -508,11 +508,14 @@ def tree_commit() -> str:
 
 
 def aggregator_config(clients: int, rounds: int, state: Path, chunk_bytes: int, update_bytes: int,
-                      largest: int) -> dict[str, Any]:
-    """One FedAvg run of ``clients`` organizations, limits above the update, plausibility bounds on."""
+                      largest: int, window_bytes: int | None = None) -> dict[str, Any]:
+    """One FedAvg run of ``clients`` organizations, limits above the update, plausibility bounds on;
+    ``window_bytes``: ``server.stream_window_bytes`` (None: the product's default)."""
+    window = {} if window_bytes is None else {"stream_window_bytes": window_bytes}
     return {
         "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(state), "chunk_bytes": chunk_bytes,
-                   "max_update_bytes": update_bytes + (64 << 20), "max_tensor_elements": max(1 << 31, largest)},
+                   "max_update_bytes": update_bytes + (64 << 20), "max_tensor_elements": max(1 << 31, largest),
+                   **window},
         "runs": [{"id": RUN, "algorithm": "fedavg", "organizations": [f"org-{i}" for i in range(clients)],
                   "rounds": rounds, "seed": 0, "round_deadline_seconds": 3600.0,
                   "algorithm_config": {"max_abs_weight": 10.0, "max_update_norm_ratio": 10.0}}],
@@ -598,7 +601,7 @@ def watch(fed: Federation, sampler: Sampler, guard: tuple[float, float], timeout
 
 def measure(size_gb: float, clients: int, rounds: int, workdir: Path, *, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
             rtt_ms: float = 0.0, mbit: float = 0.0, seed: int = 0, guard: tuple[float, float] = (3.0, 0.0),
-            dump: Path | None = None, timeout: float = 7200.0) -> dict[str, Any]:
+            dump: Path | None = None, timeout: float = 7200.0, window_bytes: int | None = None) -> dict[str, Any]:
     """One federation of ``clients`` synthetic organizations on a ``size_gb`` model for ``rounds`` rounds."""
     if rounds < 2:
         raise ValueError("rounds must be at least 2 (the round time is the median over rounds 2..R)")
@@ -610,13 +613,13 @@ def measure(size_gb: float, clients: int, rounds: int, workdir: Path, *, chunk_b
     relay_args = {"rtt_ms": rtt_ms, "mbit": mbit} if rtt_ms or mbit else None
     row: dict[str, Any] = {"size_gb": size_gb, "model_bytes": model, "tensors": len(shapes), "clients": clients,
                            "rounds": rounds, "rtt_ms": rtt_ms, "mbit": mbit, "chunk_bytes": chunk_bytes,
-                           "update_bytes": update_bytes, "commit": tree_commit()}
+                           "update_bytes": update_bytes, "window_bytes": window_bytes, "commit": tree_commit()}
     client_args = ["--shapes", str(shapes_file), "--seed", str(seed), "--chunk-bytes", str(chunk_bytes),
                    *(["--dump", str(dump)] if dump else [])]
     fed = Federation(workdir, relay_args)
     try:
         fed.start(aggregator_config(clients, rounds, workdir / "state", chunk_bytes, update_bytes,
-                                    max(math.prod(s) for s in shapes.values())), client_args, clients)
+                                    max(math.prod(s) for s in shapes.values()), window_bytes), client_args, clients)
         assert fed.fed.aggregator is not None
         sampler = Sampler(fed.fed.aggregator.pid, [p.pid for p in fed.clients])
         status, stopped = watch(fed, sampler, guard, timeout)
@@ -753,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flower-python", default="",
                     help="also run benchmarks/flower_large.py under this interpreter (Flower's venv) per row")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the state directories (default: temp)")
+    ap.add_argument("--window-bytes", type=int, default=None,
+                    help="server.stream_window_bytes (default: the product's; 4194304 for long links)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -766,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.clients.split(",") if x]:
             with tempfile.TemporaryDirectory(prefix=f"hetfed-large-{size:g}-{n}-", dir=args.workdir) as tmp:
                 r = measure(size, n, args.rounds, Path(tmp), chunk_bytes=args.chunk_bytes, rtt_ms=args.rtt_ms,
-                            mbit=args.mbit, seed=args.seed, guard=guard)
+                            mbit=args.mbit, seed=args.seed, guard=guard, window_bytes=args.window_bytes)
                 rows.append(r)
                 print(report(r), flush=True)
                 if args.flower_python and not (args.rtt_ms or args.mbit):

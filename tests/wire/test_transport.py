@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from hetfed.wire.transport import make_channel, make_server, stream_window_options
+from hetfed.wire.transport import READ_CAP_BYTES, make_channel, make_server, stream_window_options
 
 
 async def _peer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
@@ -67,13 +67,15 @@ def test_each_channel_is_its_own_connection(echo_peer: str) -> None:
     assert again == peers[0]  # one channel keeps its connection
 
 
-def test_a_fixed_window_also_caps_each_connections_reads() -> None:
-    assert stream_window_options(0) == []  # gRPC's adaptive windows, and its own read sizes
-    options = dict(stream_window_options(64 << 10))
-    assert options["grpc.http2.bdp_probe"] == 0
-    assert options["grpc.http2.lookahead_bytes"] == 64 << 10
+def test_every_connections_reads_are_capped_whatever_its_window() -> None:
     # Read by the EventEngine endpoint of grpcio 1.85; without it a connection keeps a read buffer as large as
     # its largest read (docs/benchmarks.md).
+    adaptive = dict(stream_window_options(0))
+    assert "grpc.http2.bdp_probe" not in adaptive  # gRPC's adaptive windows
+    assert adaptive["grpc.experimental.tcp_max_read_buffer_size"] == READ_CAP_BYTES == 64 << 10
+    options = dict(stream_window_options(32 << 20))
+    assert options["grpc.http2.bdp_probe"] == 0
+    assert options["grpc.http2.lookahead_bytes"] == 32 << 20
     assert options["grpc.experimental.tcp_max_read_buffer_size"] == 64 << 10
 
 

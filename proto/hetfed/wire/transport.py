@@ -106,29 +106,47 @@ def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, Certific
     return creds, reloader
 
 
+# What a connection's socket reads are capped at, whatever its window: gRPC sizes a connection's read buffer
+# to the largest read it has seen and keeps it between reads (the aggregator's idle connections).
+READ_CAP_BYTES = 64 << 10
+# The HTTP/2 receive window of every stream the aggregator receives, unless configured. gRPC asks for more of
+# a stream once half its window has been read, so a stream moves about half a window per round trip when the
+# link is slower to answer than that; and a stream the server does not read gets about two windows in. 64 KiB
+# keeps what stalled pushes leave in the heap within the memory-release test's bound (docs/reliability.md);
+# a long link needs more: 4 MiB keeps a 1 Gbit/s link at 20 ms and a 100 Mbit/s link at 100 ms at their rate,
+# 16 MiB a 1 Gbit/s link at 100 ms (docs/benchmarks.md, "What the stream window costs a push").
+DEFAULT_WINDOW_BYTES = 64 << 10
+# The window a deployment over long links sets (``server.stream_window_bytes``), as measured.
+LONG_LINK_WINDOW_BYTES = 4 << 20
+# The window of what a client receives (pulls): one connection per client, nothing waits in it.
+CHANNEL_WINDOW_BYTES = 32 << 20
+
+
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options bounding what a server buffers per connection at about ``window_bytes`` (0: gRPC's own).
+    """gRPC options that fix every stream's HTTP/2 receive window at ``window_bytes`` and cap each
+    connection's socket reads at ``READ_CAP_BYTES`` (0: gRPC's adaptive windows, reads still capped).
 
-    By default gRPC grows each connection's HTTP/2 window with its bandwidth-delay product estimate (BDP
-    probing), and a server then holds that much received, not yet read data for every client: memory that
-    grows with the federation. Here the receive window of every stream is fixed at ``window_bytes``. gRPC
-    still opens the window to a whole message being read, so a stream moves about max(``window_bytes``,
-    message size) per round trip (``benchmarks/window_throughput.py``).
+    By default gRPC grows each connection's window with its bandwidth-delay product estimate (BDP probing), to
+    at least 4 MiB and without an upper bound: a server then holds that much received, unread data for every
+    client that sends faster than it reads, such as a push waiting for admission. A fixed window bounds that
+    at one window (plus the rest of the message being read, at most 1 MiB) per stream. gRPC asks for more of a
+    stream only once half its window has been read, so a stream moves about window / 2 per round trip.
 
-    Each connection's socket reads are capped at ``window_bytes`` too. gRPC sizes a connection's read buffer to
-    the largest read it has seen and keeps it between reads; ``tcp_max_read_chunk_size`` caps that in its iomgr
-    endpoint only, not in the EventEngine endpoint that grpcio 1.85 uses (grpc/grpc#42194), which reads
+    Each connection's socket reads are capped too. gRPC sizes a connection's read buffer to the largest read it
+    has seen and keeps it between reads; ``tcp_max_read_chunk_size`` caps that in its iomgr endpoint only, not
+    in the EventEngine endpoint that grpcio 1.85 uses (grpc/grpc#42194), which reads
     ``tcp_max_read_buffer_size`` instead. Without it, every connection that had carried a push of 1 MiB chunks
     kept 0.5 to 0.6 MB (docs/benchmarks.md, "The aggregator's hot path").
     """
+    reads: list[tuple[str, int]] = [("grpc.experimental.tcp_max_read_chunk_size", READ_CAP_BYTES),
+                                    ("grpc.experimental.tcp_max_read_buffer_size", READ_CAP_BYTES)]
     if window_bytes == 0:
-        return []
-    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes),
-            ("grpc.experimental.tcp_max_read_chunk_size", window_bytes),
-            ("grpc.experimental.tcp_max_read_buffer_size", window_bytes)]
+        return reads
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes), *reads]
 
 
-def make_server(address: str, tls: TlsConfig | None, stream_window_bytes: int = 0) -> tuple[grpc.aio.Server, int]:
+def make_server(address: str, tls: TlsConfig | None,
+                stream_window_bytes: int = DEFAULT_WINDOW_BYTES) -> tuple[grpc.aio.Server, int]:
     """An asyncio gRPC server bound to ``address`` (mTLS when ``tls`` is set); returns it and the bound port.
 
     Call it inside the event loop that will run the server. Handlers are coroutines: a waiting call holds no
@@ -244,13 +262,19 @@ class Health:
 OWN_CONNECTION: tuple[str, int] = ("grpc.use_local_subchannel_pool", 1)
 
 
-def make_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
-    """A channel to the aggregator (mTLS when ``tls`` is set), on a TCP connection of its own."""
+def make_channel(address: str, tls: TlsConfig | None, window_bytes: int = CHANNEL_WINDOW_BYTES) -> grpc.Channel:
+    """A channel to the aggregator (mTLS when ``tls`` is set), on a TCP connection of its own.
+
+    What it receives (pulls) flows in a fixed window of ``window_bytes`` (0: gRPC's adaptive windows), as the
+    aggregator's pushes do: gRPC's adaptive windows filled 65 to 80 % of a 1 Gbit/s link at 100 ms, a fixed
+    32 MiB all of it (docs/benchmarks.md)."""
+    options: list[tuple[str, int | str]] = [*_COMMON_OPTIONS, OWN_CONNECTION]
+    if window_bytes:
+        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
     if tls is None:
-        return grpc.insecure_channel(address, options=[*_COMMON_OPTIONS, OWN_CONNECTION])
+        return grpc.insecure_channel(address, options=options)
     cert, key, ca = tls.read()
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    options = [*_COMMON_OPTIONS, OWN_CONNECTION]
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.secure_channel(address, creds, options=options)

@@ -13,6 +13,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.tls import TlsConfig
+from hetfed.wire.transport import DEFAULT_WINDOW_BYTES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Training rounds of a run that names none (``hetfed run`` too, unless a dataset or an algorithm sets its own).
@@ -172,13 +173,13 @@ class ServerConfig:
     # not grow with the federation); a push waits for a slot at most reassembly_wait_seconds, and a stream may
     # go without a chunk at most push_idle_seconds (so a stalled sender cannot keep a slot).
     max_concurrent_reassemblies: int = 4
-    # The HTTP/2 receive window of each stream, and the cap on each connection's socket reads: about what the
-    # aggregator buffers for one connected client. A push then moves about max(window, one 1 MiB chunk) per
-    # round trip, so windows below the chunk size cost nothing more: measured 43 MB/s at 20 ms and 9.8 MB/s at
-    # 100 ms for 64 KiB to 256 KiB, against 194 and 58 MB/s with gRPC's adaptive windows
-    # (benchmarks/window_throughput.py). Over long links set 0 (adaptive: gRPC grows each window with its
-    # link's bandwidth-delay product, without a bound on memory) or a few MiB.
-    stream_window_bytes: int = 64 << 10
+    # The HTTP/2 receive window of each stream. A push the aggregator does not read yet (one waiting for
+    # admission) gets about two windows into its buffers before flow control stops it. A push moves about half
+    # a window per round trip: 4 MiB moves a 1 Gbit/s link at 20 ms at its rate, 16 MiB one at 100 ms
+    # (benchmarks/window_throughput.py); 64 KiB moved one 1 MiB chunk per round trip. 0: gRPC's adaptive
+    # windows (BDP probing: at least 4 MiB each, growing with the link without a bound). Socket reads are
+    # capped at 64 KiB whatever the window (an idle connection keeps little).
+    stream_window_bytes: int = DEFAULT_WINDOW_BYTES
     reassembly_wait_seconds: float = 30.0
     push_idle_seconds: float = 30.0
     max_buffered_bytes_per_organization: int = 4 << 30

@@ -124,8 +124,8 @@ class PushReservation:
                 self._receiving = None
             if self._slot:
                 self._budget.slots.release()
-                if refused:
-                    self._budget.trimmer.request()
+            if refused:  # a push that waited for a slot held stream windows of gRPC's buffers too
+                self._budget.trimmer.request()
             self._budget._release(self)
 
 

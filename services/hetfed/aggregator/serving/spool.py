@@ -176,6 +176,7 @@ class Spool:
         if accepted:
             self._forget(partial)
             self._remove(partial)
+            self._release_waiters(partial)
         elif receiving.waiting and partial.digest and not receiving.assembler.complete:
             if partial.sink is None:  # kept on disk, not in memory
                 partial.sink = FileSink(partial.path)
@@ -188,6 +189,13 @@ class Spool:
             self.sweep()
         else:
             self._drop(partial, "refused")
+            self._release_waiters(partial)
+
+    @staticmethod
+    def _release_waiters(partial: Partial) -> None:
+        """No stream feeds ``partial`` any more: a stream of the same organization waiting for it goes on."""
+        partial.attached = False
+        partial.detached.set()
 
     def sweep(self) -> None:
         """Drop the partial pushes past their time, of closed rounds, then the oldest past the size bound."""
