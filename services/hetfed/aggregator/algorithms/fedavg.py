@@ -37,7 +37,7 @@ RUNNING_SUM_BYTES = 64 << 20
 
 def _max_abs(a: np.ndarray) -> float:
     """The largest magnitude in ``a``, a block at a time: a block of a mapped update gives its pages back."""
-    flat, largest = np.asarray(a).reshape(-1), 0.0
+    flat, largest = a.reshape(-1), 0.0
     for lo in range(0, flat.size, DROP_EVERY):
         block = flat[lo:lo + DROP_EVERY]
         largest = max(largest, abs(float(block.max())), abs(float(block.min())))
