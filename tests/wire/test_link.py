@@ -38,17 +38,18 @@ def test_the_relay_holds_each_byte_for_half_the_round_trip_each_way() -> None:
     try:
         with socket.create_connection(("127.0.0.1", port)) as s:
             times = []
-            for _ in range(3):
+            for _ in range(5):
                 start = time.perf_counter()
                 s.sendall(b"ping")
                 assert s.recv(16) == b"ping"
                 times.append(time.perf_counter() - start)
-        assert (relay.bytes_up, relay.bytes_down) == (12, 12)
+        assert (relay.bytes_up, relay.bytes_down) == (20, 20)
     finally:
         relay.stop()
         listener.close()
         thread.join(10)
-    assert 0.100 <= min(times) < 0.150, times
+    # At least the round trip; the best of five well under a doubled delay (0.2 s), on a loaded machine too.
+    assert 0.100 <= min(times) < 0.180, times
 
 
 def test_the_relay_caps_the_bandwidth() -> None:

@@ -15,6 +15,12 @@ from grpc_health.v1 import health_pb2
 from hetfed.wire.errors import WireError
 from hetfed.wire.identity import organization_of_pem
 from hetfed.wire.tls import TlsConfig
+from hetfed.wire.windows import (  # noqa: F401  (re-exported: the transport's settings)
+    CHANNEL_WINDOW_BYTES,
+    DEFAULT_WINDOW_BYTES,
+    LONG_LINK_WINDOW_BYTES,
+    READ_CAP_BYTES,
+)
 
 log = logging.getLogger("hetfed.transport")
 
@@ -106,20 +112,6 @@ def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, Certific
     return creds, reloader
 
 
-# What a connection's socket reads are capped at, whatever its window: gRPC sizes a connection's read buffer
-# to the largest read it has seen and keeps it between reads (the aggregator's idle connections).
-READ_CAP_BYTES = 64 << 10
-# The HTTP/2 receive window of every stream the aggregator receives, unless configured. gRPC asks for more of
-# a stream once half its window has been read, so a stream moves about half a window per round trip when the
-# link is slower to answer than that; and a stream the server does not read gets about two windows in. 64 KiB
-# keeps what stalled pushes leave in the heap within the memory-release test's bound (docs/reliability.md);
-# a long link needs more: 4 MiB keeps a 1 Gbit/s link at 20 ms and a 100 Mbit/s link at 100 ms at their rate,
-# 16 MiB a 1 Gbit/s link at 100 ms (docs/benchmarks.md, "What the stream window costs a push").
-DEFAULT_WINDOW_BYTES = 64 << 10
-# The window a deployment over long links sets (``server.stream_window_bytes``), as measured.
-LONG_LINK_WINDOW_BYTES = 4 << 20
-# The window of what a client receives (pulls): one connection per client, nothing waits in it.
-CHANNEL_WINDOW_BYTES = 32 << 20
 
 
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:

@@ -13,7 +13,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
 from hetfed.wire.tls import TlsConfig
-from hetfed.wire.transport import DEFAULT_WINDOW_BYTES
+from hetfed.wire.windows import DEFAULT_WINDOW_BYTES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Training rounds of a run that names none (``hetfed run`` too, unless a dataset or an algorithm sets its own).
