@@ -664,7 +664,7 @@ class AggregatorClient:
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
                                  first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        streams = _PushStreams(requests, memoryview(encoded.data).nbytes)
+        streams = _PushStreams(requests, encoded.nbytes)
         raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
