@@ -56,6 +56,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import grpc
 import numpy as np
 
 from hetfed.cli.localrun import LocalFederation, stop_all
@@ -64,7 +65,7 @@ from hetfed.v1 import payloads_pb2 as ppb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import chunks, framing
 from hetfed.wire import digest as content
-from hetfed.wire.rpc import AggregatorClient
+from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
 
 
@@ -515,6 +516,9 @@ def aggregator_config(clients: int, rounds: int, state: Path, chunk_bytes: int, 
     return {
         "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(state), "chunk_bytes": chunk_bytes,
                    "max_update_bytes": update_bytes + (64 << 20), "max_tensor_elements": max(1 << 31, largest),
+                   # The synthetic clients do not retry a push refused "busy" (as hetfed's client does): a push
+                   # waits for a reassembly slot until one frees, however long multi-GB pushes take to land.
+                   "reassembly_wait_seconds": 3600.0, "push_idle_seconds": 3600.0,
                    **window},
         "runs": [{"id": RUN, "algorithm": "fedavg", "organizations": [f"org-{i}" for i in range(clients)],
                   "rounds": rounds, "seed": 0, "round_deadline_seconds": 3600.0,
@@ -576,7 +580,9 @@ def watch(fed: Federation, sampler: Sampler, guard: tuple[float, float], timeout
     assert fed.fed.aggregator is not None
     deadline = time.monotonic() + timeout
     next_status, status = 0.0, None
-    with AggregatorClient(f"127.0.0.1:{fed.fed.port}", None, "", "", call_timeout=30.0) as watcher:
+    # A short deadline: the aggregator answers Status from its worker pool and under the run's lock, which a
+    # close of a multi-GB model holds for a while; the memory is sampled meanwhile, and Status asked again.
+    with AggregatorClient(f"127.0.0.1:{fed.fed.port}", None, "", "", call_timeout=5.0) as watcher:
         while True:
             sampler.sample()
             fed.raise_if_failed()
@@ -586,7 +592,12 @@ def watch(fed: Federation, sampler: Sampler, guard: tuple[float, float], timeout
                 return status, (f"stopped at {held / 1e9:.1f} GB in round {status.round if status else 1} "
                                 f"(available {available / 1e9:.1f} GB)")
             if time.monotonic() >= next_status:
-                (status,) = watcher.status(RUN)
+                try:
+                    (status,) = watcher.status(RUN)
+                except RemoteError as err:
+                    if err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    continue  # busy: sample, then ask again
                 next_status = time.monotonic() + STATUS_S
                 if status.finished:
                     break
@@ -774,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
                             mbit=args.mbit, seed=args.seed, guard=guard, window_bytes=args.window_bytes)
                 rows.append(r)
                 print(report(r), flush=True)
+                if args.json:  # after each row: a later configuration that fails keeps the earlier ones
+                    args.json.write_text(json.dumps(rows, indent=1))
                 if args.flower_python and not (args.rtt_ms or args.mbit):
                     f = flower_row(args.flower_python, size, n, args.rounds, guard, Path(tmp))
                     rows.append(f)
