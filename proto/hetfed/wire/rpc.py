@@ -521,12 +521,13 @@ class _PushStreams:
         self.digest = requests.digest
         self.total_bytes = total_bytes
         # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
-        named = len(requests) > 1
-        self._named = apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString() if named else b""
+        self.resumable = len(requests) > 1
+        self._named = (apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString() if self.resumable
+                       else b"")
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
         self._starts: list[int] = []
-        self.cut = False  # a stream of this push failed: the next one asks where to resume
+        self.cut = False  # a stream of this push was cut: the next one asks where to resume
 
     def stream(self, start: int) -> Iterator[bytes]:
         """The messages from chunk ``start`` on (0 when it is past the last chunk)."""
@@ -675,11 +676,15 @@ class AggregatorClient:
     def _push_stream(self, round_: int, streams: _PushStreams) -> bytes:
         """One attempt of a push: after a failed one, from where the aggregator holds it (raises grpc.RpcError)."""
         start = self._push_progress(round_, streams) if streams.cut else 0
-        streams.cut = True
         try:
             return self._push_raw(streams.stream(start), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
         except grpc.RpcError as err:
-            if start == 0 or RemoteError.of(err).reason != "not_resumable":
+            reason = RemoteError.of(err).reason
+            # Only a stream cut under the aggregator (a transport failure, no reason) or one it refused as stalled
+            # can have left chunks held; a refusal at admission (too_many_streams, busy, ...) held none, and a
+            # push of one chunk is never held. So a retry asks PushProgress only then: its bytes are counted.
+            streams.cut = streams.resumable and reason in ("", "stalled")
+            if start == 0 or reason != "not_resumable":
                 raise
         # The aggregator dropped what it held meanwhile: the whole push again.
         return self._push_raw(streams.stream(0), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
