@@ -509,10 +509,12 @@ def tree_commit() -> str:
 
 
 def aggregator_config(clients: int, rounds: int, state: Path, chunk_bytes: int, update_bytes: int,
-                      largest: int, window_bytes: int | None = None) -> dict[str, Any]:
+                      largest: int, window_bytes: int | None = None, reassemblies: int | None = None) -> dict[str, Any]:
     """One FedAvg run of ``clients`` organizations, limits above the update, plausibility bounds on;
     ``window_bytes``: ``server.stream_window_bytes`` (None: the product's default)."""
     window = {} if window_bytes is None else {"stream_window_bytes": window_bytes}
+    if reassemblies is not None:
+        window["max_concurrent_reassemblies"] = reassemblies
     return {
         "server": {"listen": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(state), "chunk_bytes": chunk_bytes,
                    "max_update_bytes": update_bytes + (64 << 20), "max_tensor_elements": max(1 << 31, largest),
@@ -612,7 +614,8 @@ def watch(fed: Federation, sampler: Sampler, guard: tuple[float, float], timeout
 
 def measure(size_gb: float, clients: int, rounds: int, workdir: Path, *, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
             rtt_ms: float = 0.0, mbit: float = 0.0, seed: int = 0, guard: tuple[float, float] = (3.0, 0.0),
-            dump: Path | None = None, timeout: float = 7200.0, window_bytes: int | None = None) -> dict[str, Any]:
+            dump: Path | None = None, timeout: float = 7200.0, window_bytes: int | None = None,
+            reassemblies: int | None = None) -> dict[str, Any]:
     """One federation of ``clients`` synthetic organizations on a ``size_gb`` model for ``rounds`` rounds."""
     if rounds < 2:
         raise ValueError("rounds must be at least 2 (the round time is the median over rounds 2..R)")
@@ -624,13 +627,15 @@ def measure(size_gb: float, clients: int, rounds: int, workdir: Path, *, chunk_b
     relay_args = {"rtt_ms": rtt_ms, "mbit": mbit} if rtt_ms or mbit else None
     row: dict[str, Any] = {"size_gb": size_gb, "model_bytes": model, "tensors": len(shapes), "clients": clients,
                            "rounds": rounds, "rtt_ms": rtt_ms, "mbit": mbit, "chunk_bytes": chunk_bytes,
-                           "update_bytes": update_bytes, "window_bytes": window_bytes, "commit": tree_commit()}
+                           "update_bytes": update_bytes, "window_bytes": window_bytes, "reassemblies": reassemblies,
+                           "commit": tree_commit()}
     client_args = ["--shapes", str(shapes_file), "--seed", str(seed), "--chunk-bytes", str(chunk_bytes),
                    *(["--dump", str(dump)] if dump else [])]
     fed = Federation(workdir, relay_args)
     try:
         fed.start(aggregator_config(clients, rounds, workdir / "state", chunk_bytes, update_bytes,
-                                    max(math.prod(s) for s in shapes.values()), window_bytes), client_args, clients)
+                                    max(math.prod(s) for s in shapes.values()), window_bytes, reassemblies),
+                  client_args, clients)
         assert fed.fed.aggregator is not None
         sampler = Sampler(fed.fed.aggregator.pid, [p.pid for p in fed.clients])
         status, stopped = watch(fed, sampler, guard, timeout)
@@ -769,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the state directories (default: temp)")
     ap.add_argument("--window-bytes", type=int, default=None,
                     help="server.stream_window_bytes (default: the product's; 4194304 for long links)")
+    ap.add_argument("--reassemblies", type=int, default=None,
+                    help="server.max_concurrent_reassemblies (default: the product's)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -782,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.clients.split(",") if x]:
             with tempfile.TemporaryDirectory(prefix=f"hetfed-large-{size:g}-{n}-", dir=args.workdir) as tmp:
                 r = measure(size, n, args.rounds, Path(tmp), chunk_bytes=args.chunk_bytes, rtt_ms=args.rtt_ms,
-                            mbit=args.mbit, seed=args.seed, guard=guard, window_bytes=args.window_bytes)
+                            mbit=args.mbit, seed=args.seed, guard=guard, window_bytes=args.window_bytes,
+                            reassemblies=args.reassemblies)
                 rows.append(r)
                 print(report(r), flush=True)
                 if args.json:  # after each row: a later configuration that fails keeps the earlier ones

@@ -20,7 +20,7 @@ from hetfed.wire import chunks, codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights
 from tests.conftest import REPO, load_benchmark
 
-ROW_FIELDS = {"size_gb", "model_bytes", "tensors", "clients", "rounds", "rtt_ms", "mbit", "chunk_bytes", "window_bytes",
+ROW_FIELDS = {"size_gb", "model_bytes", "tensors", "clients", "rounds", "rtt_ms", "mbit", "chunk_bytes", "window_bytes", "reassemblies",
               "update_bytes", "agg_peak_rss_gb", "agg_rss_anon_gb", "agg_rss_file_gb", "agg_rss_over_model",
               "client_peak_rss_gb", "client_peak_rss_each_gb", "stopped", "round_s", "round_max_s", "open_close_s",
               "agg_cpu_s", "clients_cpu_s", "pushed_wire_bytes", "pulled_wire_bytes", "same_broadcast",
