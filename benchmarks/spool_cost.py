@@ -13,27 +13,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
+
+from digest_cost import cpu_ms
 
 from hetfed.aggregator.serving.spool import FileSink
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks
 from hetfed.wire import digest as content
-
-
-def cpu_ms(fn: Callable[[], object], repeat: int) -> float:
-    """Median thread CPU milliseconds of ``fn`` over ``repeat`` runs, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return statistics.median(times) * 1e3
 
 
 def receive(parts: list[apb.Chunk], sink: FileSink | None) -> None:
