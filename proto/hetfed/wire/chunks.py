@@ -102,6 +102,11 @@ class Framed(Sequence[bytes]):
         """The BLAKE3 digest of the whole ``data`` (what the last message carries)."""
         return self._digest
 
+    @property
+    def data_bytes(self) -> int:
+        """The length of the whole ``data`` (what every chunk announces as its total)."""
+        return self._bounds[-1]
+
     @overload
     def __getitem__(self, i: int) -> bytes: ...
 

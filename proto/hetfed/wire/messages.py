@@ -227,12 +227,6 @@ class Encoded:
     data: Bytes | Scattered
     payloads: TrafficBreakdown = field(default_factory=TrafficBreakdown)
 
-    @property
-    def nbytes(self) -> int:
-        """The serialized message's length in bytes."""
-        data = self.data
-        return data.nbytes if isinstance(data, Scattered | memoryview) else len(data)
-
 
 @dataclass(frozen=True)
 class Pulled:

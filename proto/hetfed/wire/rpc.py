@@ -516,13 +516,11 @@ class _PushStreams:
     the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
     the push for a resume, unless the push is one chunk."""
 
-    def __init__(self, requests: chunks.Framed, total_bytes: int) -> None:
+    def __init__(self, requests: chunks.Framed) -> None:
         self.requests = requests
-        self.digest = requests.digest
-        self.total_bytes = total_bytes
         # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
         self.resumable = len(requests) > 1
-        self._named = (apb.PushUpdateRequest(update_blake3=self.digest).SerializeToString() if self.resumable
+        self._named = (apb.PushUpdateRequest(update_blake3=requests.digest).SerializeToString() if self.resumable
                        else b"")
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
@@ -665,7 +663,7 @@ class AggregatorClient:
                                          organization_id=self.organization).SerializeToString()
         requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
                                  first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        streams = _PushStreams(requests, encoded.nbytes)
+        streams = _PushStreams(requests)
         raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
@@ -692,7 +690,8 @@ class AggregatorClient:
     def _push_progress(self, round_: int, streams: _PushStreams) -> int:
         """The chunks of the push the aggregator holds (PushProgress)."""
         req = apb.PushProgressRequest(run_id=self.run_id, round=round_, organization_id=self.organization,
-                                      update_blake3=streams.digest, total_bytes=streams.total_bytes).SerializeToString()
+                                      update_blake3=streams.requests.digest,
+                                      total_bytes=streams.requests.data_bytes).SerializeToString()
         raw = self._progress_raw(req, metadata=self._metadata, timeout=self._timeout)
         resp = parse(apb.PushProgressResponse, raw, "response")
         self._count(Direction.UP, with_envelope(TrafficBreakdown(), len(req)))
