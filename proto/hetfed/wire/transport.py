@@ -28,14 +28,36 @@ log = logging.getLogger("hetfed.transport")
 MAX_GRPC_MESSAGE_BYTES = 64 << 20
 ORGANIZATION_METADATA_KEY = "x-hetfed-organization"
 
-_COMMON_OPTIONS: list[tuple[str, int | str]] = [
-    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+# Each end pings the other after this long without receiving anything, and drops the connection when the
+# ping's answer takes longer than KEEPALIVE_TIMEOUT_MS.
+KEEPALIVE_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def _common_options(keepalive_ms: int) -> list[tuple[str, int | str]]:
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def ping_policy_options(keepalive_ms: int) -> list[tuple[str, int]]:
+    """The server's side of the clients' keepalive: it accepts their pings every ``keepalive_ms``.
+
+    gRPC's server counts a strike for every ping that comes sooner than its minimum interval after the previous
+    one, unless it sent data, headers or a connection window update in between, and answers the third strike
+    with GOAWAY "too_many_pings" (UNAVAILABLE), closing the connection and every call on it. Its default
+    minimum is 5 minutes, so a connection on which the server sends nothing for four keepalive periods is
+    closed: a push that waits for admission with its window full, or a push the server reads too slowly to
+    open the connection's window. The minimum is two thirds of the clients' interval, so that a ping a little
+    early (timers, a loaded machine) is no strike. The channel argument's name is
+    ``grpc.http2.min_ping_interval_without_data_ms`` (C's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS);
+    gRPC ignores names it does not know."""
+    return [("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms * 2 // 3)]
 
 
 def matching_pair(cert: bytes, key: bytes) -> str:
@@ -137,19 +159,18 @@ def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes), *reads]
 
 
-def make_server(address: str, tls: TlsConfig | None,
-                stream_window_bytes: int = DEFAULT_WINDOW_BYTES) -> tuple[grpc.aio.Server, int]:
+def make_server(address: str, tls: TlsConfig | None, stream_window_bytes: int = DEFAULT_WINDOW_BYTES,
+                keepalive_ms: int = KEEPALIVE_MS) -> tuple[grpc.aio.Server, int]:
     """An asyncio gRPC server bound to ``address`` (mTLS when ``tls`` is set); returns it and the bound port.
 
     Call it inside the event loop that will run the server. Handlers are coroutines: a waiting call holds no
     thread, so the server's thread count does not grow with its clients. ``stream_window_bytes`` fixes the
-    receive window of each stream (:func:`stream_window_options`).
+    receive window of each stream (:func:`stream_window_options`); the clients' keepalive pings every
+    ``keepalive_ms`` are accepted (:func:`ping_policy_options`).
     """
     server = grpc.aio.server(options=[
-        *_COMMON_OPTIONS, ("grpc.so_reuseport", 0),
-        # Accept the clients' keepalive pings (every 30 s, with or without calls): gRPC's default of one every
-        # 5 minutes answers them with GOAWAY "too_many_pings", dropping long-lived clients' connections.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+        *_common_options(keepalive_ms), ("grpc.so_reuseport", 0),
+        *ping_policy_options(keepalive_ms),
         *stream_window_options(stream_window_bytes),
     ])
     if tls is None:
@@ -254,13 +275,15 @@ class Health:
 OWN_CONNECTION: tuple[str, int] = ("grpc.use_local_subchannel_pool", 1)
 
 
-def make_channel(address: str, tls: TlsConfig | None, window_bytes: int = CHANNEL_WINDOW_BYTES) -> grpc.Channel:
-    """A channel to the aggregator (mTLS when ``tls`` is set), on a TCP connection of its own.
+def make_channel(address: str, tls: TlsConfig | None, window_bytes: int = CHANNEL_WINDOW_BYTES,
+                 keepalive_ms: int = KEEPALIVE_MS) -> grpc.Channel:
+    """A channel to the aggregator (mTLS when ``tls`` is set), on a TCP connection of its own, that pings it
+    after ``keepalive_ms`` without receiving anything (the aggregator's ``make_server`` accepts that).
 
     What it receives (pulls) flows in a fixed window of ``window_bytes`` (0: gRPC's adaptive windows), as the
     aggregator's pushes do: gRPC's adaptive windows filled 65 to 80 % of a 1 Gbit/s link at 100 ms, a fixed
     32 MiB all of it (docs/benchmarks.md)."""
-    options: list[tuple[str, int | str]] = [*_COMMON_OPTIONS, OWN_CONNECTION]
+    options: list[tuple[str, int | str]] = [*_common_options(keepalive_ms), OWN_CONNECTION]
     if window_bytes:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
     if tls is None:
