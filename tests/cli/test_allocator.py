@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes
 PROBE = """
 import json, os, resource, sys
 from hetfed.cli import allocator
-tuned = allocator.tune(arenas=2) if sys.argv[1] == "tune" else {}
+tuned = allocator.tune(arenas=allocator.AGGREGATOR_ARENAS) if sys.argv[1] == "tune" else {}
 data = os.urandom(4 << 20)
 for _ in range(3):
     bytes(bytearray(data))
@@ -40,7 +40,7 @@ def probe(mode: str, **env: str) -> dict[str, Any]:
 
 def test_tuned_processes_reuse_freed_buffers_instead_of_faulting_them_in_again() -> None:
     tuned, default = probe("tune"), probe("none")
-    assert tuned["tuned"] == {"mmap_threshold": 32 << 20, "trim_threshold": 64 << 20, "arena_max": 2}
+    assert tuned["tuned"] == {"mmap_threshold": 32 << 20, "trim_threshold": 64 << 20, "arena_max": 1}
     # glibc's defaults map and unmap the buffers: about 2 x 1,024 faults per iteration.
     assert default["faults"] > 20 * 1024
     assert tuned["faults"] < default["faults"] / 100

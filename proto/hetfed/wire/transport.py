@@ -15,10 +15,9 @@ from grpc_health.v1 import health_pb2
 from hetfed.wire.errors import WireError
 from hetfed.wire.identity import organization_of_pem
 from hetfed.wire.tls import TlsConfig
-from hetfed.wire.windows import (  # noqa: F401  (re-exported: the transport's settings)
+from hetfed.wire.windows import (
     CHANNEL_WINDOW_BYTES,
     DEFAULT_WINDOW_BYTES,
-    LONG_LINK_WINDOW_BYTES,
     READ_CAP_BYTES,
 )
 

@@ -6,12 +6,10 @@ them without importing gRPC (the aggregator's run core imports none)."""
 READ_CAP_BYTES = 64 << 10
 # The HTTP/2 receive window of every stream the aggregator receives, unless configured. gRPC asks for more of
 # a stream once half its window has been read, so a stream moves about half a window per round trip when the
-# link is slower to answer than that; and a stream the server does not read gets about two windows in. 64 KiB
-# keeps what stalled pushes leave in the heap within the memory-release test's bound (docs/reliability.md);
-# a long link needs more: 4 MiB keeps a 1 Gbit/s link at 20 ms and a 100 Mbit/s link at 100 ms at their rate,
-# 16 MiB a 1 Gbit/s link at 100 ms (docs/benchmarks.md, "What the stream window costs a push").
-DEFAULT_WINDOW_BYTES = 64 << 10
-# The window a deployment over long links sets (``server.stream_window_bytes``), as measured.
-LONG_LINK_WINDOW_BYTES = 4 << 20
+# link is slower to answer than that; and a stream the server does not read gets about two windows in (a
+# push waiting for admission). 16 MiB moves a push at 0.9 of a 1 Gbit/s link's rate at 100 ms, and at the
+# rate of a 1 Gbit/s link at 20 ms and of a 100 Mbit/s link at 100 ms (docs/benchmarks.md, "What the stream
+# window costs a push"); a push waiting for admission holds at most about 2 x 16 + 1 MiB.
+DEFAULT_WINDOW_BYTES = 16 << 20
 # The window of what a client receives (pulls): one connection per client, nothing waits in it.
 CHANNEL_WINDOW_BYTES = 32 << 20

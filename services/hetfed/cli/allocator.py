@@ -6,8 +6,12 @@ gives them back to the kernel when freed, so every round pays a page fault per 4
 than the copy the buffer was made for: copying 4 MB into a fresh buffer took 0.77 ms here, into reused
 memory 0.14 ms (``docs/benchmarks.md``, "The aggregator's hot path"). :func:`tune` fixes glibc's two
 thresholds so that blocks up to 32 MiB come from the heap and up to 64 MiB of freed heap stays mapped for
-the next round, and, for the aggregator, caps the number of malloc arenas so its worker and gRPC threads
-do not each keep their own.
+the next round, and, for the aggregator, keeps every thread in one malloc arena.
+
+The aggregator's one arena is so that freed memory can be handed back (``serving.memory.Trimmer``):
+``malloc_trim`` releases the free top of the main arena but not that of another arena, where gRPC's threads
+put the received bytes of the pushes. With two arenas, 8 to 34 MiB that stalled pushes had held in 4 and
+16 MiB stream windows stayed resident after the trim (``tests/reliability/test_memory_release.py``).
 
 It runs first thing in ``hetfed aggregator`` and ``hetfed client`` (the processes every deployment runs),
 before any thread starts. Nothing happens where the C library is not glibc, where ``HETFED_ALLOCATOR=default``
@@ -26,7 +30,7 @@ M_ARENA_MAX = -8
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD_BYTES = 64 << 20
-AGGREGATOR_ARENAS = 2
+AGGREGATOR_ARENAS = 1  # see the module's docstring
 
 _GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_",
                     "GLIBC_TUNABLES")

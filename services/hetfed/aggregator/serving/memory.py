@@ -4,6 +4,8 @@ A refused, stalled or cancelled push leaves freed memory behind in the allocator
 receive buffers come from the heap (``hetfed.cli.allocator`` serves blocks up to 32 MiB there and keeps up to
 64 MiB of free heap mapped, so that the next round reuses it). For a push that completed that is the point;
 for a refused one it is memory an attacker made the aggregator keep, so the free pages are handed back.
+``malloc_trim`` hands back the free pages of every arena, but the free top of the main arena only: the
+aggregator runs in one arena (``hetfed.cli.allocator``), else what gRPC's threads freed stays resident.
 """
 
 from __future__ import annotations
