@@ -65,7 +65,7 @@ from hetfed.v1 import payloads_pb2 as ppb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import chunks, framing
 from hetfed.wire import digest as content
-from hetfed.wire.rpc import AggregatorClient, RemoteError
+from hetfed.wire.rpc import AggregatorClient, RemoteError, push_after_admission
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, make_channel
 
 
@@ -255,13 +255,15 @@ class SyntheticClient:
         self._pull = self.channel.unary_stream(f"{SERVICE}/PullInstructions")
         self._push = self.channel.stream_unary(f"{SERVICE}/PushUpdate")
         self.marks: list[dict[str, Any]] = []
+        self.admission = False
 
     def join(self) -> None:
         req = apb.JoinRequest(run_id=RUN, organization_id=self.org, num_train_examples=EXAMPLES)
         for name, shape in self.shapes.items():
             req.declared_tensors.add(payload_kind=ppb.PAYLOAD_KIND_MODEL_WEIGHTS, name=name,
                                      dtype=tpb.DTYPE_FLOAT32, shape=shape)
-        self.channel.unary_unary(f"{SERVICE}/Join")(req.SerializeToString(), metadata=self.md, timeout=120)
+        raw = self.channel.unary_unary(f"{SERVICE}/Join")(req.SerializeToString(), metadata=self.md, timeout=120)
+        self.admission = apb.JoinResponse.FromString(raw).push_admission_headers
 
     def pull(self, completed: int, dump: Path | None) -> tuple[apb.Instructions, dict[str, Any]]:
         """PullInstructions read chunk by chunk: hashed, checked, its payloads skipped (or written to ``dump``)."""
@@ -305,7 +307,10 @@ class SyntheticClient:
         envelope = apb.PushUpdateRequest(run_id=RUN, round=round_, organization_id=self.org).SerializeToString()
         sent: list[int] = []
         msgs = push_messages(envelope, pieces, total, self.args.chunk_bytes, chunks.FIRST_PUSH_CHUNK_BYTES, sent)
-        raw = self._push(msgs, metadata=self.md, timeout=3600)
+        if self.admission:  # as hetfed's client: the chunks after the first once the push is admitted
+            raw = push_after_admission(self._push, msgs, metadata=self.md, timeout=3600)
+        else:
+            raw = self._push(msgs, metadata=self.md, timeout=3600)
         reply = apb.PushUpdateResponse.FromString(raw)
         if not reply.accepted:
             raise RuntimeError(f"{self.org}: round {round_} refused: {reply}")

@@ -105,6 +105,8 @@ class JoinReply:
     organizations: tuple[str, ...]
     # The run still needs this organization's tensor declaration: join again with ``declared``.
     declare_required: bool = False
+    # The aggregator answers a push's headers once it is admitted (``rpc.PUSH_ADMITTED_METADATA_KEY``).
+    push_admission_headers: bool = False
 
     @functools.cached_property
     def config(self) -> TrainConfig:
@@ -148,13 +150,15 @@ def join_reply_to_proto(reply: JoinReply) -> apb.JoinResponse:
         run_id=reply.run_id, algorithm=reply.algorithm, algorithm_config_json=reply.config_json,
         current_round=reply.current_round, total_rounds=reply.total_rounds, seed=reply.seed,
         organizations=list(reply.organizations), declare_required=reply.declare_required,
+        push_admission_headers=reply.push_admission_headers,
     )
 
 
 def join_reply_from_proto(msg: apb.JoinResponse) -> JoinReply:
     """Decode a JoinResponse."""
     return JoinReply(msg.run_id, msg.algorithm, msg.algorithm_config_json, int(msg.current_round),
-                     int(msg.total_rounds), int(msg.seed), tuple(msg.organizations), bool(msg.declare_required))
+                     int(msg.total_rounds), int(msg.seed), tuple(msg.organizations), bool(msg.declare_required),
+                     bool(msg.push_admission_headers))
 
 
 # ---------------------------------------------------------------------------------------------- Pull

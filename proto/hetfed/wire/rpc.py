@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -53,6 +53,9 @@ T = TypeVar("T")
 # The gRPC service the adapter serves, and the longest run or organization id it reads from a request (ids
 # are at most 63 characters; a longer one is refused before it is looked up, logged or echoed).
 SERVICE_NAME = "hetfed.v1.Aggregator"
+# The response header the aggregator sends on a PushUpdate call once the push holds a reassembly slot; it says
+# so at Join (``JoinResponse.push_admission_headers``), and the typed client then sends its other chunks after it.
+PUSH_ADMITTED_METADATA_KEY = "x-hetfed-push-admitted"
 MAX_ID_CHARS = 128
 
 
@@ -290,7 +293,9 @@ class AggregatorServicer:
             run_id = msg.run_id
             org = self.handler.identify(_caller(context), msg.organization_id)
             reply = await self.handler.join(org, messages.join_request_from_proto(msg))
-            resp = messages.join_reply_to_proto(reply).SerializeToString()
+            answer = messages.join_reply_to_proto(reply)
+            answer.push_admission_headers = True  # as ``push`` sends them
+            resp = answer.SerializeToString()
         except WireError as err:
             failure = err
         except Exception as exc:
@@ -346,6 +351,8 @@ class AggregatorServicer:
             # Refuse a stale, foreign or over-limit push before reading it.
             admitted = self.handler.admit_push(org, run_id, first.round, first.chunk.total_bytes)
             await admitted.reassembly_slot()
+            # Admitted: a client that waits for the headers before its other chunks sends them now.
+            await context.send_initial_metadata(((PUSH_ADMITTED_METADATA_KEY, "1"),))
             head = first.chunk
             receiving = await admitted.receive(first.update_blake3, head.index, head.count, head.total_bytes)
             received = [(first, data, len(raw))]
@@ -542,6 +549,26 @@ class _PushStreams:
         return self.requests.total_bytes + len(self._named) * len(self._starts)
 
 
+def push_after_admission(push: grpc.StreamUnaryMultiCallable, requests: Iterator[bytes], **call: Any) -> bytes:
+    """A PushUpdate call (``push``, raw bytes) of ``requests`` whose first message goes alone and the others
+    after the call's response headers, which the aggregator sends once it has admitted the push
+    (``JoinResponse.push_admission_headers``). A push waiting for a reassembly slot then holds its first chunk
+    in the aggregator, not a stream window of its chunks. Raises grpc.RpcError."""
+    made = threading.Event()
+    calls: list[grpc.Call] = []
+
+    def after_admission() -> Iterator[bytes]:
+        yield next(requests)
+        made.wait()
+        calls[0].initial_metadata()  # returns at admission, or once the call has ended
+        yield from requests
+
+    future = push.future(after_admission(), **call)
+    calls.append(future)
+    made.set()
+    return future.result()  # type: ignore[no-any-return]
+
+
 class AggregatorClient:
     """One organization's typed client of the Aggregator service; counts the traffic of every RPC it makes.
 
@@ -563,6 +590,7 @@ class AggregatorClient:
         self._channel = make_channel(address, tls)
         self._bind(self._channel)
         self._metadata = () if tls else ((ORGANIZATION_METADATA_KEY, organization),)
+        self._push_admission = False  # whether the aggregator answers a push's headers at admission (Join)
 
     def _follow_renewed_files(self) -> None:
         """After the TLS files changed (a renewed certificate), make the next call on a new connection with them."""
@@ -624,6 +652,7 @@ class AggregatorClient:
         resp = self._call("Join", lambda: self._stub.Join(req, metadata=self._metadata, timeout=self._timeout))
         reply = messages.join_reply_from_proto(resp)
         self.algorithm = reply.algorithm
+        self._push_admission = reply.push_admission_headers
         self._count(Direction.UP, with_envelope(TrafficBreakdown(), req.ByteSize()))
         self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), resp.ByteSize()))
         return reply
@@ -675,7 +704,7 @@ class AggregatorClient:
         """One attempt of a push: after a failed one, from where the aggregator holds it (raises grpc.RpcError)."""
         start = self._push_progress(round_, streams) if streams.cut else 0
         try:
-            return self._push_raw(streams.stream(start), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
+            return self._send_push(streams.stream(start))
         except grpc.RpcError as err:
             reason = RemoteError.of(err).reason
             # Only a stream cut under the aggregator (a transport failure, no reason) or one it refused as stalled
@@ -685,7 +714,14 @@ class AggregatorClient:
             if start == 0 or reason != "not_resumable":
                 raise
         # The aggregator dropped what it held meanwhile: the whole push again.
-        return self._push_raw(streams.stream(0), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
+        return self._send_push(streams.stream(0))
+
+    def _send_push(self, requests: Iterator[bytes]) -> bytes:
+        """One PushUpdate stream of ``requests`` (raises grpc.RpcError), after admission where the aggregator
+        answers a push's headers then (:func:`push_after_admission`)."""
+        if not self._push_admission:
+            return self._push_raw(requests, metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
+        return push_after_admission(self._push_raw, requests, metadata=self._metadata, timeout=600)
 
     def _push_progress(self, round_: int, streams: _PushStreams) -> int:
         """The chunks of the push the aggregator holds (PushProgress)."""
