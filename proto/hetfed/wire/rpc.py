@@ -553,14 +553,19 @@ def push_after_admission(push: grpc.StreamUnaryMultiCallable, requests: Iterator
     """A PushUpdate call (``push``, raw bytes) of ``requests`` whose first message goes alone and the others
     after the call's response headers, which the aggregator sends once it has admitted the push
     (``JoinResponse.push_admission_headers``). A push waiting for a reassembly slot then holds its first chunk
-    in the aggregator, not a stream window of its chunks. Raises grpc.RpcError."""
+    in the aggregator, not a stream window of its chunks; a push of more than one message takes one round trip
+    more. Raises grpc.RpcError."""
     made = threading.Event()
     calls: list[grpc.Call] = []
 
     def after_admission() -> Iterator[bytes]:
         yield next(requests)
+        second = next(requests, None)
+        if second is None:  # one message: nothing to hold back
+            return
         made.wait()
         calls[0].initial_metadata()  # returns at admission, or once the call has ended
+        yield second
         yield from requests
 
     future = push.future(after_admission(), **call)
