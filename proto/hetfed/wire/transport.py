@@ -51,11 +51,10 @@ def ping_policy_options(keepalive_ms: int) -> list[tuple[str, int]]:
     one, unless it sent data, headers or a connection window update in between, and answers the third strike
     with GOAWAY "too_many_pings" (UNAVAILABLE), closing the connection and every call on it. Its default
     minimum is 5 minutes, so a connection on which the server sends nothing for four keepalive periods is
-    closed: a push that waits for admission with its window full, or a push the server reads too slowly to
-    open the connection's window. The minimum is two thirds of the clients' interval, so that a ping a little
-    early (timers, a loaded machine) is no strike. The channel argument's name is
-    ``grpc.http2.min_ping_interval_without_data_ms`` (C's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS);
-    gRPC ignores names it does not know."""
+    closed: a push whose window stays full that long (waiting for admission, or not read by a busy server).
+    The minimum is two thirds of the clients' interval, so that a ping a little early (timers, a loaded
+    machine) is no strike. The channel argument's name is ``grpc.http2.min_ping_interval_without_data_ms``
+    (C's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS); gRPC ignores names it does not know."""
     return [("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms * 2 // 3)]
 
 
