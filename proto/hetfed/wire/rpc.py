@@ -566,6 +566,7 @@ def push_after_admission(push: grpc.StreamUnaryMultiCallable, requests: Iterator
         made.wait()
         calls[0].initial_metadata()  # returns at admission, or once the call has ended
         yield second
+        del second  # not kept while the next messages are built
         yield from requests
 
     future = push.future(after_admission(), **call)
