@@ -85,3 +85,27 @@ def test_a_push_waiting_for_a_slot_sends_only_its_first_chunk_until_admitted(
     assert chunks.FIRST_PUSH_CHUNK_BYTES <= waiting < chunks.FIRST_PUSH_CHUNK_BYTES + 16 * 1024, waiting
     assert reply.accepted
     assert relay.bytes_up - before > W.nbytes
+
+
+class _Keeping(grpc.StreamUnaryClientInterceptor):
+    """Reads every message of a client stream before the call starts, as a recording interceptor does."""
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(details, iter(list(request_iterator)))
+
+
+def test_a_push_whose_messages_an_interceptor_reads_first_is_sent_whole(
+        joined: Callable[..., RunningAggregator]) -> None:
+    # The messages are then read in the caller's thread before the call exists: waiting there for its headers
+    # would never end.
+    agg = joined()
+    client = AggregatorClient(f"127.0.0.1:{agg.port}", None, "b", "r")
+    assert client.join([DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", W)]).push_admission_headers
+    client._bind(grpc.intercept_channel(client._channel, _Keeping()))
+    replies: list[Any] = []
+    pushing = threading.Thread(target=lambda: replies.append(
+        client.push(1, [ModelWeights({"w": W}, 1), EvalMetrics(num_test_examples=1)])), daemon=True)
+    pushing.start()
+    pushing.join(30)  # a push that waits for headers of a call not yet made never ends: the thread is left
+    assert replies and replies[0].accepted
+    client.close()

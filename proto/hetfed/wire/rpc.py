@@ -557,14 +557,18 @@ def push_after_admission(push: grpc.StreamUnaryMultiCallable, requests: Iterator
     more. Raises grpc.RpcError."""
     made = threading.Event()
     calls: list[grpc.Call] = []
+    caller = threading.get_ident()
 
     def after_admission() -> Iterator[bytes]:
         yield next(requests)
         second = next(requests, None)
         if second is None:  # one message: nothing to hold back
             return
-        made.wait()
-        calls[0].initial_metadata()  # returns at admission, or once the call has ended
+        # gRPC sends the messages from a thread of its own once the call has started. Read here, in the
+        # caller's thread, they are being taken before the call starts (an interceptor keeping them): no wait.
+        if threading.get_ident() != caller:
+            made.wait()
+            calls[0].initial_metadata()  # returns at admission, or once the call has ended
         yield second
         del second  # not kept while the next messages are built
         yield from requests
