@@ -114,6 +114,7 @@ def test_a_record_reads_back_and_a_torn_or_damaged_one_is_invalid() -> None:
     for fields, why in (({"chunks": 0}, "0 of 9 chunks, 40 of 100 bytes: not a partial push"),
                         ({"chunks": 9}, "9 of 9 chunks, 40 of 100 bytes: not a partial push"),
                         ({"held_bytes": 101}, "3 of 9 chunks, 101 of 100 bytes: not a partial push"),
+                        ({"total_bytes": 8, "held_bytes": 4}, "3 of 9 chunks, 4 of 8 bytes: not a partial push"),
                         ({"digest": b"short"}, "a digest that is not BLAKE3's 32 bytes"),
                         ({"organization": ""}, "no run or organization")):
         with pytest.raises(RecordError) as bad_field:
@@ -343,7 +344,8 @@ def test_a_cut_push_resumes_after_the_aggregator_is_killed(tmp_path: Path) -> No
 def test_killed_between_a_spool_fsync_and_its_record_the_push_resumes_from_the_previous_record(
         tmp_path: Path, raw_client: Callable[..., RawClient]) -> None:
     agg = faults.AggregatorProcess(tmp_path, [run_config()])
-    assert agg.start(crash_at="spool.synced:2") == ""
+    # Each record's rename waits 1 s (a slow disk): PushProgress answers only once the cut push is durable.
+    assert agg.start(crash_at="spool.synced:2", delay_at="spool.synced:1") == ""
     for org in ("a", "b"):
         raw_client(agg.port, org).join([(PayloadKind.MODEL_WEIGHTS, "w", W)])
     data = encoded("a")
@@ -351,6 +353,7 @@ def test_killed_between_a_spool_fsync_and_its_record_the_push_resumes_from_the_p
     with grpc.insecure_channel(agg.address) as ch:
         msgs = leave_partial(ch, "a", data, 3, metadata=md("a"))  # made durable: the first record
         assert progress(ch, "a", digest, len(data), metadata=md("a")) == (3, held_bytes(msgs, 3))
+        assert spool_record.read_record(only(spool_of(agg.state_dir), ".part")).chunks == 3
         send(ch, [named(msgs[3], digest), *msgs[4:6]], md("a"))  # cut again at 6: its fsync, then the kill
     wait_until(lambda: agg.exited() is not None, timeout=30, what="the crash")
     assert agg.exited() == EXIT_CODE

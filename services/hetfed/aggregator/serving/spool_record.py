@@ -89,7 +89,8 @@ class Record:
             raise RecordError("invalid", "no run or organization")
         if len(self.digest) != content.SIZE or len(self.prefix_digest) != content.SIZE:
             raise RecordError("invalid", "a digest that is not BLAKE3's 32 bytes")
-        if not (1 <= self.chunks < self.count and 0 <= self.held_bytes <= self.total_bytes and self.round >= 0):
+        if not (1 <= self.chunks < self.count <= max(1, self.total_bytes) and 0 <= self.held_bytes <= self.total_bytes
+                and self.round >= 0):
             raise RecordError("invalid", f"{self.chunks} of {self.count} chunks, {self.held_bytes} of "
                                          f"{self.total_bytes} bytes: not a partial push")
 
