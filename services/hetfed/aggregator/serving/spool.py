@@ -214,6 +214,7 @@ class Spool:
         sink.adopt(found.fd, r.total_bytes)
         receiving = Receiving(chunks.Reassembler(self.max_update_bytes, sink), r.wire_bytes, r.messages)
         receiving.assembler.restore((r.count, r.total_bytes), (r.chunks, r.held_bytes), found.hash_state)
+        receiving.waiting = True  # cut while it waited for its next chunk, as a partial push of this process is
         partial = Partial(r.run_id, r.organization, r.round, r.digest, found.part, receiving, sink, attached=False,
                           durable=(r.chunks, r.held_bytes), synced_from=r.held_bytes)
         receiving.owner = partial
