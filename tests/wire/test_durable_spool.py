@@ -256,6 +256,38 @@ def test_a_push_received_into_its_file_is_made_durable_as_it_arrives(
     assert again.service.runs["r"].journal.store.updates(1) == [("a", data)]
 
 
+def test_a_graceful_stop_keeps_the_push_it_cut(aggregator: Start, raw_client: Callable[..., RawClient]) -> None:
+    # A pod deleted (SIGTERM) while a push is received: the stop cuts the stream, and the push, held in memory
+    # until then, is made durable before the process ends.
+    agg = aggregator(run_config())
+    for org in ("a", "b"):
+        raw_client(agg.port, org).join([(PayloadKind.MODEL_WEIGHTS, "w", W)])
+    data = encoded("a")
+    digest = content.digest(data)
+    msgs = messages_of("a", data)
+    release = threading.Event()
+
+    def stream() -> Any:
+        yield named(msgs[0], digest)
+        yield from msgs[1:6]
+        release.wait(30)
+
+    with grpc.insecure_channel(f"127.0.0.1:{agg.port}") as ch:
+        call = ch.stream_unary(f"/{SERVICE_NAME}/PushUpdate").future(stream(), metadata=md("a"), timeout=30)
+        wait_until(lambda: agg.service.spool.held("r", "a") == (6, held_bytes(msgs, 6)), timeout=20,
+                   what="six chunks received")
+        assert agg.service.spool.durable("r", "a") == (0, 0)  # in memory: nothing on disk yet
+        agg.stop(grace=0.5)
+        release.set()
+        call.cancel()
+    again = aggregator(run_config())
+    with grpc.insecure_channel(f"127.0.0.1:{again.port}") as ch:
+        assert progress(ch, "a", digest, len(data), metadata=md("a")) == (6, held_bytes(msgs, 6))
+        reply = send(ch, [named(msgs[6], digest), *msgs[7:]], md("a"))
+    assert isinstance(reply, bytes) and apb.PushUpdateResponse.FromString(reply).accepted
+    assert again.service.runs["r"].journal.store.updates(1) == [("a", data)]
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 
 
