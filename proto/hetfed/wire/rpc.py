@@ -80,6 +80,8 @@ class Receiving:
     waiting: bool = False
     # What the handler keeps the reception in (the wire package does not look at it).
     owner: object = field(default=None, repr=False)
+    # Called after each chunk is added and counted (the aggregator's spool makes the push durable from it).
+    after_chunk: Callable[[], None] | None = field(default=None, repr=False)
 
 
 class AdmittedPush(Protocol):
@@ -408,6 +410,8 @@ class AggregatorServicer:
             done = assembler.add(req.chunk, data)
             receiving.wire_bytes += size
             receiving.messages += 1
+            if receiving.after_chunk is not None:
+                receiving.after_chunk()
             data = None
             receiving.waiting = not done
             raw = await self._next_chunk(stream)
