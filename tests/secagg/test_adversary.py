@@ -8,7 +8,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hetfed.secagg import AbandonedError, Field, MaskedInput, PeerShares, SecAggError, UnmaskRequest, shamir
+from hetfed.secagg import (
+    AbandonedError,
+    Field,
+    MaskedInput,
+    PeerShares,
+    SecAggError,
+    SeededEntropy,
+    UnmaskReply,
+    UnmaskRequest,
+    shamir,
+)
 from tests.secagg.driver import Round, make_config, random_inputs, rounding_rng, run_round, start
 
 CHI2_BINS = 256
@@ -57,8 +67,9 @@ def test_one_coordinate_over_many_rounds_is_uniform() -> None:
     assert not uniform_enough(np.full(400, int(plain[0]) >> 28), 16)
 
 
-def _through_share_keys(n: int = 5, round_no: int = 1) -> tuple[Round, dict[str, PeerShares]]:
-    config = make_config(n, round_no=round_no)
+def _through_share_keys(n: int = 5, round_no: int = 1,
+                        threshold: int | None = None) -> tuple[Round, dict[str, PeerShares]]:
+    config = make_config(n, round_no=round_no, threshold=threshold)
     r = start(config)
     for u in config.roster:
         r.server.receive_advert(r.clients[u].advertise())
@@ -68,8 +79,8 @@ def _through_share_keys(n: int = 5, round_no: int = 1) -> tuple[Round, dict[str,
     return r, r.server.close_sharing()
 
 
-def _through_masking(n: int = 5) -> tuple[Round, dict[str, UnmaskRequest]]:
-    r, peer_shares = _through_share_keys(n)
+def _through_masking(n: int = 5, threshold: int | None = None) -> tuple[Round, dict[str, UnmaskRequest]]:
+    r, peer_shares = _through_share_keys(n, threshold=threshold)
     inputs = random_inputs(r.config, 0)
     for u in r.config.roster:
         r.server.receive_masked(r.clients[u].mask(peer_shares[u], inputs[u], rounding_rng(0, u)))
@@ -170,3 +181,60 @@ def test_the_server_refuses_foreign_replayed_and_late_messages() -> None:
     late = MaskedInput("run-a", 1, "org-00", np.zeros(enc.length, enc.dtype))
     with pytest.raises(SecAggError, match="unexpected_stage"):
         r2.server.receive_masked(late)
+
+
+def _replies(r: Round, requests: dict[str, UnmaskRequest]) -> dict[str, UnmaskReply]:
+    return {u: r.clients[u].unmask(req) for u, req in requests.items()}
+
+
+def test_a_tampered_seed_share_gives_a_refused_sum_not_a_wrong_one() -> None:
+    """With exactly t = 3 answers per secret no extra share can expose the bad one: the self mask is not
+    removed and the sum falls far outside n times the bound, so it is refused."""
+    r, requests = _through_masking(4, threshold=3)
+    for u, reply in _replies(r, requests).items():
+        if u == "org-01":
+            first, *rest = reply.seed_shares
+            share = shamir.Share.from_bytes(first.share)
+            moved = shamir.Share(share.index, (share.value + 1) % shamir.PRIME).to_bytes()
+            reply = dataclasses.replace(reply, seed_shares=(dataclasses.replace(first, share=moved), *rest))
+        r.server.receive_unmask(reply)
+    with pytest.raises(SecAggError, match="sum_out_of_range"):
+        r.server.finish()
+    assert r.server.stage == "abandoned"
+
+
+def _after_a_dropout(n: int) -> tuple[Round, dict[str, UnmaskRequest]]:
+    """A round of ``n`` through masking, with org-00 gone after sharing its keys."""
+    r, peer_shares = _through_share_keys(n)
+    inputs = random_inputs(r.config, 0)
+    for u in r.config.roster[1:]:
+        r.server.receive_masked(r.clients[u].mask(peer_shares[u], inputs[u], rounding_rng(0, u)))
+    return r, r.server.close_masking()
+
+
+@pytest.mark.parametrize("forged", ["one share", "another key"])
+def test_a_dropped_clients_key_rebuilt_from_bad_shares_is_refused(forged: str) -> None:
+    """One share moved is off the others' polynomial; shares of another key (consistent with each other)
+    rebuild a key that is not the one org-00 advertised. Either way the sum is refused."""
+    r, requests = _after_a_dropout(5)
+    replies = _replies(r, requests)
+    other = shamir.split(b"\x01" * 32, r.config.threshold, [r.config.index(u) for u in sorted(replies)],
+                         SeededEntropy("forger"))
+    for u, reply in sorted(replies.items()):
+        (share,) = reply.key_shares
+        if forged == "another key":
+            bad = other[sorted(replies).index(u)]
+        else:
+            got = shamir.Share.from_bytes(share.share)
+            bad = shamir.Share(got.index, (got.value + (u == "org-02")) % shamir.PRIME)
+        r.server.receive_unmask(dataclasses.replace(reply, key_shares=(dataclasses.replace(share, share=bad.to_bytes()),)))
+    with pytest.raises(SecAggError, match="inconsistent_shares"):
+        r.server.finish()
+
+
+def test_a_masked_input_of_the_wrong_type_or_size_is_refused() -> None:
+    r, _ = _through_share_keys(4)
+    enc = r.config.encoding
+    for vector in (np.zeros(enc.length, np.int64), np.zeros(enc.length + 1, enc.dtype), [0] * enc.length):
+        with pytest.raises(SecAggError, match="malformed"):
+            r.server.receive_masked(MaskedInput("run-a", 1, "org-00", vector))  # type: ignore[arg-type]
