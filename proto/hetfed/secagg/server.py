@@ -51,7 +51,8 @@ class ServerSession:
         self._peers: dict[str, frozenset[str]] = {}  # client -> the neighbours it shares with
         self._shared: dict[str, SharedKeys] = {}
         self._masking: dict[str, frozenset[str]] = {}  # client -> the neighbours it masks with
-        self._inputs: dict[str, np.ndarray] = {}
+        self._inputs: set[str] = set()  # the clients whose masked input arrived
+        self._total = np.zeros(config.encoding.length, config.encoding.dtype)  # their sum, mod 2^b
         self._survivors: frozenset[str] = frozenset()
         self._dropped: frozenset[str] = frozenset()
         self._replies: dict[str, UnmaskReply] = {}
@@ -127,7 +128,8 @@ class ServerSession:
         return {u: PeerShares(self.config.run_id, self.config.round, u, tuple(routed[u])) for u in sorted(kept)}
 
     def receive_masked(self, msg: MaskedInput) -> None:
-        """Stage 3: one client's masked input; refused once the survivors are decided."""
+        """Stage 3: one client's masked input, added to the running sum at once (the server keeps one vector,
+        not one per client); refused once the survivors are decided."""
         self._expect("mask", msg.run_id, msg.round, msg.sender, self._inputs, self._masking)
         enc = self.config.encoding
         v = msg.vector
@@ -135,7 +137,8 @@ class ServerSession:
             raise SecAggError("malformed", f"{msg.sender!r}'s masked input is not {enc.length} ring elements")
         if enc.ring_bits not in (32, 64) and v.size and int(v.max()) >> enc.ring_bits:
             raise SecAggError("malformed", f"{msg.sender!r}'s masked input holds a value beyond 2^{enc.ring_bits}")
-        self._inputs[msg.sender] = v
+        self._total += v
+        self._inputs.add(msg.sender)
 
     def close_masking(self) -> dict[str, UnmaskRequest]:
         """End stage 3: decide the survivors and ask each for shares, or abandon if some mask could not be
@@ -205,9 +208,8 @@ class ServerSession:
 
     def _unmasked(self, shares: dict[tuple[str, str], list[shamir.Share]]) -> np.ndarray:
         enc, t, cfg = self.config.encoding, self.config.threshold, self.config
-        total = np.zeros(enc.length, enc.dtype)
+        total = self._total.copy()
         for name in sorted(self._survivors):
-            total += self._inputs[name]
             total -= prg.expand(shamir.combine(shares[name, "seed"], t, prg.SEED_BYTES), enc.length, enc.ring_bits)
         for (name, kind), got in sorted(shares.items()):
             if kind != "key":
