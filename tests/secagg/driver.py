@@ -14,6 +14,7 @@ from hetfed.secagg import (
     Encoding,
     Field,
     RoundConfig,
+    SecAggError,
     SeededEntropy,
     ServerSession,
     default_threshold,
@@ -54,6 +55,7 @@ class Round:
     clients: dict[str, ClientSession]
     encoded: dict[str, np.ndarray] = field(default_factory=dict)  # each masked client's plain encoded input
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # what the server received from each
+    refused: set[str] = field(default_factory=set)  # clients whose own check refused their input
 
 
 def start(config: RoundConfig, seed: int = 0) -> Round:
@@ -63,9 +65,10 @@ def start(config: RoundConfig, seed: int = 0) -> Round:
 
 def run_round(config: RoundConfig, inputs: Mapping[str, Mapping[str, np.ndarray]],
               drop: Mapping[str, set[str]] | None = None, seed: int = 0,
-              rnd: Round | None = None) -> tuple[Round, Aggregate]:
+              rnd: Round | None = None, strict: bool = False) -> tuple[Round, Aggregate]:
     """The whole round; a client in ``drop[stage]`` sends nothing from that stage on. Raises what the server
-    or a client raises (``AbandonedError`` below the threshold)."""
+    or a client raises (``AbandonedError`` below the threshold), but a client's refusal of its own input in
+    ``strict`` mode (``out_of_range``): that client then sends nothing, as a dropout would."""
     drop = drop or {}
     r = rnd or start(config, seed)
     gone: set[str] = set()
@@ -81,8 +84,14 @@ def run_round(config: RoundConfig, inputs: Mapping[str, Mapping[str, np.ndarray]
         r.server.receive_shared_keys(r.clients[u].share_keys(peer_keys[u]))
     peer_shares = r.server.close_sharing()
     for u in live("mask", peer_shares):
+        try:
+            msg = r.clients[u].mask(peer_shares[u], inputs[u], rounding_rng(seed, u), strict)
+        except SecAggError as exc:
+            if exc.reason != "out_of_range":
+                raise
+            r.refused.add(u)
+            continue
         r.encoded[u] = config.encoding.encode(inputs[u], rounding_rng(seed, u))
-        msg = r.clients[u].mask(peer_shares[u], inputs[u], rounding_rng(seed, u))
         r.masked[u] = msg.vector
         r.server.receive_masked(msg)
     requests = r.server.close_masking()

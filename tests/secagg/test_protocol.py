@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetfed.secagg import AbandonedError, Encoding, Field, RoundConfig
+from hetfed.secagg import AbandonedError, Encoding, Field, RoundConfig, SecAggError
 from hetfed.secagg.server import prune
 from tests.secagg.driver import make_config, names, plain_sum, random_inputs, run_round, start
 
@@ -130,3 +130,28 @@ def test_too_few_clients_before_masking_abandon_with_nothing_sent() -> None:
         run_round(config, random_inputs(config, 6), drop={"advertise": {"org-00", "org-01", "org-02"}}, rnd=r)
     assert set(r.server.excluded) == set(config.roster) and r.server.stage == "abandoned"
     assert all(c.stage == "share_keys" for u, c in r.clients.items() if u not in {"org-00", "org-01", "org-02"})
+
+
+def test_a_client_refuses_its_own_input_out_of_range_and_the_round_goes_on_without_it() -> None:
+    config = make_config(6, fields=(Field("w", (3,), 1.0, norm_bound=1.0),))
+    inputs = {u: {"w": np.full(3, 0.1)} for u in config.roster}
+    inputs["org-01"] = {"w": np.array([0.0, 1.5, 0.0])}  # beyond the bound
+    inputs["org-03"] = {"w": np.array([0.9, 0.9, 0.0])}  # within the bound, beyond the norm
+    r, agg = run_round(config, inputs, strict=True)
+    assert r.refused == {"org-01", "org-03"} and agg.dropped == ("org-01", "org-03")
+    np.testing.assert_array_equal(config.encoding.signed(agg.ring_sum), plain_sum(r, agg.survivors))
+    np.testing.assert_allclose(agg.values["w"], np.full(3, 0.4), atol=4 / config.encoding.level)
+
+
+@pytest.mark.parametrize(("degree", "threshold", "roster", "max_inputs", "what"), [
+    (4, 2, 5, 5, "in \\(k/2, k\\]"),  # t = k/2: two halves of the neighbours could each rebuild a secret
+    (4, 5, 5, 5, "in \\(k/2, k\\]"),
+    (3, 2, 5, 5, "n k is odd"),
+    (4, 3, 5, 4, "sums at most 4 inputs"),
+])
+def test_unsafe_or_impossible_configurations_are_refused(degree: int, threshold: int, roster: int,
+                                                         max_inputs: int, what: str) -> None:
+    enc = Encoding.for_inputs((Field("w", (1,), 1.0),), max_inputs)
+    with pytest.raises(SecAggError, match=what) as err:
+        RoundConfig("run-a", 1, names(roster), degree, threshold, bytes(32), enc)
+    assert err.value.reason == "bad_parameters"
