@@ -33,6 +33,7 @@ from hetfed.secagg import (
     RoundConfig,
     SeededEntropy,
     ServerSession,
+    default_degree,
     default_threshold,
     prg,
 )
@@ -68,7 +69,7 @@ class Cell:
     """One round of n clients and d parameters, stage by stage, with its CPU and bytes."""
 
     def __init__(self, n: int, d: int, dropouts: int) -> None:
-        k = n - 1
+        k = default_degree(n)
         enc = Encoding.for_inputs((Field("w", (d,), 1.0),), n, 16)
         self.config = RoundConfig("bench", 1, tuple(f"org-{i:02d}" for i in range(n)), k, default_threshold(k),
                                   hashlib.sha256(b"bench").digest(), enc)

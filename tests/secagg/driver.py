@@ -17,6 +17,7 @@ from hetfed.secagg import (
     SecAggError,
     SeededEntropy,
     ServerSession,
+    default_degree,
     default_threshold,
 )
 
@@ -31,7 +32,7 @@ def names(n: int) -> tuple[str, ...]:
 def make_config(n: int, degree: int | None = None, threshold: int | None = None,
                 fields: tuple[Field, ...] = WEIGHTS, value_bits: int = 16, run_id: str = "run-a",
                 round_no: int = 1, stochastic: bool = True) -> RoundConfig:
-    k = n - 1 if degree is None else degree
+    k = default_degree(n) if degree is None else degree
     t = default_threshold(k) if threshold is None else threshold
     return RoundConfig(run_id, round_no, names(n), k, t, hashlib.sha256(b"graph seed").digest(),
                        Encoding.for_inputs(fields, n, value_bits, stochastic))

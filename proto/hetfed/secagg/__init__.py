@@ -37,13 +37,24 @@ the neighbours it masked with, at least t survivors among them) and t > k/2 (enf
 two disjoint groups of honest neighbours from giving both of a client's secrets, so such a server colluding with
 c of a client's neighbours learns nothing of it while c < 2t - k. With k < n - 1 the server also learns the
 partial sums of any parts that the colluding clients cut the graph into; a Harary graph of degree k stays
-connected while fewer than k clients collude. Not covered here: a server that substitutes
+connected while fewer than k clients collude (test_primitives). Not covered here: a server that substitutes
 public keys (the wire layer binds each organization's keys to its mTLS identity), the consistency-check round
-of the malicious-secure variants (signed survivor lists), a client that submits a masked value outside its
-declared range (only the unmasked sum is checked), and what the sum itself reveals (distributed differential
-privacy adds noise for that).
+of the malicious-secure variants (signed survivor lists), a server that picks the graph seed to surround a
+client with colluders (moot with k = n - 1), a client that submits a masked value outside its declared range
+(only the unmasked sum is checked), and what the sum itself reveals (distributed differential privacy adds
+noise for that).
 
-Parameters. k (``degree``, default n - 1), t (``threshold``, default floor(k/2) + 1, in (k/2, k]: tolerates
+What the tests prove (tests/secagg): the unmasked sum equals the plain sum of the encoded inputs exactly, for
+n = 2..10, every allowed degree, fields of every shape (test_protocol); dropouts after masking down to the
+threshold are recovered and more abandon the round, with no client's seed and key shares both received
+(test_protocol); one masked input, alone, passes chi-square and Kolmogorov-Smirnov uniformity tests that the
+encoded input fails (test_adversary); a share readdressed or replayed into another round fails to open, a
+request for both shares of a peer or a second request is refused, and a server that splits a client's
+neighbours between "survived" and "dropped" gets too few shares of either secret (test_adversary); any t
+Shamir shares rebuild the secret and t - 1 are distributed alike whatever it is (test_shamir); encoding errors
+stay within a grid step and a ring that could wrap is refused (test_ring).
+
+Parameters. k (``degree``, ``default_degree``: n - 1, the complete graph), t (``threshold``, default floor(k/2) + 1, in (k/2, k]: tolerates
 k - t dropouts per neighbourhood), q (``value_bits``, default 16) and b (``ring_bits``, the smallest of 32 or 64
 with n (2^(q-1) - 1) < 2^(b-1); a smaller b that could wrap is refused). Randomness: ``keys.system_entropy``
 (os.urandom) in real rounds; ``keys.SeededEntropy`` reproduces a round in tests and benchmarks.
@@ -64,6 +75,7 @@ from hetfed.secagg.messages import (
     SharedKeys,
     UnmaskReply,
     UnmaskRequest,
+    default_degree,
     default_threshold,
 )
 from hetfed.secagg.ring import Encoding, Field, ring_bits_for
@@ -88,6 +100,7 @@ __all__ = [
     "SharedKeys",
     "UnmaskReply",
     "UnmaskRequest",
+    "default_degree",
     "default_threshold",
     "ring_bits_for",
     "system_entropy",

@@ -18,6 +18,13 @@ from hetfed.secagg.ring import Encoding
 GRAPH_SEED_BYTES = 32
 
 
+def default_degree(clients: int) -> int:
+    """The complete graph, k = n - 1 (the original SecAgg): each client's cost grows with n, which stays small
+    for the tens of organizations of a cross-silo federation (benchmarks/secagg_core.py); a sparser k is the
+    caller's choice."""
+    return clients - 1
+
+
 def default_threshold(degree: int) -> int:
     """A strict majority of a client's neighbours: floor(k/2) + 1 (docs in hetfed.secagg)."""
     return degree // 2 + 1
