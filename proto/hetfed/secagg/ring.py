@@ -123,35 +123,39 @@ class Encoding:
         start = 0
         for field in self.fields:
             z = self._quantize(field, np.asarray(arrays[field.name]), rng, strict)
-            out[start:start + field.size] = z.astype(np.uint64).astype(self.dtype, copy=False)
+            out[start:start + field.size] = z.view(np.uint64)  # two's complement, truncated to the dtype
             start += field.size
         return reduce(out, self.ring_bits)
 
     def _quantize(self, field: Field, x: np.ndarray, rng: np.random.Generator | None, strict: bool) -> np.ndarray:
+        """The field's integers z (int64), |z| <= level; works in one float64 copy of the input, in place."""
         if x.shape != field.shape:
             raise SecAggError("malformed", f"field {field.name!r} has shape {x.shape}, declared {field.shape}")
-        x = x.astype(np.float64).ravel()
-        if not np.all(np.isfinite(x)):
+        y = np.array(x, dtype=np.float64).reshape(-1)
+        if not np.isfinite(y).all():
             raise SecAggError("out_of_range", f"field {field.name!r} holds a value that is not finite")
-        if strict and x.size and float(np.max(np.abs(x))) > field.bound:
-            raise SecAggError("out_of_range", (
-                f"field {field.name!r}: |x| reaches {float(np.max(np.abs(x))):.6g} > bound {field.bound:.6g}"))
-        x = np.clip(x, -field.bound, field.bound)
+        peak = float(np.max(np.abs(y))) if y.size else 0.0
+        if strict and peak > field.bound:
+            raise SecAggError("out_of_range", f"field {field.name!r}: |x| reaches {peak:.6g} > bound {field.bound:.6g}")
+        np.clip(y, -field.bound, field.bound, out=y)
         if field.norm_bound is not None:
-            norm = float(np.linalg.norm(x))
+            norm = float(np.linalg.norm(y))
             if norm > field.norm_bound:
                 if strict:
                     raise SecAggError("out_of_range", (
                         f"field {field.name!r}: L2 norm {norm:.6g} > bound {field.norm_bound:.6g}"))
-                x = x * (field.norm_bound / norm)
-        y = np.clip(x * (self.level / field.bound), -self.level, self.level)
-        if self.stochastic:
-            assert rng is not None
-            low = np.floor(y)
-            z = low + (rng.random(y.size) < (y - low))
-        else:
-            z = np.rint(y)
-        return z.astype(np.int64)
+                y *= field.norm_bound / norm
+        y *= self.level / field.bound
+        np.clip(y, -self.level, self.level, out=y)
+        if not self.stochastic:
+            return np.rint(y, out=y).astype(np.int64)
+        assert rng is not None
+        low = np.floor(y)
+        y -= low  # the fraction: rounded up with that probability
+        up = rng.random(y.size) < y
+        z = low.astype(np.int64)
+        z += up
+        return z
 
     def signed(self, ring_sum: np.ndarray) -> np.ndarray:
         """A ring vector as signed integers (int64), each in [-2^(b-1), 2^(b-1))."""
