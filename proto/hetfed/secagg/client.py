@@ -25,11 +25,6 @@ from hetfed.secagg.ring import reduce
 STAGES = ("advertise", "share_keys", "mask", "unmask", "done")
 
 
-def pairwise_sign(me: str, peer: str) -> int:
-    """+1 if ``me`` adds the mask it shares with ``peer``, -1 if it subtracts it: the pair's masks cancel."""
-    return 1 if me < peer else -1
-
-
 def share_binding(config: RoundConfig, sender: str, receiver: str) -> bytes:
     """The associated data of a sealed share: run, round, sender and receiver, in that order."""
     return keys.binding(b"share", config.run_id, config.round, sender, receiver)
@@ -137,7 +132,7 @@ class ClientSession:
             seed = keys.agree(self._mask_keys.private, self._peers[name].mask_public, keys.MASK_PURPOSE,
                               self.config.run_id, self.config.round, self.me, name)
             mask = prg.expand(seed, enc.length, enc.ring_bits)
-            if pairwise_sign(self.me, name) > 0:
+            if prg.pairwise_sign(self.me, name) > 0:
                 vector += mask
             else:
                 vector -= mask

@@ -32,3 +32,8 @@ def expand(seed: bytes, length: int, ring_bits: int) -> np.ndarray:
     if out.dtype.byteorder == ">":
         out.byteswap(inplace=True)
     return reduce(out, ring_bits)
+
+
+def pairwise_sign(me: str, peer: str) -> int:
+    """+1 if ``me`` adds the mask it shares with ``peer``, -1 if it subtracts it: the pair's masks cancel."""
+    return 1 if me < peer else -1

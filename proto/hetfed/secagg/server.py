@@ -16,7 +16,6 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from hetfed.secagg import keys, prg, shamir
-from hetfed.secagg.client import pairwise_sign
 from hetfed.secagg.errors import AbandonedError, SecAggError
 from hetfed.secagg.messages import (
     Aggregate,
@@ -222,7 +221,7 @@ class ServerSession:
                 seed = keys.agree(private, self._adverts[peer].mask_public, keys.MASK_PURPOSE, cfg.run_id,
                                   cfg.round, name, peer)
                 mask = prg.expand(seed, enc.length, enc.ring_bits)
-                if pairwise_sign(peer, name) > 0:
+                if prg.pairwise_sign(peer, name) > 0:
                     total -= mask
                 else:
                     total += mask
