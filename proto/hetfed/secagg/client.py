@@ -77,8 +77,8 @@ class ClientSession:
         for p in msg.peers:
             self.config.check(p.run_id, p.round, p.sender, p.sender, "peer advert")
         if len(msg.peers) < self.config.threshold:
-            raise AbandonedError("share_keys", f"{self.me} has {len(msg.peers)} neighbours left, threshold "
-                                          f"{self.config.threshold}")
+            raise AbandonedError("share_keys", (
+                f"{self.me} has {len(msg.peers)} neighbours left, threshold {self.config.threshold}"))
         self._peers = {p.sender: p for p in msg.peers}
         self._seed = self._entropy(prg.SEED_BYTES)
         points = [self.config.index(name) for name in sorted(self._peers)]
@@ -120,8 +120,8 @@ class ClientSession:
             raise SecAggError("duplicate", f"{self.me}: two shares from one neighbour")
         self._held = {s.sender: self._open(s) for s in msg.shares}
         if len(self._held) < self.config.threshold:
-            raise AbandonedError("mask", f"{self.me} holds shares of {len(self._held)} neighbours, threshold "
-                                    f"{self.config.threshold}")
+            raise AbandonedError("mask", (
+                f"{self.me} holds shares of {len(self._held)} neighbours, threshold {self.config.threshold}"))
         return MaskedInput(self.config.run_id, self.config.round, self.me,
                            self._masked(self.config.encoding.encode(values, rng, strict)))
 
@@ -155,8 +155,8 @@ class ClientSession:
                 f"{self.me}: the request lists {sorted(survivors | dropped)}, "
                 f"it masked with {sorted(self._held)}"))
         if len(survivors) < self.config.threshold:
-            raise AbandonedError("unmask", f"{self.me}: {len(survivors)} neighbours survived, threshold "
-                                      f"{self.config.threshold}")
+            raise AbandonedError("unmask", (
+                f"{self.me}: {len(survivors)} neighbours survived, threshold {self.config.threshold}"))
         return UnmaskReply(
             self.config.run_id, self.config.round, self.me,
             tuple(RevealedShare(name, self._held[name][0]) for name in sorted(survivors)),
