@@ -238,3 +238,38 @@ def test_a_masked_input_of_the_wrong_type_or_size_is_refused() -> None:
     for vector in (np.zeros(enc.length, np.int64), np.zeros(enc.length + 1, enc.dtype), [0] * enc.length):
         with pytest.raises(SecAggError, match="malformed"):
             r.server.receive_masked(MaskedInput("run-a", 1, "org-00", vector))  # type: ignore[arg-type]
+
+
+def test_peer_keys_from_strangers_reused_or_too_few_are_refused() -> None:
+    config = make_config(8, degree=4)
+    stranger = next(u for u in config.roster if u != "org-00" and u not in config.graph["org-00"])
+    for case in ("stranger", "reused", "too few"):
+        r = start(config)
+        adverts = {u: r.clients[u].advertise() for u in config.roster}
+        for a in adverts.values():
+            r.server.receive_advert(a)
+        msg = r.server.close_advertising()["org-00"]
+        if case == "stranger":
+            msg = dataclasses.replace(msg, peers=(*msg.peers[1:], adverts[stranger]))
+        elif case == "reused":
+            first, second, *rest = msg.peers
+            msg = dataclasses.replace(msg, peers=(first, dataclasses.replace(second, mask_public=first.mask_public),
+                                                  *rest))
+        else:
+            msg = dataclasses.replace(msg, peers=msg.peers[:2])
+        with pytest.raises(SecAggError) as err:
+            r.clients["org-00"].share_keys(msg)
+        assert err.value.reason == {"stranger": "neighbours_mismatch", "reused": "bad_keys",
+                                    "too few": "below_threshold"}[case]
+
+
+def test_the_server_refuses_shares_not_sealed_for_exactly_the_neighbours() -> None:
+    r = start(make_config(5))
+    for u in r.config.roster:
+        r.server.receive_advert(r.clients[u].advertise())
+    peer_keys = r.server.close_advertising()
+    shared = r.clients["org-00"].share_keys(peer_keys["org-00"])
+    for shares in (shared.shares[1:], (*shared.shares, shared.shares[0])):
+        with pytest.raises(SecAggError, match="neighbours_mismatch"):
+            r.server.receive_shared_keys(dataclasses.replace(shared, shares=shares))
+    r.server.receive_shared_keys(shared)
