@@ -59,7 +59,7 @@ def client_config(org: str, index: int, port: int, state_dir: Path) -> dict[str,
     # report_timing: each round's figures carry the process's own CPU and wall seconds, so an update worked again
     # never has the bytes of the first.
     return {"organization": org, "run": "r", "aggregator": f"127.0.0.1:{port}", "threads": 1, "device": "cpu",
-            "pull_wait_seconds": 2, "report_timing": True, "state_dir": str(state_dir),
+            "pull_wait_seconds": 2, "report_timing": True, "state_dir": str(state_dir), "keep_push_from_bytes": 0,
             "data": {"dataset": "digits", "partition": "iid", "num_clients": 2, "client_index": index},
             "model": {"name": "mlp1", "latent_dim": LATENT},
             "retry": {"initial_backoff_seconds": 0.05, "max_backoff_seconds": 0.5}}
@@ -126,10 +126,13 @@ STEPS = 4
 
 
 def private_config(org: str, index: int, port: int, state_dir: Path) -> dict[str, Any]:
-    """A DP client (DP-SGD, σ = 1) whose update is about 0.6 MB: two chunks."""
-    return {**client_config(org, index, port, state_dir), "report_timing": False,
-            "model": {"name": "mlp1", "latent_dim": 2000},
-            "privacy": {"noise_multiplier": 1.0, "delta": 1e-5, "noise_seed": 7}}
+    """A DP client (DP-SGD, σ = 1) whose update is about 0.6 MB: two chunks, far below keep_push_from_bytes' default,
+    which [privacy] overrides (every push is kept)."""
+    cfg = {**client_config(org, index, port, state_dir), "report_timing": False,
+           "model": {"name": "mlp1", "latent_dim": 2000},
+           "privacy": {"noise_multiplier": 1.0, "delta": 1e-5, "noise_seed": 7}}
+    del cfg["keep_push_from_bytes"]
+    return cfg
 
 
 def private_run(aggregator: Callable[..., Any], client_process: Callable[..., subprocess.Popen[bytes]],
@@ -172,3 +175,19 @@ def test_a_round_worked_again_without_a_kept_push_is_charged_as_before(
     ledger, log2 = private_run(aggregator, client_process, tmp_path, "pending.update_written")
     assert KEPT.findall(log2) == []
     assert steps(ledger) == 3 * STEPS
+
+
+def test_a_push_below_keep_push_from_bytes_is_not_kept_and_its_round_is_worked_again(
+        aggregator: Callable[..., Any], client_process: Callable[..., subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    agg = aggregator(run_config(rounds=1, round_deadline_seconds=600))
+    state = tmp_path / "a-state"
+    small = {**client_config("a", 0, agg.port, state), "keep_push_from_bytes": 1 << 20,
+             "model": {"name": "mlp1", "latent_dim": 2000}}  # 0.6 MB
+    assert client_process("a1", small, crash_at="push.half_sent").wait(timeout=180) == -9
+    assert not (state / "r").exists()  # nothing kept, no state saved yet
+    second = client_process("a2", small)
+    other = client_process("b", {**small, "organization": "b", "state_dir": str(tmp_path / "b-state"),
+                                 "data": {**small["data"], "client_index": 1}})
+    assert second.wait(timeout=180) == 0 and other.wait(timeout=60) == 0
+    assert KEPT.findall((tmp_path / "a2.log").read_text()) == []
+    assert agg.service.runs["r"].status().finished

@@ -183,10 +183,11 @@ class RoundLoop:
 
     def _push(self, ins: Instructions, upload: list[Payload], declaration: PrivacyDeclaration | None,
               exact: list[EvalMetrics]) -> None:
-        """Encode the upload, keep it with the state after the round's work (with a state directory), push it."""
+        """Encode the upload, keep it with the state after the round's work (with a state directory, when it is
+        ``keep_push_from_bytes`` or more, or under ``[privacy]``), push it."""
         outgoing = self.client.prepare_push(ins.round, upload, self.member.wire_dtype, privacy=declaration)
-        if self.pending is not None:
-            privacy = self.member.privacy
+        privacy = self.member.privacy
+        if self.pending is not None and (privacy is not None or outgoing.size >= self.config.keep_push_from_bytes):
             self.pending.save(self._key(ins), outgoing.data, outgoing.digest, self.member.half.private_state(), exact,
                               privacy.released if privacy is not None else {})
         self._send(outgoing)
