@@ -7,6 +7,11 @@ loaded, the update mapped and planned in chunks: its digest).
 The private state is as large as the update (a model every organization sends whole). Figures are wall
 milliseconds, the median of ``--repeat`` runs after one warm-up, on the file system of ``--dir`` (default: a
 temporary directory); the page cache is not dropped, so a read back after a real restart may take longer.
+
+Then, for the largest size, the memory of the update's path alone (no private state): the growth of this
+process's peak RSS (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) while the push is kept, and while
+it is read back and every chunk's message is built as a stream sends it, with the anonymous memory (``RssAnon``:
+not the mapped file's pages, which the kernel can drop) held at the end.
 """
 
 from __future__ import annotations
@@ -67,8 +72,36 @@ def main(argv: list[str] | None = None) -> int:
             read_ms = wall_ms(read_back, args.repeat)
             print(f"{mb:>6g}MB {keep_ms:>16.1f} ms {2 * mb / keep_ms * 1e3:>6.0f} {read_ms:>7.1f} ms", flush=True)
             store.remove()
+        print(memory(store, client, outgoing, mb))
         client.close()
     return 0
+
+
+def status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory(store: PendingPushFile, client: AggregatorClient, outgoing: OutgoingPush, mb: float) -> str:
+    """The update's path alone: peak RSS growth keeping it, and reading it back and framing every chunk."""
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kb("VmRSS")
+    store.save(KEY, outgoing.data, outgoing.digest, {}, [], {})
+    kept_peak = status_kb("VmHWM") - base
+    Path("/proc/self/clear_refs").write_text("5")
+    base, anon = status_kb("VmRSS"), status_kb("RssAnon")
+    kept = store.take(KEY)
+    assert kept is not None
+    again = client.reopen_push(1, kept.data)
+    sent = sum(len(m) for m in again.requests)
+    read_peak, anon_held = status_kb("VmHWM") - base, status_kb("RssAnon") - anon
+    assert sent >= again.size
+    store.remove()
+    return (f"{mb:g} MB update alone: keeping it raised peak RSS by {kept_peak / 1024:.1f} MB; reading it back and "
+            f"framing every chunk by {read_peak / 1024:.1f} MB (the mapped file's pages), "
+            f"{anon_held / 1024:.1f} MB of it anonymous at the end")
 
 
 if __name__ == "__main__":
