@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ import torch
 from hetfed.client.pending import DATA_NAME, RECORD_NAME, PendingPushFile, RoundKey
 from hetfed.wire import digest as content
 from hetfed.wire.payloads import EvalMetrics
+from tests.conftest import run_config
 
 IDENTITY = {"run": "r", "organization": "a", "algorithm": "fedavg", "seed": 3, "model": "mlp"}
 KEY = RoundKey(round=2, action="TRAIN", round_seed=77, after=1)
@@ -113,3 +118,42 @@ def test_killed_between_the_update_and_its_record_nothing_is_kept(tmp_path: Path
     assert not (tmp_path / "r" / RECORD_NAME).exists()
     assert kept(tmp_path).take(KEY) is None
     assert list((tmp_path / "r").iterdir()) == []
+
+
+def test_a_push_that_cannot_be_kept_is_sent_all_the_same(
+        aggregator: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
+    """A full disk under the state directory: the push is not kept (a restart would train the round again), and
+    it goes all the same; the run finishes."""
+    from hetfed.client.config import ClientConfig, ModelConfig, RetryConfig
+    from hetfed.client.data import DataConfig
+    from hetfed.client.runtime import ClientRuntime
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PendingPushFile, "save", full)
+    agg = aggregator(run_config(rounds=1))
+    results: dict[str, Any] = {}
+
+    def client(org: str, index: int) -> None:
+        cfg = ClientConfig(organization=org, run="r", aggregator=f"127.0.0.1:{agg.port}", threads=1,
+                           data=DataConfig(dataset="digits", partition="iid", num_clients=2, client_index=index),
+                           model=ModelConfig(name="mlp"), state_dir=str(tmp_path / org), keep_push_from_bytes=0,
+                           retry=RetryConfig(initial_backoff_seconds=0.05, max_backoff_seconds=0.5))
+        try:
+            results[org] = ClientRuntime(cfg).run()
+        except Exception as exc:  # reported by the assertion below
+            results[org] = exc
+
+    with caplog.at_level(logging.WARNING, "hetfed.client"):
+        threads = [threading.Thread(target=client, args=(org, i)) for i, org in enumerate("ab")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not [r for r in results.values() if isinstance(r, Exception)], results
+    assert {org: [r for r, _ in reports] for org, reports in results.items()} == {"a": [1, 2], "b": [1, 2]}
+    assert agg.service.runs["r"].status().finished
+    assert f"a: the push of round 1 could not be kept in {tmp_path / 'a' / 'r'} ([Errno 28] No space left on " \
+           "device); it is sent unkept" in caplog.text

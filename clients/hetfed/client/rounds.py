@@ -10,6 +10,7 @@ resumes the kept push instead of working its round again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -188,8 +189,14 @@ class RoundLoop:
         outgoing = self.client.prepare_push(ins.round, upload, self.member.wire_dtype, privacy=declaration)
         privacy = self.member.privacy
         if self.pending is not None and (privacy is not None or outgoing.size >= self.config.keep_push_from_bytes):
-            self.pending.save(self._key(ins), outgoing.data, outgoing.digest, self.member.half.private_state(), exact,
-                              privacy.released if privacy is not None else {})
+            try:
+                self.pending.save(self._key(ins), outgoing.data, outgoing.digest, self.member.half.private_state(),
+                                  exact, privacy.released if privacy is not None else {})
+            except OSError as exc:  # the push goes all the same: a restart then works the round again
+                log.warning("%s: the push of round %d could not be kept in %s (%s); it is sent unkept",
+                            self.config.organization, ins.round, self.pending.dir, exc)
+                with contextlib.suppress(OSError):
+                    self.pending.remove()
         self._send(outgoing)
 
     def _send(self, outgoing: OutgoingPush, resume: bool = False) -> None:
