@@ -9,7 +9,7 @@ into place, the record after it, and the directory is fsynced: a record on disk 
 
 A client restarted with the same state directory that is asked for the same round (same run, organization,
 algorithm, seed, model, action, round seed, and the same finished round) does not work the round again: it loads
-the private state the record holds, maps the update read-only (a 3 GB update costs no memory of its own) and
+the private state the record holds, maps the update read-only (its pages are the file's, not the process's own) and
 pushes it from the chunks the aggregator holds (``PushProgress``). The same already-noised bytes go out, so the
 privacy ledger is not charged again. A record that does not match is removed, with a log line, and never pushed.
 The runtime removes the record once the round is over for the organization (acknowledged, or refused ``late``).
