@@ -1,18 +1,21 @@
 """A push kept on disk until the aggregator acknowledges it, so that a restarted client resumes it.
 
-Before a round's update leaves, the client writes it to ``<state_dir>/<run>/pending-push.update`` (the exact bytes
-it pushes, from the encoded buffer: no copy) and, beside it, ``pending-push.pt``: the update's BLAKE3 digest and
-size, the round and what the round was (its action, round seed and the round the half had finished before it),
-the half's private state after the round's work, the organization's own exact figures and, under ``[privacy]``,
-the figures the round released. Each file is written to a temporary file and fsynced; then the update is renamed
-into place, the record after it, and the directory is fsynced: a record on disk always names a complete update.
+Before a round's update leaves, the client writes it to ``<state_dir>/<run>/pending-push.update`` (the exact
+bytes it pushes, from the encoded buffer: no copy) and, beside it, ``pending-push.pt``: the update's BLAKE3
+digest and size, the round and what the round was (its action, round seed and the round the half had finished
+before it), the half's private state after the round's work, the organization's own exact figures and, under
+``[privacy]``, the figures the round released. Each file is written to a temporary file and fsynced; then the
+update is renamed into place, the record after it, and the directory is fsynced: a record on disk always names
+a complete update. The runtime keeps a push of ``keep_push_from_bytes`` or more, and every push under
+``[privacy]``.
 
 A client restarted with the same state directory that is asked for the same round (same run, organization,
-algorithm, seed, model, action, round seed, and the same finished round) does not work the round again: it loads
-the private state the record holds, maps the update read-only (its pages are the file's, not the process's own) and
-pushes it from the chunks the aggregator holds (``PushProgress``). The same already-noised bytes go out, so the
-privacy ledger is not charged again. A record that does not match is removed, with a log line, and never pushed.
-The runtime removes the record once the round is over for the organization (acknowledged, or refused ``late``).
+algorithm, seed, model, action, round seed, and the same finished round) does not work the round again: it
+loads the private state the record holds, maps the update read-only (its pages are the file's, not the
+process's own) and pushes it from the chunks the aggregator holds (``PushProgress``). The same already-noised
+bytes go out, so the privacy ledger is not charged again. A record that does not match is removed, with a log
+line, and never pushed. The runtime removes the record once the round is over for the organization
+(acknowledged, or refused ``late``).
 """
 
 from __future__ import annotations
