@@ -258,3 +258,28 @@ def test_total_equal_to_the_limit_is_accepted() -> None:
     data = payload(3 * C)
     assert reassemble(list(chunks.split(data, C)), max_bytes=3 * C) == data
     wire_error(list(chunks.split(data, C)), "oversized", max_bytes=3 * C - 1)
+
+
+def test_a_restored_reassembly_goes_on_from_its_position_and_hash_state() -> None:
+    data = bytes(range(256)) * 40
+    parts = list(chunks.split(data, 1000, first_bytes=240))
+    first = chunks.Reassembler(1 << 20)
+    for part in parts[:4]:
+        first.add(part)
+    assert (first.next_index, first.received) == (4, 3240)
+    assert first.prefix_digest() == blake3.blake3(data[:3240]).digest()
+    # Another reassembler, whose sink already holds the first 3240 bytes, takes over with the hash state of them.
+    sink = chunks.MemorySink()
+    sink.allocate(len(data))
+    sink.write(0, data[:3240])
+    second = chunks.Reassembler(1 << 20, sink)
+    second.restore((len(parts), len(data)), (4, 3240), blake3.blake3(data[:3240]))
+    for part in parts[4:]:
+        second.add(part)
+    assert bytes(second.take()) == data and second.digest == blake3.blake3(data).digest()
+    for shape, held in (((11, 10240), (0, 0)), ((11, 10240), (11, 10240)), ((11, 10240), (4, 10241)),
+                        ((11, 10), (4, 3)), ((11, 1 << 21), (4, 3240))):
+        with pytest.raises(ValueError, match="not a partial message"):
+            chunks.Reassembler(1 << 20).restore(shape, held, blake3.blake3())
+    with pytest.raises(ValueError, match="only a reassembly that has not started is restored"):
+        first.restore((len(parts), len(data)), (4, 3240), blake3.blake3())

@@ -312,24 +312,6 @@ def test_a_partial_push_of_a_closed_round_is_dropped(
     assert len(agg.service.spool) == 0
 
 
-def test_a_restarted_aggregator_holds_no_partial_push(
-        aggregator: Start, channel: Callable[..., tuple[RunningAggregator, grpc.Channel]]) -> None:
-    # The spool is not made durable: partial pushes live as long as the aggregator process.
-    agg, ch = channel()
-    data = encoded("a")
-    leave_partial(ch, "a", data, 3, metadata=md("a"))
-    spool = Path(agg.service.config.server.state_dir) / ".spool"
-    assert len(list(spool.rglob("*.part"))) == 1
-    agg.stop()
-    again = aggregator(run_config())
-    assert not (spool / "r").exists()
-    with grpc.insecure_channel(f"127.0.0.1:{again.port}") as ch2:
-        assert progress(ch2, "a", content.digest(data), len(data), metadata=md("a")) == (0, 0)
-        msgs = messages_of("a", data)
-        err = send(ch2, [named(msgs[3], content.digest(data)), *msgs[4:]], md("a"))
-        assert isinstance(err, grpc.RpcError) and err.details().startswith("not_resumable")
-
-
 def test_under_mtls_only_the_same_organization_resumes_its_push(aggregator: Start, tmp_path: Path) -> None:
     certs = make_federation_certs(tmp_path / "certs", ["a", "b"])
     agg = aggregator(run_config(), tls=to_mapping(certs.aggregator_tls()))

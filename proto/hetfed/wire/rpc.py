@@ -80,6 +80,8 @@ class Receiving:
     waiting: bool = False
     # What the handler keeps the reception in (the wire package does not look at it).
     owner: object = field(default=None, repr=False)
+    # Called after each chunk is added and counted (the aggregator's spool makes the push durable from it).
+    after_chunk: Callable[[], None] | None = field(default=None, repr=False)
 
 
 class AdmittedPush(Protocol):
@@ -257,6 +259,14 @@ class _ChunkCache:
         return chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """A unary RPC's response, and the (organization, round) whose traffic it is (None: not counted)."""
+
+    response: bytes
+    counted: tuple[str, int] | None = None
+
+
 class AggregatorServicer:
     """The Aggregator service on a ``grpc.aio`` server: requests arrive as bytes and are parsed here.
 
@@ -281,25 +291,39 @@ class AggregatorServicer:
         log.error("%s failed unexpectedly", what, exc_info=exc)
         return WireError("internal", f"{what} failed inside the aggregator ({type(exc).__name__}); it is logged there")
 
-    async def join(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
-        """Join: admit an organization to a run."""
+    async def _unary(self, what: str, cls: type[M], request: bytes,
+                     context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+                     answer: Callable[[M, Caller], Awaitable[_Answer]]) -> bytes:
+        """One unary RPC: parse the request, check its ids, ``answer`` it, count its traffic both ways when the
+        answer names whose it is; a refusal (or any failure) becomes its gRPC status."""
         run_id = ""
         try:
-            msg = parse(apb.JoinRequest, request)
-            _check_ids(msg.run_id, msg.organization_id)
-            run_id = msg.run_id
-            org = self.handler.identify(_caller(context), msg.organization_id)
-            reply = await self.handler.join(org, messages.join_request_from_proto(msg))
-            resp = messages.join_reply_to_proto(reply).SerializeToString()
+            msg = parse(cls, request)
+            run_id = str(getattr(msg, "run_id", ""))
+            _check_ids(run_id, getattr(msg, "organization_id", ""))
+            done = await answer(msg, _caller(context))
         except WireError as err:
             failure = err
         except Exception as exc:
-            failure = self._internal("Join", exc)
+            failure = self._internal(what, exc)
         else:
-            self.handler.count(run_id, org, reply.current_round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, reply.current_round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
-            return resp
+            if done.counted is not None:
+                org, round_ = done.counted
+                self.handler.count(run_id, org, round_, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+                self.handler.count(run_id, org, round_, Direction.DOWN,
+                                   with_envelope(TrafficBreakdown(), len(done.response)))
+            return done.response
         return await self._fail(context, run_id, failure)
+
+    async def join(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """Join: admit an organization to a run."""
+
+        async def answer(msg: apb.JoinRequest, caller: Caller) -> _Answer:
+            org = self.handler.identify(caller, msg.organization_id)
+            reply = await self.handler.join(org, messages.join_request_from_proto(msg))
+            return _Answer(messages.join_reply_to_proto(reply).SerializeToString(), (org, reply.current_round))
+
+        return await self._unary("Join", apb.JoinRequest, request, context, answer)
 
     async def pull(self, request: bytes,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # type: ignore[type-arg]
@@ -386,6 +410,8 @@ class AggregatorServicer:
             done = assembler.add(req.chunk, data)
             receiving.wire_bytes += size
             receiving.messages += 1
+            if receiving.after_chunk is not None:
+                receiving.after_chunk()
             data = None
             receiving.waiting = not done
             raw = await self._next_chunk(stream)
@@ -408,39 +434,25 @@ class AggregatorServicer:
 
     async def progress(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """PushProgress: how much of a cut push the aggregator holds."""
-        run_id = ""
-        try:
-            msg = parse(apb.PushProgressRequest, request)
-            _check_ids(msg.run_id, msg.organization_id)
-            run_id = msg.run_id
-            org = self.handler.identify(_caller(context), msg.organization_id)
-            held, size = await self.handler.push_progress(org, run_id, msg.round, msg.update_blake3, msg.total_bytes)
-            resp = apb.PushProgressResponse(chunks_held=held, bytes_held=size).SerializeToString()
-        except WireError as err:
-            failure = err
-        except Exception as exc:
-            failure = self._internal("PushProgress", exc)
-        else:
-            self.handler.count(run_id, org, msg.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, msg.round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
-            return resp
-        return await self._fail(context, run_id, failure)
+
+        async def answer(msg: apb.PushProgressRequest, caller: Caller) -> _Answer:
+            org = self.handler.identify(caller, msg.organization_id)
+            held, size = await self.handler.push_progress(org, msg.run_id, msg.round, msg.update_blake3,
+                                                          msg.total_bytes)
+            return _Answer(apb.PushProgressResponse(chunks_held=held, bytes_held=size).SerializeToString(),
+                           (org, msg.round))
+
+        return await self._unary("PushProgress", apb.PushProgressRequest, request, context, answer)
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
-        """Status: the runs the caller may see."""
-        run_id = ""
-        try:
-            msg = parse(apb.StatusRequest, request)
-            _check_ids(msg.run_id)
-            run_id = msg.run_id
-            runs = await self.handler.status(_caller(context), msg.run_id)
-            return await self.handler.blocking(
-                lambda: apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs]).SerializeToString())
-        except WireError as err:
-            failure = err
-        except Exception as exc:
-            failure = self._internal("Status", exc)
-        return await self._fail(context, run_id, failure)
+        """Status: the runs the caller may see (not counted: it is no organization's round traffic)."""
+
+        async def answer(msg: apb.StatusRequest, caller: Caller) -> _Answer:
+            runs = await self.handler.status(caller, msg.run_id)
+            return _Answer(await self.handler.blocking(
+                lambda: apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs]).SerializeToString()))
+
+        return await self._unary("Status", apb.StatusRequest, request, context, answer)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, with raw-bytes requests and responses (no gRPC (de)serializer)."""
