@@ -245,7 +245,13 @@ class ClientRuntime:
             return self.reports
         member = self._set_up(joined, data, privacy, device)
         store = self._resume(member.half, joined.algorithm, int(joined.seed), int(joined.current_round))
-        final = RoundLoop(self.client, cfg, member, store, self.gauges, self.reports, self.resumed_round).run()
+        pending = None
+        if store is not None:  # the round's update is kept beside the state until it is acknowledged
+            from hetfed.client.pending import PendingPushFile
+
+            pending = PendingPushFile(cfg.state_dir or "", cfg.run, store.identity)
+        final = RoundLoop(self.client, cfg, member, store, self.gauges, self.reports, self.resumed_round,
+                          pending).run()
         if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
             from hetfed.client.export import export_after_run
 

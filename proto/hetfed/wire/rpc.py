@@ -526,9 +526,14 @@ def call_once(what: str, call: Callable[[], T]) -> T:
 class _PushStreams:
     """The streams of one push: the first from chunk 0, each later one from where the aggregator says it holds
     the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
-    the push for a resume, unless the push is one chunk."""
+    the push for a resume, unless the push is one chunk.
 
-    def __init__(self, requests: chunks.Framed) -> None:
+    ``resumed``: the push continues one that an earlier process of this organization began (``OutgoingPush``
+    reopened): its first stream asks where to resume, and the earlier process's stream counts as one that the
+    aggregator may have kept. ``sending(index, count)`` is called as each message is taken for sending."""
+
+    def __init__(self, requests: chunks.Framed, resumed: bool = False,
+                 sending: Callable[[int, int], None] | None = None) -> None:
         self.requests = requests
         # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
         self.resumable = len(requests) > 1
@@ -536,8 +541,9 @@ class _PushStreams:
                        else b"")
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
-        self._starts: list[int] = []
-        self.cut = False  # a stream of this push was cut: the next one asks where to resume
+        self._starts: list[int] = [0] if resumed and self.resumable else []
+        self.cut = resumed and self.resumable  # a stream of this push was cut: the next one asks where to resume
+        self._sending = sending
 
     def stream(self, start: int) -> Iterator[bytes]:
         """The messages from chunk ``start`` on (0 when it is past the last chunk)."""
@@ -545,13 +551,51 @@ class _PushStreams:
         while self._starts and self._starts[-1] >= start:
             self._starts.pop()
         self._starts.append(start)
+        if self._sending is not None:
+            return self._watched(start)
         rest = (self.requests[i] for i in range(start + 1, len(self.requests)))  # each framed when it is sent
         return itertools.chain((self.requests[start] + self._named,), rest)
+
+    def _watched(self, start: int) -> Iterator[bytes]:
+        """``stream``'s messages, each announced to ``sending`` as it is taken."""
+        assert self._sending is not None
+        count = len(self.requests)
+        for i in range(start, count):
+            self._sending(i, count)
+            yield self.requests[i] + self._named if i == start else self.requests[i]
 
     def wire_bytes(self) -> int:
         """The bytes of the messages that made up the accepted push: every chunk once, and one digest field per
         stream that carried some of them (what the aggregator counts too)."""
         return self.requests.total_bytes + len(self._named) * len(self._starts)
+
+
+class OutgoingPush:
+    """An update ready to be pushed: its serialized bytes (``data``, a view: no copy), the messages that carry them
+    in chunks and their BLAKE3 ``digest``, which names the push for a resume.
+
+    ``AggregatorClient.prepare_push`` encodes one; ``AggregatorClient.reopen_push`` makes one of bytes an earlier
+    process of the organization kept (a memory map, for instance), to resume its push."""
+
+    def __init__(self, round_: int, envelope: bytes, data: Bytes, payloads: TrafficBreakdown) -> None:
+        self.round = round_
+        self.data = data
+        self.payloads = payloads
+        self.requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, data, first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
+
+    @property
+    def digest(self) -> bytes:
+        """The BLAKE3 digest of ``data``."""
+        return self.requests.digest
+
+    @property
+    def size(self) -> int:
+        """The bytes of ``data``."""
+        return self.requests.data_bytes
+
+    def __len__(self) -> int:
+        """The chunks the push takes."""
+        return len(self.requests)
 
 
 class AggregatorClient:
@@ -669,17 +713,38 @@ class AggregatorClient:
         notice instead (no payloads), which the aggregator refuses ``organization_left`` (a ``RemoteError``).
 
         A retry after a stream failed resumes the push from the chunks the aggregator holds (``PushProgress``)."""
+        return self.send_push(self.prepare_push(round_, payloads, wire_dtype, privacy, leave_reason))
+
+    def _envelope(self, round_: int) -> bytes:
+        return apb.PushUpdateRequest(run_id=self.run_id, round=round_,
+                                     organization_id=self.organization).SerializeToString()
+
+    def prepare_push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None,
+                     privacy: PrivacyDeclaration | None = None, leave_reason: str = "") -> OutgoingPush:
+        """The update ``push`` sends, encoded (one buffer) and planned in chunks, not sent (``send_push``)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy,
                                                          leave_reason), wire_dtype)
-        envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
-                                         organization_id=self.organization).SerializeToString()
-        requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
-                                 first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        streams = _PushStreams(requests)
+        return OutgoingPush(round_, self._envelope(round_), encoded.data, encoded.payloads)  # type: ignore[arg-type]
+
+    def reopen_push(self, round_: int, data: Bytes) -> OutgoingPush:
+        """A push of the serialized update ``data`` (kept by an earlier process of this organization, as
+        ``OutgoingPush.data`` was); WireError (``malformed``, ``envelope_mismatch``) when ``data`` is not an update
+        of this run, round and organization. Its tensors are not copied."""
+        parsed = messages.ParsedUpdate(data)
+        parsed.check_envelope(self.run_id, round_, self.organization)
+        return OutgoingPush(round_, self._envelope(round_), data, parsed.payload_traffic)
+
+    def send_push(self, outgoing: OutgoingPush, resume: bool = False,
+                  sending: Callable[[int, int], None] | None = None) -> PushReply:
+        """Push ``outgoing`` (``push``); ``resume``: it continues the push of an earlier process of this
+        organization, so the first stream starts where the aggregator holds it (``PushProgress``);
+        ``sending(index, count)``: called as each chunk's message is taken for sending."""
+        streams = _PushStreams(outgoing.requests, resume, sending)
+        round_ = outgoing.round
         raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count(Direction.UP, with_envelope(encoded.payloads, streams.wire_bytes(), len(requests)))
+            self._count(Direction.UP, with_envelope(outgoing.payloads, streams.wire_bytes(), len(outgoing)))
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
