@@ -159,10 +159,10 @@ def test_out_of_order_chunks_are_malformed(parts: list[apb.Chunk]) -> None:
     wire_error(list(reversed(parts)), "malformed")
 
 
-def test_missing_chunks_are_malformed(parts: list[apb.Chunk]) -> None:
+def test_missing_chunks_are_malformed_and_a_stream_ending_early_incomplete(parts: list[apb.Chunk]) -> None:
     wire_error([p for i, p in enumerate(parts) if i != 2], "malformed")  # gap in the middle
     wire_error(parts[1:], "malformed")  # no first chunk
-    err = wire_error(parts[:-1], "malformed")  # the stream ends early: data() refuses
+    err = wire_error(parts[:-1], "incomplete")  # the stream ends early (a cut connection reads so): data() refuses
     assert "ended after 4 of 5 chunks" in err.message
     asm = chunks.Reassembler(1 << 20)
     assert not asm.complete

@@ -215,7 +215,8 @@ def leave_partial(channel: grpc.Channel, org: str, data: bytes, k: int, round_: 
     """Send the first ``k`` chunks of a push of ``data`` and end the stream: the aggregator keeps them."""
     msgs = messages_of(org, data, round_)
     err = send(channel, [named(msgs[0], content.digest(data)), *msgs[1:k]], metadata)
-    assert isinstance(err, grpc.RpcError) and f"the stream ended after {k} of {len(msgs)} chunks" in err.details()
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.ABORTED
+    assert err.details().startswith(f"incomplete: the stream ended after {k} of {len(msgs)} chunks")
     return msgs
 
 

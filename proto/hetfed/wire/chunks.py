@@ -329,7 +329,7 @@ class Reassembler:
         if self._data is None:
             if self._done:
                 raise ValueError("the message was taken")
-            raise WireError("malformed", f"the stream ended after {self._next} of {self._count} chunks")
+            raise WireError("incomplete", f"the stream ended after {self._next} of {self._count} chunks")
         return self._data
 
     def take(self) -> memoryview:

@@ -755,10 +755,11 @@ class AggregatorClient:
             return self._push_raw(streams.stream(start), metadata=self._metadata, timeout=600)  # type: ignore[no-any-return]
         except grpc.RpcError as err:
             reason = RemoteError.of(err).reason
-            # Only a stream cut under the aggregator (a transport failure, no reason) or one it refused as stalled
-            # can have left chunks held; a refusal at admission (too_many_streams, busy, ...) held none, and a
-            # push of one chunk is never held. So a retry asks PushProgress only then: its bytes are counted.
-            streams.cut = streams.resumable and reason in ("", "stalled")
+            # Only a stream cut under the aggregator (a transport failure, no reason, or one that reached it as
+            # incomplete) or one it refused as stalled can have left chunks held; a refusal at admission
+            # (too_many_streams, busy, ...) held none, and a push of one chunk is never held. So a retry asks
+            # PushProgress only then: its bytes are counted.
+            streams.cut = streams.resumable and reason in ("", "stalled", "incomplete")
             if start == 0 or reason != "not_resumable":
                 raise
         # The aggregator dropped what it held meanwhile: the whole push again.
