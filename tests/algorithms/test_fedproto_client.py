@@ -134,7 +134,7 @@ def test_the_uploaded_prototypes_are_the_class_means_of_the_trained_encoder() ->
         z = model.embed(torch.as_tensor(X)).double().numpy()
     want = np.zeros((K, D))
     for k in (0, 1):
-        want[k] = z[Y == k].mean(axis=0)
+        want[k] = z[np.equal(Y, k)].mean(axis=0)
     np.testing.assert_allclose(cme.means, want.astype(np.float32), rtol=1e-6, atol=1e-7)
     assert cme.counts.tolist() == [4, 4, 0] and cme.presence.tolist() == [True, True, False]
     assert cme.labels.tolist() == [0, 1, 2]

@@ -11,12 +11,15 @@ inference of the paper (the nearest global prototype among the classes the organ
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 from torch import nn
 
 from hetfed.client.algorithms.base import ClientContext, ClientHalf
 from hetfed.client.data import class_counts
+from hetfed.client.models import SplitModel
 from hetfed.client.training import (
     Batch,
     Forward,
@@ -54,8 +57,9 @@ class PrototypeDistance(nn.Module):
 
 def embedding_forward(model: nn.Module, batch: Batch) -> Forward:
     """One pass: the latent z and the head's logits on it."""
-    z = model.embed(batch.x)
-    return Forward(model.head(z), {"z": z})
+    split = cast(SplitModel, model)
+    z = split.embed(batch.x)
+    return Forward(split.head(z), {"z": z})
 
 
 @fedproto.SPEC.client_half

@@ -62,7 +62,7 @@ class FedProtoServer(ServerHalf[FedProtoConfig]):
     def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """The global prototypes once any class has one (nothing before the first close: round 1 trains on
         cross-entropy alone), with N_j as counts; presence marks the classes set at least once."""
-        if phase is not Phase.TRAIN and phase is not Phase.EVALUATE or not self.present.any():
+        if phase not in (Phase.TRAIN, Phase.EVALUATE) or not self.present.any():
             return []
         k = self.config.num_classes
         return [ClassMeanEmbeddings(labels=np.arange(k, dtype=np.int64), means=self.prototypes.astype(np.float32),
