@@ -162,3 +162,17 @@ def test_prototype_inference_picks_the_nearest_global_prototype_among_its_own_cl
     assert (((z[:, None, :] - protos[None]) ** 2).sum(axis=2).argmin(axis=1) == 2).any()
     assert half.prototype_accuracy() == pytest.approx(want)
     assert half.evaluate(2, Received([], frozenset())).extra["prototype_test_accuracy"] == pytest.approx(want)
+
+
+def test_a_restarted_client_keeps_the_last_global_prototypes() -> None:
+    """The prototypes received last are private state: a resumed half trains toward them as the first would."""
+    half = client()
+    half.train(1, 3, received())
+    fresh = client()
+    assert fresh.prototypes is None
+    fresh.load_private_state(half.private_state())
+    assert fresh.prototypes is not None and torch.equal(fresh.prototypes, half.prototypes)
+    nothing = Received([], frozenset())
+    a, b = half.train(2, 4, nothing)[0], fresh.train(2, 4, nothing)[0]
+    assert isinstance(a, ClassMeanEmbeddings) and isinstance(b, ClassMeanEmbeddings)
+    assert a.means.tobytes() == b.means.tobytes()
