@@ -22,6 +22,7 @@ from hetfed.wire.specs import (
     fedavg_head,
     fedcma,
     fedh2l,
+    fedproto,
     fedprox,
     fedsr,
     local,
@@ -50,6 +51,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.COS_SPEC,
     ditto.MKMMD_SPEC,
     ditto.MMDD_SPEC,
+    fedproto.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
