@@ -12,10 +12,11 @@ from hetfed.client.algorithms import (
     fedcma,
     fedh2l,
     fedprox,
+    fedrep,
     fedsr,
     local,
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedprox", "fedsr", "local",
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedprox", "fedrep", "fedsr", "local",
            "simfed"]
