@@ -58,12 +58,17 @@ class FedRepClient(ModelAveragingClient[FedRepConfig]):
                                                      if not k.startswith(HEAD)})
 
     def phase(self, name: str, epochs: int, rng: np.random.Generator) -> FitResult:
-        """``epochs`` shuffled epochs on the ``name`` part ("head" or "body"), the other part frozen."""
+        """``epochs`` shuffled epochs on the ``name`` part ("head" or "body"), the other part frozen.
+
+        Only ``name``'s optimiser steps, so the other part never moves. Outside DP it also takes no gradient
+        (the head phase backpropagates through the head alone). Under DP it keeps its gradients: the
+        per-example hooks of the private step need every module's activations, and clip over the stepped
+        parameters only."""
         parts = self.optimized()
         other = parts[PHASES[1 - PHASES.index(name)]]
         schedule = TrainConfig(local_epochs=epochs, batch_size=self.config.batch_size)
         objective = Objective(self.ctx.model, self.optimizer(name), self.terms(), self.forward)
-        with frozen(other):
+        with frozen(other if self.ctx.privacy is None else []):
             return fit([objective], epoch_batches(self.ctx.train, schedule, rng))
 
     def train(self, round_: int, round_seed: int, received: Received) -> list[Payload]:
