@@ -47,9 +47,9 @@ def data() -> ClientData:
     return ClientData(ArrayDataset(x, y), ArrayDataset(x[:5], y[:5]), None, K, (FEATURES,), "tiny")
 
 
-def half(**fields: Any) -> Any:
+def half(build: Any = model, **fields: Any) -> Any:
     spec = get_spec("fedrep")
-    ctx = ClientContext(ORG, model(), data(), torch.device("cpu"), spec.config(**{**CONFIG, **fields}), SEED)
+    ctx = ClientContext(ORG, build(), data(), torch.device("cpu"), spec.config(**{**CONFIG, **fields}), SEED)
     return make_client_half(spec, ctx)
 
 
@@ -173,3 +173,14 @@ def test_the_defaults_are_the_papers_and_its_codes() -> None:
     c = get_spec("fedrep").config()
     assert (c.head_epochs, c.body_epochs, c.batch_size, c.lr, c.momentum, c.weight_decay, c.weighting) == \
         (10, 1, 10, 0.01, 0.5, 1e-4, "uniform")
+
+
+@pytest.mark.parametrize(("frozen", "part"), [("head", "head"), ("encoder", "body")])
+def test_a_part_with_nothing_to_train_is_refused_when_the_client_starts(frozen: str, part: str) -> None:
+    def build() -> SplitModel:
+        m = model()
+        getattr(m, frozen).requires_grad_(False)
+        return m
+
+    with pytest.raises(ValueError, match=f"this organization's {part} has no trainable parameter"):
+        half(build)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 from torch import nn
 
+from hetfed.client.algorithms.base import ClientContext
 from hetfed.client.algorithms.fedavg import ModelAveragingClient
 from hetfed.client.training import FitResult, Objective, epoch_batches, fit
 from hetfed.wire.contract import DeclaredTensor
@@ -40,6 +41,13 @@ def frozen(params: Sequence[nn.Parameter]) -> Iterator[None]:
 @fedrep.SPEC.client_half
 class FedRepClient(ModelAveragingClient[FedRepConfig]):
     """Load the global body, evaluate, train the head for τ_h epochs, then the body for τ_b epochs; send the body."""
+
+    def __init__(self, ctx: ClientContext[FedRepConfig]) -> None:
+        super().__init__(ctx)
+        empty = [name for name, params in self.optimized().items() if not params]
+        if empty:
+            raise ValueError(f"FedRep trains the head, then the body, but this organization's {' and '.join(empty)} "
+                             "has no trainable parameter: let some of each train")
 
     def optimized(self) -> dict[str, list[nn.Parameter]]:
         """Two optimisers: ``head`` over the head's trainable parameters, ``body`` over the rest."""
