@@ -5,33 +5,22 @@ is larger by exactly the encoded head tensors, for each organization, every roun
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from hetfed.client.algorithms.fedavg import model_weights
 from hetfed.client.models import build_model
 from hetfed.wire import codec
+from tests.e2e.test_local_run import hetfed_run
 
 pytestmark = pytest.mark.e2e
 CLIENTS, ROUNDS, CLASSES = 2, 3, 4
 
 
-def _runs(tmp_path: Path) -> dict[str, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedrep,fedper,fedavg", "--dataset", "gauss4",
-         "--clients", str(CLIENTS), "--rounds", str(ROUNDS), "--local-epochs", "3", "--output", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {r["algorithm"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
-
-
 def test_fedrep_and_fedper_beat_chance_and_send_the_body_alone(tmp_path: Path) -> None:
-    runs = _runs(tmp_path)
+    runs = hetfed_run(tmp_path, "--algorithm", "fedrep,fedper,fedavg", "--dataset", "gauss4", "--clients",
+                      str(CLIENTS), "--rounds", str(ROUNDS), "--local-epochs", "3")
     # gauss4: 4 classes, so chance is 25%; FedRep's personal heads reach 86% here (seed 0).
     assert runs["fedrep"]["final_test_accuracy"] > 0.5
     assert runs["fedper"]["final_test_accuracy"] > 1 / CLASSES
