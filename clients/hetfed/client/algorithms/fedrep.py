@@ -23,7 +23,6 @@ from hetfed.wire.specs import TrainConfig, fedrep
 from hetfed.wire.specs.fedrep import FedRepConfig
 
 HEAD = "head."
-PHASES = ("head", "body")
 
 
 @contextmanager
@@ -72,8 +71,7 @@ class FedRepClient(ModelAveragingClient[FedRepConfig]):
         (the head phase backpropagates through the head alone). Under DP it keeps its gradients: the
         per-example hooks of the private step need every module's activations, and clip over the stepped
         parameters only."""
-        parts = self.optimized()
-        other = parts[PHASES[1 - PHASES.index(name)]]
+        other = self.optimized()["body" if name == "head" else "head"]
         schedule = TrainConfig(local_epochs=epochs, batch_size=self.config.batch_size)
         objective = Objective(self.ctx.model, self.optimizer(name), self.terms(), self.forward)
         with frozen(other if self.ctx.privacy is None else []):
