@@ -13,10 +13,11 @@ from hetfed.client.algorithms import (
     fedh2l,
     fedproto,
     fedprox,
+    fedrep,
     fedsr,
     local,
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedproto", "fedprox", "fedsr", "local",
-           "simfed"]
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedproto", "fedprox", "fedrep", "fedsr",
+           "local", "simfed"]
