@@ -25,7 +25,7 @@ from hetfed.wire.payloads import (
     PayloadKind,
 )
 from hetfed.wire.traffic import embedded_size
-from tests.conftest import RawClient
+from tests.conftest import RawClient, denied
 
 pytestmark = pytest.mark.e2e
 K, D = 4, 2  # gauss4: four classes; the run's defaults give it a 2-D prototype space
@@ -81,13 +81,6 @@ def test_every_byte_is_prototypes_metrics_or_envelope(run: dict[str, Any]) -> No
 
 
 # ---------------------------------------------------------------------------------------------- contract
-def denied(push: Callable[[], object]) -> str:
-    with pytest.raises(grpc.RpcError) as err:
-        push()
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
-    return str(err.value.details())
-
-
 def test_the_aggregator_refuses_what_fedproto_does_not_declare(
     aggregator: Callable[..., Any], raw_client: Callable[..., RawClient]
 ) -> None:
