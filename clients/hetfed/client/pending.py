@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hetfed.client.crashpoints import crash_point
-from hetfed.client.state import pack, unpack
+from hetfed.client.state import fsync_directory, pack, unpack
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.payloads import EvalMetrics
 
@@ -80,14 +80,6 @@ def _write_all(fd: int, data: Bytes) -> None:
         view = view[done:]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class PendingPushFile:
     """The kept push of one organization in one run (at most one: the round being pushed)."""
 
@@ -122,7 +114,7 @@ class PendingPushFile:
             os.fsync(f.fileno())
         os.replace(tmp_data, self.update)
         os.replace(tmp_record, self.record)
-        _fsync_dir(self.dir)
+        fsync_directory(self.dir)
 
     def take(self, key: RoundKey) -> PendingPush | None:
         """The kept push of the round ``key`` names; None when there is none. One that cannot be read or belongs
@@ -166,7 +158,7 @@ class PendingPushFile:
         if any(p.exists() for p in paths):
             for p in paths:
                 p.unlink(missing_ok=True)
-            _fsync_dir(self.dir)
+            fsync_directory(self.dir)
 
 
 def _metrics(m: EvalMetrics) -> dict[str, Any]:
