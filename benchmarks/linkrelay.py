@@ -90,10 +90,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
             wait = due - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            # Counted as it is handed to the socket: the peer may read it before drain() returns.
+            link.bytes += len(data)
             writer.write(data)
             await writer.drain()
             held -= len(data)
-            link.bytes += len(data)
             changed.set()
     except ConnectionError:
         pass

@@ -254,11 +254,15 @@ def aggregator_config(w: Workload, clients: int, rounds: int, state: Path,
     }
 
 
-def client_config(w: Workload, i: int, port: int, data: Path, device: str = "cpu") -> dict[str, Any]:
-    """A torch client of the workload."""
-    return {"organization": f"org-{i}", "run": RUN, "aggregator": f"127.0.0.1:{port}", "device": device,
-            "threads": 1, "report_timing": True, "data": {"dataset": "npz", "partition": "natural", "path": str(data)},
-            "model": {"name": w.model, "latent_dim": w.latent_dim}, "retry": {"give_up_after_seconds": 300.0}}
+def client_config(w: Workload, i: int, port: int, data: Path, device: str = "cpu",
+                  state_dir: Path | None = None) -> dict[str, Any]:
+    """A torch client of the workload (``state_dir``: it keeps its state there, as a deployed client does)."""
+    cfg = {"organization": f"org-{i}", "run": RUN, "aggregator": f"127.0.0.1:{port}", "device": device,
+           "threads": 1, "report_timing": True, "data": {"dataset": "npz", "partition": "natural", "path": str(data)},
+           "model": {"name": w.model, "latent_dim": w.latent_dim}, "retry": {"give_up_after_seconds": 300.0}}
+    if state_dir is not None:
+        cfg["state_dir"] = str(state_dir)
+    return cfg
 
 
 def light_command(port: int, organizations: list[str], shapes: dict[str, tuple[int, ...]]) -> list[str]:
@@ -268,8 +272,9 @@ def light_command(port: int, organizations: list[str], shapes: dict[str, tuple[i
 
 
 def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, per_process: int,
-            device: str = "cpu", server: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One federation of ``clients`` organizations for ``rounds`` rounds; returns the figures."""
+            device: str = "cpu", server: dict[str, Any] | None = None, client_state: bool = False) -> dict[str, Any]:
+    """One federation of ``clients`` organizations for ``rounds`` rounds; returns the figures (``client_state``:
+    each torch client keeps a state directory)."""
     shapes = model_shapes(w)
     model_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
     fed = LocalFederation(workdir)
@@ -286,7 +291,8 @@ def measure(w: Workload, clients: int, rounds: int, light: bool, workdir: Path, 
                                                     stdout=log, stderr=subprocess.STDOUT, env=fed.env))
         else:
             for i, data in enumerate(write_data(workdir, w, clients, seed=1)):
-                fed.start_client(f"client-{i}", client_config(w, i, fed.port, data, device))
+                state_dir = workdir / f"client-{i}-state" if client_state else None
+                fed.start_client(f"client-{i}", client_config(w, i, fed.port, data, device, state_dir))
         first = light_procs[0] if light else fed.clients["client-0"]
         deadline = time.monotonic() + 3600
         with AggregatorClient(f"127.0.0.1:{fed.port}", None, "", "", call_timeout=30.0) as watcher:
@@ -381,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", action="append", default=[], metavar="KEY=VALUE",
                     help="an aggregator [server] setting instead of its default (a JSON value), e.g. "
                          "--server stream_window_bytes=0; repeatable")
+    ap.add_argument("--client-state", action="store_true",
+                    help="give each torch client a state directory, as a deployed client has (its private state "
+                         "saved after each round, its push kept until acknowledged)")
     args = ap.parse_args(argv)
     # A SIGTERM (timeout, kill) stops the federation it started too: its clients would otherwise retry
     # against a dead aggregator for minutes, loading the machine the next measurement runs on.
@@ -394,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in [int(x) for x in args.clients.split(",") if x]:
         with tempfile.TemporaryDirectory(prefix=f"hetfed-overhead-{n}-") as tmp:
-            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process, args.device, server)
+            r = measure(w, n, args.rounds, args.light, Path(tmp), args.per_process, args.device, server,
+                        args.client_state)
         rows.append(r)
         print(report(r), flush=True)
     if args.plain and not args.light:

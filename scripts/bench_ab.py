@@ -71,7 +71,7 @@ def measure(tree: Path, harness: Path, args: argparse.Namespace) -> list[dict[st
     """One run of the round-overhead harness of ``harness`` (a tree) against ``tree``'s packages; its rows."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, str(harness / "benchmarks/round_overhead.py"), "--workload", args.workload, "--clients", args.clients,
-               "--rounds", str(args.rounds), "--json", out.name]
+               "--rounds", str(args.rounds), "--json", out.name, *(["--client-state"] if args.client_state else [])]
         subprocess.run(cmd, env=tree_env(tree), check=True, cwd=tree, stdout=subprocess.DEVNULL)
         return list(json.loads(Path(out.name).read_text()))
 
@@ -109,6 +109,9 @@ def main() -> int:
     ap.add_argument("--harness", choices=("own", "head", "this"), default="own",
                     help="each tree's own round_overhead.py (default), HEAD's for both, or this checkout's for both")
     ap.add_argument("--json", type=Path, help="also write every run and the ratios here")
+    ap.add_argument("--client-state", action="store_true",
+                    help="the clients keep a state directory (round_overhead.py --client-state; needs a harness "
+                         "that has it: --harness this or head)")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         base = stack.enter_context(worktree(args.base))

@@ -123,6 +123,14 @@ class GatedDisk(FaultyDisk):
         return super().fsync(fd)
 
 
+def denied(push: Callable[[], object]) -> str:
+    """The details of the PERMISSION_DENIED refusal that ``push`` draws (a payload kind a contract does not declare)."""
+    with pytest.raises(grpc.RpcError) as err:
+        push()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+    return str(err.value.details())
+
+
 def run_config(**overrides: Any) -> dict[str, Any]:
     """A run config mapping with small defaults."""
     cfg: dict[str, Any] = {"id": "r", "algorithm": "fedavg", "organizations": ["a", "b"], "rounds": 2}

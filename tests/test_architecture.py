@@ -31,6 +31,7 @@ GENERIC = [
     *CLI_MODULES,
     "clients/hetfed/client/runtime.py",
     "clients/hetfed/client/rounds.py",
+    "clients/hetfed/client/pending.py",
     "clients/hetfed/client/training.py",
     "clients/hetfed/client/algorithms/base.py",
     *AGGREGATOR_ROOMS,

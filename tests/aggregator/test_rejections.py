@@ -83,7 +83,7 @@ BAD: dict[str, tuple[Callable[[RawClient], object], grpc.StatusCode, str, str]] 
     "chunks out of order": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_reorder),
                             grpc.StatusCode.INVALID_ARGUMENT, "malformed", "out of order"),
     "stream cut short": (lambda a: a.push_bytes(1, a.update_bytes(1, good()), chunk_bytes=16, tamper=_drop_last),
-                         grpc.StatusCode.INVALID_ARGUMENT, "malformed", "ended after"),
+                         grpc.StatusCode.ABORTED, "incomplete", "ended after"),
     "envelope names another org": (
         lambda a: a.push_bytes(1, a.update_bytes(1, good(), envelope=apb.Envelope(
             run_id="r", round=1, organization_id="b", payload_kinds=[1, 8]))),

@@ -29,6 +29,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedavg": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True}, DIGITS),
     "fedavg_head": ({**SGD}, DIGITS),
     "fedavg_body": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True}, DIGITS),
+    # Two kept optimisers, the head's and the body's, resumed with their momentum.
+    "fedrep": ({"batch_size": 64, "local_epochs": 2, "lr": 0.05, "momentum": 0.9, "keep_optimizer_state": True},
+               DIGITS),
     "fedsr": ({**SGD, "alpha_cmi": 0.1, "alpha_l2r": 0.01}, DIGITS),
     "ditto_mmdd": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True, "mu": 0.1, "refit_every": 2,
                     "refit_batches": 1, "mmdd_steps": 2}, DIGITS),
@@ -36,6 +39,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # the optimiser it keeps across rounds, so with momentum its next round differs.
     "fedcma": ({**SGD, "latent_dim": 64, "num_classes": 10, "momentum": 0.0}, DIGITS),
     "simfed": ({**SGD, "mask_init": "sparse"}, DIGITS),
+    "fedproto": ({**SGD, "latent_dim": 64, "num_classes": 10}, DIGITS),
     "fedh2l": ({"batch_size": 16, "lr": 0.05}, {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2,
                                                   "client_index": 0}),
 }

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -25,7 +24,7 @@ from hetfed.wire.payloads import (
     PayloadKind,
 )
 from hetfed.wire.traffic import embedded_size
-from tests.conftest import RawClient
+from tests.conftest import RawClient, denied
 
 pytestmark = pytest.mark.e2e
 K, D = 4, 2  # gauss4: four classes, a 2-D latent space
@@ -130,13 +129,6 @@ def encoder_weights() -> ModelWeights:
 
     model = build_model("mlp", (2,), K, latent_dim=D, bounded_latent=True)
     return ModelWeights(state_arrays(model.encoder), 20)
-
-
-def denied(push: Callable[[], object]) -> str:
-    with pytest.raises(grpc.RpcError) as err:
-        push()
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
-    return str(err.value.details())
 
 
 def test_the_aggregator_refuses_encoder_weights_under_fedcma(

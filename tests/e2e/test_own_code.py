@@ -12,10 +12,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import run_config
 
 REPO = Path(__file__).resolve().parents[2]
 FACTORY = "tests.ownpkg.data:mnist_shares"
@@ -118,3 +121,25 @@ def test_hetfed_client_refuses_bad_own_code_before_it_joins(tmp_path: Path, mode
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("hetfed client:")]
     assert message in line and "joined" not in proc.stderr
+
+
+def test_a_model_the_algorithm_cannot_serve_stops_its_client_in_one_line(aggregator: Callable[..., Any],
+                                                                         tmp_path: Path) -> None:
+    """Head-only FedAvg averages the head: an organization whose builder froze it is refused after Join, in one
+    line naming the algorithm and the frozen tensor (exit 2, no traceback on stderr)."""
+    agg = aggregator(run_config(algorithm="fedavg_head", organizations=["org-0", "org-1"]))
+    config = tmp_path / "client.json"
+    config.write_text(json.dumps({"organization": "org-0", "run": "r", "aggregator": f"127.0.0.1:{agg.port}",
+                                  "threads": 1, "device": "cpu", "model": {"builder": "tests.ownpkg.models:frozen_head"},
+                                  "data": {"dataset": "mnist5k", "partition": "iid", "num_clients": 2, "client_index": 0},
+                                  "retry": {"initial_backoff_seconds": 0.05, "max_backoff_seconds": 0.5}}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "client", "--config", str(config)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("hetfed client:")]
+    assert line.startswith("hetfed client: org-0: fedavg_head cannot serve this organization's model: head-only "
+                           "FedAvg averages the classifier head, but this organization's head has frozen parameters "
+                           "['weight']"), line
+    assert "Traceback" not in proc.stderr

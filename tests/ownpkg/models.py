@@ -57,3 +57,10 @@ def raises(input_shape: tuple[int, ...], latent_dim: int, bounded_latent: bool) 
 def not_a_module(input_shape: tuple[int, ...], latent_dim: int, bounded_latent: bool) -> object:
     """A builder that returns something else."""
     return {"layers": 3}
+
+
+def frozen_head(input_shape: tuple[int, ...], latent_dim: int, bounded_latent: bool, num_classes: int) -> nn.Module:
+    """A whole model whose head the organization froze (head-only FedAvg cannot average it)."""
+    model = whole(input_shape, latent_dim, bounded_latent, num_classes)
+    model.head.requires_grad_(False)
+    return model

@@ -159,10 +159,10 @@ def test_out_of_order_chunks_are_malformed(parts: list[apb.Chunk]) -> None:
     wire_error(list(reversed(parts)), "malformed")
 
 
-def test_missing_chunks_are_malformed(parts: list[apb.Chunk]) -> None:
+def test_missing_chunks_are_malformed_and_a_stream_ending_early_incomplete(parts: list[apb.Chunk]) -> None:
     wire_error([p for i, p in enumerate(parts) if i != 2], "malformed")  # gap in the middle
     wire_error(parts[1:], "malformed")  # no first chunk
-    err = wire_error(parts[:-1], "malformed")  # the stream ends early: data() refuses
+    err = wire_error(parts[:-1], "incomplete")  # the stream ends early (a cut connection reads so): data() refuses
     assert "ended after 4 of 5 chunks" in err.message
     asm = chunks.Reassembler(1 << 20)
     assert not asm.complete
@@ -258,3 +258,28 @@ def test_total_equal_to_the_limit_is_accepted() -> None:
     data = payload(3 * C)
     assert reassemble(list(chunks.split(data, C)), max_bytes=3 * C) == data
     wire_error(list(chunks.split(data, C)), "oversized", max_bytes=3 * C - 1)
+
+
+def test_a_restored_reassembly_goes_on_from_its_position_and_hash_state() -> None:
+    data = bytes(range(256)) * 40
+    parts = list(chunks.split(data, 1000, first_bytes=240))
+    first = chunks.Reassembler(1 << 20)
+    for part in parts[:4]:
+        first.add(part)
+    assert (first.next_index, first.received) == (4, 3240)
+    assert first.prefix_digest() == blake3.blake3(data[:3240]).digest()
+    # Another reassembler, whose sink already holds the first 3240 bytes, takes over with the hash state of them.
+    sink = chunks.MemorySink()
+    sink.allocate(len(data))
+    sink.write(0, data[:3240])
+    second = chunks.Reassembler(1 << 20, sink)
+    second.restore((len(parts), len(data)), (4, 3240), blake3.blake3(data[:3240]))
+    for part in parts[4:]:
+        second.add(part)
+    assert bytes(second.take()) == data and second.digest == blake3.blake3(data).digest()
+    for shape, held in (((11, 10240), (0, 0)), ((11, 10240), (11, 10240)), ((11, 10240), (4, 10241)),
+                        ((11, 10), (4, 3)), ((11, 1 << 21), (4, 3240))):
+        with pytest.raises(ValueError, match="not a partial message"):
+            chunks.Reassembler(1 << 20).restore(shape, held, blake3.blake3())
+    with pytest.raises(ValueError, match="only a reassembly that has not started is restored"):
+        first.restore((len(parts), len(data)), (4, 3240), blake3.blake3())

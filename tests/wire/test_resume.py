@@ -25,6 +25,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import chunks, codec, messages
 from hetfed.wire import digest as content
 from hetfed.wire.config import ConfigError, to_mapping
+from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, Payload, PayloadKind
 from hetfed.wire.rpc import SERVICE_NAME, AggregatorClient, RemoteError
 from hetfed.wire.traffic import TrafficMetrics
@@ -214,7 +215,8 @@ def leave_partial(channel: grpc.Channel, org: str, data: bytes, k: int, round_: 
     """Send the first ``k`` chunks of a push of ``data`` and end the stream: the aggregator keeps them."""
     msgs = messages_of(org, data, round_)
     err = send(channel, [named(msgs[0], content.digest(data)), *msgs[1:k]], metadata)
-    assert isinstance(err, grpc.RpcError) and f"the stream ended after {k} of {len(msgs)} chunks" in err.details()
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.ABORTED
+    assert err.details().startswith(f"incomplete: the stream ended after {k} of {len(msgs)} chunks")
     return msgs
 
 
@@ -311,24 +313,6 @@ def test_a_partial_push_of_a_closed_round_is_dropped(
     assert len(agg.service.spool) == 0
 
 
-def test_a_restarted_aggregator_holds_no_partial_push(
-        aggregator: Start, channel: Callable[..., tuple[RunningAggregator, grpc.Channel]]) -> None:
-    # The spool is not made durable: partial pushes live as long as the aggregator process.
-    agg, ch = channel()
-    data = encoded("a")
-    leave_partial(ch, "a", data, 3, metadata=md("a"))
-    spool = Path(agg.service.config.server.state_dir) / ".spool"
-    assert len(list(spool.rglob("*.part"))) == 1
-    agg.stop()
-    again = aggregator(run_config())
-    assert not (spool / "r").exists()
-    with grpc.insecure_channel(f"127.0.0.1:{again.port}") as ch2:
-        assert progress(ch2, "a", content.digest(data), len(data), metadata=md("a")) == (0, 0)
-        msgs = messages_of("a", data)
-        err = send(ch2, [named(msgs[3], content.digest(data)), *msgs[4:]], md("a"))
-        assert isinstance(err, grpc.RpcError) and err.details().startswith("not_resumable")
-
-
 def test_under_mtls_only_the_same_organization_resumes_its_push(aggregator: Start, tmp_path: Path) -> None:
     certs = make_federation_certs(tmp_path / "certs", ["a", "b"])
     agg = aggregator(run_config(), tls=to_mapping(certs.aggregator_tls()))
@@ -396,3 +380,41 @@ def test_a_push_whose_client_cancels_mid_stream_is_kept_for_resumption(
 def test_the_partial_push_bounds_are_validated(field: str, value: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         aggregator_config_from_mapping({"server": {field: value}, "runs": [run_config()]})
+
+
+# ------------------------------------------------------------------------------------------ another process
+
+
+def test_a_push_reopened_by_another_client_resumes_where_the_first_left_it(
+        channel: Callable[..., tuple[RunningAggregator, grpc.Channel]]) -> None:
+    """A client process killed mid-push, restarted: a new AggregatorClient reopens the kept bytes and resumes from
+    the chunks held (``send_push(resume=True)``). Logged once, bit for bit; both sides count the same bytes."""
+    agg, ch = channel()
+    data = encoded("a")
+    before = counted(agg.service.metrics.registry, "aggregator", "a", "up")
+    leave_partial(ch, "a", data, 5, metadata=md("a"))
+    registry = CollectorRegistry()
+    sent: list[int] = []
+    with AggregatorClient(f"127.0.0.1:{agg.port}", None, "a", "r", traffic=TrafficMetrics(registry, "client"),
+                          retry=retried()) as client:
+        outgoing = client.reopen_push(1, memoryview(data))
+        assert outgoing.digest == content.digest(data) and outgoing.size == len(data) and len(outgoing) == 9
+        reply = client.send_push(outgoing, resume=True, sending=lambda i, n: sent.append(i))
+    assert (reply.accepted, reply.duplicate) == (True, False)
+    assert sent == [5, 6, 7, 8]  # chunks 0 to 4 were not sent again
+    assert logged(agg) == [("a", data)]
+    # The first stream (5 chunks, the digest on its first) and the resumed one: the aggregator counts both, and
+    # the new client counts them too, every chunk once and one digest field per stream.
+    assert counted(agg.service.metrics.registry, "aggregator", "a", "up") - before == counted(registry, "client",
+                                                                                             "a", "up")
+
+
+def test_reopened_bytes_that_are_not_this_organizations_update_of_the_round_are_refused(
+        channel: Callable[..., tuple[RunningAggregator, grpc.Channel]]) -> None:
+    agg, _ = channel()
+    with AggregatorClient(f"127.0.0.1:{agg.port}", None, "a", "r") as client:
+        for data, reason in ((encoded("a", round_=2), "envelope_mismatch"), (encoded("b"), "envelope_mismatch"),
+                             (b"\xff" * 100, "malformed")):
+            with pytest.raises(WireError) as err:
+                client.reopen_push(1, data)
+            assert err.value.reason == reason

@@ -23,7 +23,7 @@ def test_every_rejection_reason_has_one_status_and_a_retry_decision() -> None:
         assert WireError(reason, "x").retryable == r.retryable
     assert {k for k, r in REASONS.items() if r.retryable} == {
         "rate_limited", "checksum_mismatch", "too_many_streams", "buffer_full", "busy", "not_resumable", "stalled",
-        "storage_unavailable", "internal"}
+        "incomplete", "storage_unavailable", "internal"}
     with pytest.raises(ValueError, match="unknown rejection reason"):
         WireError("nope", "x")
 

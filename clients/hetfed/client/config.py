@@ -88,6 +88,11 @@ class ClientConfig:
     # resumed from at start. None: every start is fresh. Under [privacy] the privacy ledger lives here too, so
     # [privacy] needs it (unless privacy.ephemeral_ledger).
     state_dir: str | None = None
+    # With state_dir: an update of at least this many bytes is kept there until the aggregator acknowledges it,
+    # so that a client restarted in the middle of its push resumes it (hetfed.client.pending) instead of working
+    # the round again; 0 keeps every one. Under [privacy] every update is kept, whatever its size: a round worked
+    # again would be charged to the budget again.
+    keep_push_from_bytes: int = 64 << 20
     # Add the process's CPU and wall seconds spent in local work (cumulative) to each round's reported
     # figures (train_cpu_seconds, train_wall_seconds, process_cpu_seconds); benchmarks use them. Withheld under
     # [privacy]: the time a round takes grows with the organization's data.
@@ -106,6 +111,7 @@ class ClientConfig:
         check(self.metrics_port >= -1, "metrics_port must be >= -1")
         check(self.metrics_linger_seconds >= 0, "metrics_linger_seconds must be >= 0")
         check(self.pull_wait_seconds > 0, "pull_wait_seconds must be > 0")
+        check(self.keep_push_from_bytes >= 0, "keep_push_from_bytes must be >= 0")
         # A ledger that ends with the process lets a restart count ε from zero: DP needs the ledger on disk.
         check(not self.privacy.enabled or bool(self.state_dir) or self.privacy.ephemeral_ledger,
               "[privacy] needs state_dir: the privacy ledger is kept there, and without it a restarted client would "

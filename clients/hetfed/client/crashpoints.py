@@ -13,6 +13,8 @@ import signal
 # Where the client can be killed, in the order a round reaches them.
 CRASH_POINTS: tuple[str, ...] = (
     "privacy.ledger_written",  # the round's releases and released values are on disk; the upload has not left
+    "pending.update_written",  # the kept push's update is written and fsynced, its record not yet
+    "push.half_sent",  # the push stream takes its middle chunk: about half the update is sent (a multi-chunk push)
 )
 
 
@@ -28,6 +30,11 @@ def _armed() -> tuple[str, int] | None:
 
 _ARMED = _armed()
 _reached = 0
+
+
+def armed(name: str) -> bool:
+    """Whether ``HETFED_CLIENT_CRASH_AT`` names this point (a caller may then watch for it where it costs more)."""
+    return _ARMED is not None and _ARMED[0] == name
 
 
 def crash_point(name: str) -> None:

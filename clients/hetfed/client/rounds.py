@@ -2,12 +2,15 @@
 
 ``RoundLoop`` follows the aggregator from the round the organization resumes after until FINISH. Each round it
 checks the privacy budget (leaving the run when the next round would exceed it), runs the half's hook
-(``run_round``), protects the figures it uploads under ``[privacy]``, pushes, and then saves the private
-state, writes the snapshots, and records the organization's own exact figures (its record, gauges and reports).
+(``run_round``), protects the figures it uploads under ``[privacy]``, keeps the update on disk (with a state
+directory: ``hetfed.client.pending``), pushes, and then saves the private state, writes the snapshots, and records
+the organization's own exact figures (its record, gauges and reports). A process restarted in the middle of a push
+resumes the kept push instead of working its round again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -16,14 +19,16 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
+from hetfed.client import crashpoints
 from hetfed.client.config import ClientConfig
 from hetfed.client.crashpoints import crash_point
 from hetfed.client.errors import ClientError, PrivacyBudgetSpent
+from hetfed.wire.errors import WireError
 from hetfed.wire.messages import Instructions, JoinReply
 from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Action
 from hetfed.wire.privacy import PrivacyDeclaration
-from hetfed.wire.rpc import AggregatorClient, RemoteError
+from hetfed.wire.rpc import AggregatorClient, OutgoingPush, RemoteError
 from hetfed.wire.specs import AlgorithmSpec
 from hetfed.wire.specs.base import PeriodicEvalConfig
 
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
     from hetfed.client.algorithms.base import ClientHalf
     from hetfed.client.data import ClientData
     from hetfed.client.own_record import OwnRecord
+    from hetfed.client.pending import PendingPushFile, RoundKey
     from hetfed.client.privacy.session import PrivacySession
     from hetfed.client.state import StateFile
 
@@ -89,9 +95,14 @@ class RoundLoop:
     """One organization's rounds of one run, after ``completed`` (the round its saved state had finished, -1)."""
 
     def __init__(self, client: AggregatorClient, config: ClientConfig, member: Member, store: StateFile | None,
-                 gauges: Gauges, reports: list[tuple[int, EvalMetrics]], completed: int) -> None:
+                 gauges: Gauges, reports: list[tuple[int, EvalMetrics]], completed: int,
+                 pending: PendingPushFile | None = None) -> None:
         self.client, self.config, self.member, self.store, self.gauges = client, config, member, store, gauges
         self.reports, self.completed = reports, completed
+        # Where the round's update is kept until it is acknowledged (None: without a state directory); a kept push
+        # of an earlier process is looked for once, for the first round this process is asked to work.
+        self.pending = pending
+        self._look_for_kept = pending is not None
         self.labels = (config.run, member.algorithm, config.organization)
         self.own: OwnRecord | None = None  # under [privacy], its own exact figures (configuration.md: output_dir)
         if member.privacy is not None and config.output_dir:
@@ -112,11 +123,15 @@ class RoundLoop:
             if ins.action is Action.FINISH:
                 log.info("%s: run %s finished", cfg.organization, cfg.run)
                 return self.final
-            upload = self._work(ins, Received(ins.payloads, spec.repeated_download))
-            exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
-            upload, exact, declaration = self._protect(ins.round, upload, exact)
-            self._push(ins.round, upload, declaration)
+            exact = self._resumed(ins)
+            if exact is None:
+                upload = self._work(ins, Received(ins.payloads, spec.repeated_download))
+                exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
+                upload, exact, declaration = self._protect(ins.round, upload, exact)
+                self._push(ins, upload, declaration, exact)
             self._keep(ins, exact)
+            if self.pending is not None:  # after the state is saved: a restart now resumes after this round
+                self.pending.remove()
 
     def _work(self, ins: Instructions, received: Received) -> list[Payload]:
         """The round's upload from the half's hook, after the privacy budget's check; a half whose training
@@ -162,13 +177,70 @@ class RoundLoop:
         crash_point("privacy.ledger_written")
         return upload, exact, declaration
 
-    def _push(self, round_: int, upload: list[Payload], declaration: PrivacyDeclaration | None) -> None:
+    def _key(self, ins: Instructions) -> RoundKey:
+        from hetfed.client.pending import RoundKey
+
+        return RoundKey(ins.round, ins.action.name, int(ins.round_seed), self.completed)
+
+    def _push(self, ins: Instructions, upload: list[Payload], declaration: PrivacyDeclaration | None,
+              exact: list[EvalMetrics]) -> None:
+        """Encode the upload, keep it with the state after the round's work (with a state directory, when it is
+        ``keep_push_from_bytes`` or more, or under ``[privacy]``), push it."""
+        outgoing = self.client.prepare_push(ins.round, upload, self.member.wire_dtype, privacy=declaration)
+        privacy = self.member.privacy
+        if self.pending is not None and (privacy is not None or outgoing.size >= self.config.keep_push_from_bytes):
+            try:
+                self.pending.save(self._key(ins), outgoing.data, outgoing.digest, self.member.half.private_state(),
+                                  exact, privacy.released if privacy is not None else {})
+            except OSError as exc:  # the push goes all the same: a restart then works the round again
+                log.warning("%s: the push of round %d could not be kept in %s (%s); it is sent unkept",
+                            self.config.organization, ins.round, self.pending.dir, exc)
+                with contextlib.suppress(OSError):
+                    self.pending.remove()
+        self._send(outgoing)
+
+    def _send(self, outgoing: OutgoingPush, resume: bool = False) -> None:
+        sending = _half_sent if crashpoints.armed("push.half_sent") else None
         try:
-            self.client.push(round_, upload, self.member.wire_dtype, privacy=declaration)
+            self.client.send_push(outgoing, resume, sending)
         except RemoteError as err:
             if err.reason != "late":
                 raise
-            log.warning("round %d closed before our update arrived: %s", round_, err.details)
+            log.warning("round %d closed before our update arrived: %s", outgoing.round, err.details)
+
+    def _resumed(self, ins: Instructions) -> list[EvalMetrics] | None:
+        """For the first round this process works: when an earlier process kept its push of this very round, the
+        state after that round's work restored and the same update pushed from where the aggregator holds it;
+        the organization's own exact figures of the round. None otherwise (the round is worked as usual)."""
+        if not self._look_for_kept:
+            return None
+        self._look_for_kept = False
+        assert self.pending is not None
+        kept = self.pending.take(self._key(ins))
+        if kept is None:
+            return None
+        cfg = self.config
+        try:
+            outgoing = self.client.reopen_push(ins.round, kept.data)
+            if outgoing.digest != kept.digest:
+                raise WireError("malformed", "its bytes are not those it was kept with (another digest)")
+        except WireError as err:
+            log.warning("discarded the kept push in %s: %s; round %d is worked again", self.pending.record,
+                        err.message, ins.round)
+            self.pending.remove()
+            return None
+        try:
+            self.member.half.load_private_state(kept.state)
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            self.pending.remove()
+            raise ClientError(f"{self.pending.record} does not fit this organization's model ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:300]}); it is removed", permanent=True) from None
+        if self.member.privacy is not None:  # the uploads go on carrying the round's released figures
+            self.member.privacy.released = dict(kept.released)
+        log.info("%s: resuming the push of round %d kept by an earlier process (%d bytes, %d chunks); the round is "
+                 "not worked again", cfg.organization, ins.round, outgoing.size, len(outgoing))
+        self._send(outgoing, resume=True)
+        return kept.exact
 
     def _keep(self, ins: Instructions, exact: list[EvalMetrics]) -> None:
         """What a pushed round leaves: the saved state, the snapshots, the organization's own exact figures."""
@@ -235,3 +307,9 @@ class RoundLoop:
             why = "it was accepted as an update" if err is None else f"{err.code.name}: {err.details}"
         log.warning("%s: the aggregator did not take the leave notice (%s); rounds wait for this organization until "
                     "their deadline", self.config.organization, why)
+
+
+def _half_sent(index: int, count: int) -> None:
+    """The crash point ``push.half_sent``: the push stream takes its middle chunk."""
+    if count > 1 and index == count // 2:
+        crash_point("push.half_sent")

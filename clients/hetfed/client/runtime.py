@@ -245,7 +245,13 @@ class ClientRuntime:
             return self.reports
         member = self._set_up(joined, data, privacy, device)
         store = self._resume(member.half, joined.algorithm, int(joined.seed), int(joined.current_round))
-        final = RoundLoop(self.client, cfg, member, store, self.gauges, self.reports, self.resumed_round).run()
+        pending = None
+        if store is not None:  # the round's update is kept beside the state until it is acknowledged
+            from hetfed.client.pending import PendingPushFile
+
+            pending = PendingPushFile(cfg.state_dir or "", cfg.run, store.identity)
+        final = RoundLoop(self.client, cfg, member, store, self.gauges, self.reports, self.resumed_round,
+                          pending).run()
         if final is not None:  # the model this organization would deploy, with what it reached (docs/export.md)
             from hetfed.client.export import export_after_run
 
@@ -294,7 +300,12 @@ class ClientRuntime:
         build = self._model_builder(half_type, spec, config, joined, data, privacy, device)
         ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build,
                             num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, privacy=privacy)
-        half = half_type(ctx)
+        try:
+            half = half_type(ctx)
+        except ValueError as exc:  # the algorithm cannot serve this model: one line (the traceback at debug level)
+            log.debug("the client half refused the model", exc_info=exc)
+            raise ClientError(f"{cfg.organization}: {joined.algorithm} cannot serve this organization's model: "
+                              f"{' '.join(str(exc).split())}", permanent=True) from None
         if privacy is not None:
             self._plan_privacy(half, privacy, int(joined.total_rounds))
         if joined.declare_required:

@@ -37,6 +37,15 @@ class SavedState:
     digest: str
 
 
+def fsync_directory(path: Path) -> None:
+    """Make the names in directory ``path`` durable (after a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def pack(value: Any) -> Any:
     """``value`` with every numpy array replaced by a tagged tensor copy (so weights_only loading reads it)."""
     if isinstance(value, np.ndarray):
@@ -135,9 +144,5 @@ class StateFile:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_directory(self.dir)
         return digest(unpack(packed))

@@ -242,6 +242,23 @@ class Reassembler:
         """(chunk count, total bytes) as the first chunk announced them; (0, 0) before it."""
         return self._count, self._total
 
+    def prefix_digest(self) -> bytes:
+        """The BLAKE3 digest of the bytes received so far (the hash state goes on)."""
+        return self._hash.digest()
+
+    def restore(self, shape: tuple[int, int], held: tuple[int, int], hash_state: content.Hasher) -> None:
+        """Go on with a reassembly begun elsewhere (an earlier process): ``shape`` (chunk count, total bytes) as
+        its first chunk announced them, ``held`` (chunks, bytes) already in the sink, which is opened on them
+        (its ``allocate`` is not called), and ``hash_state``, the hash of those bytes."""
+        (count, total), (index, received) = shape, held
+        if self._allocated or self._done:
+            raise ValueError("only a reassembly that has not started is restored")
+        if not (0 < index < count <= max(1, total) and 0 <= received <= total <= self.max_bytes):
+            raise ValueError(f"{index} of {count} chunks, {received} of {total} bytes: not a partial message")
+        self._count, self._total, self._next, self._received = count, total, index, received
+        self._hash = hash_state
+        self._allocated = True
+
     def move_to(self, sink: Sink) -> None:
         """Go on in ``sink`` instead of the memory buffer, the bytes received so far copied there."""
         if not isinstance(self._sink, MemorySink) or not self._allocated:
@@ -312,7 +329,7 @@ class Reassembler:
         if self._data is None:
             if self._done:
                 raise ValueError("the message was taken")
-            raise WireError("malformed", f"the stream ended after {self._next} of {self._count} chunks")
+            raise WireError("incomplete", f"the stream ended after {self._next} of {self._count} chunks")
         return self._data
 
     def take(self) -> memoryview:

@@ -100,6 +100,9 @@ REASONS: dict[str, Reason] = {
     "not_resumable": Reason("FAILED_PRECONDITION", True),
     # A push stream that sent no chunk for server.push_idle_seconds: refused, so it frees its slot.
     "stalled": Reason("DEADLINE_EXCEEDED", True),
+    # A chunked stream that ended before its last chunk: a connection cut under it (a client killed mid-push
+    # reads this way to the aggregator), or a sender that stopped. The chunks received are kept for a resume.
+    "incomplete": Reason("ABORTED", True),
     # The aggregator could not make the update (or the round's close) durable: nothing was acknowledged or
     # lost, and the same request may succeed once the state directory can be written again.
     "storage_unavailable": Reason("UNAVAILABLE", True),

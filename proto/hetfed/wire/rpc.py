@@ -83,6 +83,8 @@ class Receiving:
     waiting: bool = False
     # What the handler keeps the reception in (the wire package does not look at it).
     owner: object = field(default=None, repr=False)
+    # Called after each chunk is added and counted (the aggregator's spool makes the push durable from it).
+    after_chunk: Callable[[], None] | None = field(default=None, repr=False)
 
 
 class AdmittedPush(Protocol):
@@ -260,6 +262,14 @@ class _ChunkCache:
         return chunks.framed(b"", chunks.PULL_CHUNK_FIELD, encoded.data, chunk_bytes)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """A unary RPC's response, and the (organization, round) whose traffic it is (None: not counted)."""
+
+    response: bytes
+    counted: tuple[str, int] | None = None
+
+
 class AggregatorServicer:
     """The Aggregator service on a ``grpc.aio`` server: requests arrive as bytes and are parsed here.
 
@@ -284,27 +294,41 @@ class AggregatorServicer:
         log.error("%s failed unexpectedly", what, exc_info=exc)
         return WireError("internal", f"{what} failed inside the aggregator ({type(exc).__name__}); it is logged there")
 
-    async def join(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
-        """Join: admit an organization to a run."""
+    async def _unary(self, what: str, cls: type[M], request: bytes,
+                     context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+                     answer: Callable[[M, Caller], Awaitable[_Answer]]) -> bytes:
+        """One unary RPC: parse the request, check its ids, ``answer`` it, count its traffic both ways when the
+        answer names whose it is; a refusal (or any failure) becomes its gRPC status."""
         run_id = ""
         try:
-            msg = parse(apb.JoinRequest, request)
-            _check_ids(msg.run_id, msg.organization_id)
-            run_id = msg.run_id
-            org = self.handler.identify(_caller(context), msg.organization_id)
-            reply = await self.handler.join(org, messages.join_request_from_proto(msg))
-            answer = messages.join_reply_to_proto(reply)
-            answer.push_admission_headers = True  # as ``push`` sends them
-            resp = answer.SerializeToString()
+            msg = parse(cls, request)
+            run_id = str(getattr(msg, "run_id", ""))
+            _check_ids(run_id, getattr(msg, "organization_id", ""))
+            done = await answer(msg, _caller(context))
         except WireError as err:
             failure = err
         except Exception as exc:
-            failure = self._internal("Join", exc)
+            failure = self._internal(what, exc)
         else:
-            self.handler.count(run_id, org, reply.current_round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, reply.current_round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
-            return resp
+            if done.counted is not None:
+                org, round_ = done.counted
+                self.handler.count(run_id, org, round_, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
+                self.handler.count(run_id, org, round_, Direction.DOWN,
+                                   with_envelope(TrafficBreakdown(), len(done.response)))
+            return done.response
         return await self._fail(context, run_id, failure)
+
+    async def join(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """Join: admit an organization to a run."""
+
+        async def answer(msg: apb.JoinRequest, caller: Caller) -> _Answer:
+            org = self.handler.identify(caller, msg.organization_id)
+            reply = await self.handler.join(org, messages.join_request_from_proto(msg))
+            proto = messages.join_reply_to_proto(reply)
+            proto.push_admission_headers = True  # as ``push`` sends them
+            return _Answer(proto.SerializeToString(), (org, reply.current_round))
+
+        return await self._unary("Join", apb.JoinRequest, request, context, answer)
 
     async def pull(self, request: bytes,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # type: ignore[type-arg]
@@ -393,6 +417,8 @@ class AggregatorServicer:
             done = assembler.add(req.chunk, data)
             receiving.wire_bytes += size
             receiving.messages += 1
+            if receiving.after_chunk is not None:
+                receiving.after_chunk()
             data = None
             receiving.waiting = not done
             raw = await self._next_chunk(stream)
@@ -415,39 +441,25 @@ class AggregatorServicer:
 
     async def progress(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """PushProgress: how much of a cut push the aggregator holds."""
-        run_id = ""
-        try:
-            msg = parse(apb.PushProgressRequest, request)
-            _check_ids(msg.run_id, msg.organization_id)
-            run_id = msg.run_id
-            org = self.handler.identify(_caller(context), msg.organization_id)
-            held, size = await self.handler.push_progress(org, run_id, msg.round, msg.update_blake3, msg.total_bytes)
-            resp = apb.PushProgressResponse(chunks_held=held, bytes_held=size).SerializeToString()
-        except WireError as err:
-            failure = err
-        except Exception as exc:
-            failure = self._internal("PushProgress", exc)
-        else:
-            self.handler.count(run_id, org, msg.round, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
-            self.handler.count(run_id, org, msg.round, Direction.DOWN, with_envelope(TrafficBreakdown(), len(resp)))
-            return resp
-        return await self._fail(context, run_id, failure)
+
+        async def answer(msg: apb.PushProgressRequest, caller: Caller) -> _Answer:
+            org = self.handler.identify(caller, msg.organization_id)
+            held, size = await self.handler.push_progress(org, msg.run_id, msg.round, msg.update_blake3,
+                                                          msg.total_bytes)
+            return _Answer(apb.PushProgressResponse(chunks_held=held, bytes_held=size).SerializeToString(),
+                           (org, msg.round))
+
+        return await self._unary("PushProgress", apb.PushProgressRequest, request, context, answer)
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
-        """Status: the runs the caller may see."""
-        run_id = ""
-        try:
-            msg = parse(apb.StatusRequest, request)
-            _check_ids(msg.run_id)
-            run_id = msg.run_id
-            runs = await self.handler.status(_caller(context), msg.run_id)
-            return await self.handler.blocking(
-                lambda: apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs]).SerializeToString())
-        except WireError as err:
-            failure = err
-        except Exception as exc:
-            failure = self._internal("Status", exc)
-        return await self._fail(context, run_id, failure)
+        """Status: the runs the caller may see (not counted: it is no organization's round traffic)."""
+
+        async def answer(msg: apb.StatusRequest, caller: Caller) -> _Answer:
+            runs = await self.handler.status(caller, msg.run_id)
+            return _Answer(await self.handler.blocking(
+                lambda: apb.StatusResponse(runs=[messages.run_status_to_proto(r) for r in runs]).SerializeToString()))
+
+        return await self._unary("Status", apb.StatusRequest, request, context, answer)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, with raw-bytes requests and responses (no gRPC (de)serializer)."""
@@ -521,9 +533,14 @@ def call_once(what: str, call: Callable[[], T]) -> T:
 class _PushStreams:
     """The streams of one push: the first from chunk 0, each later one from where the aggregator says it holds
     the push. Each stream's first message carries the update's digest (appended, after the chunk), which names
-    the push for a resume, unless the push is one chunk."""
+    the push for a resume, unless the push is one chunk.
 
-    def __init__(self, requests: chunks.Framed) -> None:
+    ``resumed``: the push continues one that an earlier process of this organization began (``OutgoingPush``
+    reopened): its first stream asks where to resume, and the earlier process's stream counts as one that the
+    aggregator may have kept. ``sending(index, count)`` is called as each message is taken for sending."""
+
+    def __init__(self, requests: chunks.Framed, resumed: bool = False,
+                 sending: Callable[[int, int], None] | None = None) -> None:
         self.requests = requests
         # A push of one chunk has nothing to resume: it goes without the digest's 34 bytes.
         self.resumable = len(requests) > 1
@@ -531,8 +548,9 @@ class _PushStreams:
                        else b"")
         # The first chunk of each stream whose chunks the aggregator kept; a stream is ahead of every earlier
         # one that the aggregator kept (a resume at k drops the streams from k on).
-        self._starts: list[int] = []
-        self.cut = False  # a stream of this push was cut: the next one asks where to resume
+        self._starts: list[int] = [0] if resumed and self.resumable else []
+        self.cut = resumed and self.resumable  # a stream of this push was cut: the next one asks where to resume
+        self._sending = sending
 
     def stream(self, start: int) -> Iterator[bytes]:
         """The messages from chunk ``start`` on (0 when it is past the last chunk)."""
@@ -540,8 +558,18 @@ class _PushStreams:
         while self._starts and self._starts[-1] >= start:
             self._starts.pop()
         self._starts.append(start)
+        if self._sending is not None:
+            return self._watched(start)
         rest = (self.requests[i] for i in range(start + 1, len(self.requests)))  # each framed when it is sent
         return itertools.chain((self.requests[start] + self._named,), rest)
+
+    def _watched(self, start: int) -> Iterator[bytes]:
+        """``stream``'s messages, each announced to ``sending`` as it is taken."""
+        assert self._sending is not None
+        count = len(self.requests)
+        for i in range(start, count):
+            self._sending(i, count)
+            yield self.requests[i] + self._named if i == start else self.requests[i]
 
     def wire_bytes(self) -> int:
         """The bytes of the messages that made up the accepted push: every chunk once, and one digest field per
@@ -577,6 +605,34 @@ def push_after_admission(push: grpc.StreamUnaryMultiCallable, requests: Iterator
     calls.append(future)
     made.set()
     return future.result()  # type: ignore[no-any-return]
+
+
+class OutgoingPush:
+    """An update ready to be pushed: its serialized bytes (``data``, a view: no copy), the messages that carry them
+    in chunks and their BLAKE3 ``digest``, which names the push for a resume.
+
+    ``AggregatorClient.prepare_push`` encodes one; ``AggregatorClient.reopen_push`` makes one of bytes an earlier
+    process of the organization kept (a memory map, for instance), to resume its push."""
+
+    def __init__(self, round_: int, envelope: bytes, data: Bytes, payloads: TrafficBreakdown) -> None:
+        self.round = round_
+        self.data = data
+        self.payloads = payloads
+        self.requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, data, first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
+
+    @property
+    def digest(self) -> bytes:
+        """The BLAKE3 digest of ``data``."""
+        return self.requests.digest
+
+    @property
+    def size(self) -> int:
+        """The bytes of ``data``."""
+        return self.requests.data_bytes
+
+    def __len__(self) -> int:
+        """The chunks the push takes."""
+        return len(self.requests)
 
 
 class AggregatorClient:
@@ -696,17 +752,38 @@ class AggregatorClient:
         notice instead (no payloads), which the aggregator refuses ``organization_left`` (a ``RemoteError``).
 
         A retry after a stream failed resumes the push from the chunks the aggregator holds (``PushProgress``)."""
+        return self.send_push(self.prepare_push(round_, payloads, wire_dtype, privacy, leave_reason))
+
+    def _envelope(self, round_: int) -> bytes:
+        return apb.PushUpdateRequest(run_id=self.run_id, round=round_,
+                                     organization_id=self.organization).SerializeToString()
+
+    def prepare_push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None,
+                     privacy: PrivacyDeclaration | None = None, leave_reason: str = "") -> OutgoingPush:
+        """The update ``push`` sends, encoded (one buffer) and planned in chunks, not sent (``send_push``)."""
         encoded = messages.encode_update(messages.Update(self.run_id, round_, self.organization, payloads, privacy,
                                                          leave_reason), wire_dtype)
-        envelope = apb.PushUpdateRequest(run_id=self.run_id, round=round_,
-                                         organization_id=self.organization).SerializeToString()
-        requests = chunks.framed(envelope, chunks.PUSH_CHUNK_FIELD, encoded.data,
-                                 first_bytes=chunks.FIRST_PUSH_CHUNK_BYTES)
-        streams = _PushStreams(requests)
+        return OutgoingPush(round_, self._envelope(round_), encoded.data, encoded.payloads)  # type: ignore[arg-type]
+
+    def reopen_push(self, round_: int, data: Bytes) -> OutgoingPush:
+        """A push of the serialized update ``data`` (kept by an earlier process of this organization, as
+        ``OutgoingPush.data`` was); WireError (``malformed``, ``envelope_mismatch``) when ``data`` is not an update
+        of this run, round and organization. Its tensors are not copied."""
+        parsed = messages.ParsedUpdate(data)
+        parsed.check_envelope(self.run_id, round_, self.organization)
+        return OutgoingPush(round_, self._envelope(round_), data, parsed.payload_traffic)
+
+    def send_push(self, outgoing: OutgoingPush, resume: bool = False,
+                  sending: Callable[[int, int], None] | None = None) -> PushReply:
+        """Push ``outgoing`` (``push``); ``resume``: it continues the push of an earlier process of this
+        organization, so the first stream starts where the aggregator holds it (``PushProgress``);
+        ``sending(index, count)``: called as each chunk's message is taken for sending."""
+        streams = _PushStreams(outgoing.requests, resume, sending)
+        round_ = outgoing.round
         raw = self._call("PushUpdate", lambda: self._push_stream(round_, streams))
         reply = messages.push_reply_from_proto(parse(apb.PushUpdateResponse, raw, "response"))
         if not reply.duplicate:
-            self._count(Direction.UP, with_envelope(encoded.payloads, streams.wire_bytes(), len(requests)))
+            self._count(Direction.UP, with_envelope(outgoing.payloads, streams.wire_bytes(), len(outgoing)))
             self._count(Direction.DOWN, with_envelope(TrafficBreakdown(), len(raw)))
         return reply
 
@@ -717,10 +794,11 @@ class AggregatorClient:
             return self._send_push(streams.stream(start))
         except grpc.RpcError as err:
             reason = RemoteError.of(err).reason
-            # Only a stream cut under the aggregator (a transport failure, no reason) or one it refused as stalled
-            # can have left chunks held; a refusal at admission (too_many_streams, busy, ...) held none, and a
-            # push of one chunk is never held. So a retry asks PushProgress only then: its bytes are counted.
-            streams.cut = streams.resumable and reason in ("", "stalled")
+            # Only a stream cut under the aggregator (a transport failure, no reason, or one that reached it as
+            # incomplete) or one it refused as stalled can have left chunks held; a refusal at admission
+            # (too_many_streams, busy, ...) held none, and a push of one chunk is never held. So a retry asks
+            # PushProgress only then: its bytes are counted.
+            streams.cut = streams.resumable and reason in ("", "stalled", "incomplete")
             if start == 0 or reason != "not_resumable":
                 raise
         # The aggregator dropped what it held meanwhile: the whole push again.

@@ -11,11 +11,13 @@ from hetfed.client.algorithms import (
     fedavg_head,
     fedcma,
     fedh2l,
+    fedproto,
     fedprox,
+    fedrep,
     fedsr,
     local,
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedprox", "fedsr", "local",
-           "simfed"]
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedproto", "fedprox", "fedrep", "fedsr",
+           "local", "simfed"]

@@ -22,7 +22,9 @@ from hetfed.wire.specs import (
     fedavg_head,
     fedcma,
     fedh2l,
+    fedproto,
     fedprox,
+    fedrep,
     fedsr,
     local,
     simfed,
@@ -45,11 +47,14 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedsr.FEDL2R,
     fedsr.FEDCMI,
     fedavg_body.SPEC,
+    fedavg_body.FEDPER,
+    fedrep.SPEC,
     simfed.SPEC,
     ditto.SPEC,
     ditto.COS_SPEC,
     ditto.MKMMD_SPEC,
     ditto.MMDD_SPEC,
+    fedproto.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

@@ -23,3 +23,10 @@ SPEC = fedavg.SPEC.derive(
     config_type=FedAvgBodyConfig,
     shared_label_space=False,  # heads stay local: organizations may name and count their classes differently
 )
+# FedPer (Arivazhagan et al. 2019) is this algorithm with one personalization layer, the head: base layers
+# trained with the head each round and averaged by example counts (docs/algorithms/fedavg_body.md).
+FEDPER = SPEC.preset(
+    "fedper",
+    "FedPer (Arivazhagan et al. 2019): FedAvg of the body under its paper's name; base and personalization "
+    "layer (the head) trained together, the base averaged by example counts, the head kept.",
+)

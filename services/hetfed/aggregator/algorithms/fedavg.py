@@ -23,7 +23,7 @@ from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import ModelWeights, Payload, Received
 from hetfed.wire.phases import Phase
-from hetfed.wire.specs import ditto, fedavg, fedavg_body, fedprox, fedsr
+from hetfed.wire.specs import ditto, fedavg, fedavg_body, fedprox, fedrep, fedsr
 from hetfed.wire.specs.fedavg import AveragingConfig, FedAvgConfig
 
 A = TypeVar("A", bound=AveragingConfig)
@@ -199,9 +199,11 @@ class AveragingServer(ServerHalf[A], Generic[A]):
 @fedprox.SPEC.server_half
 @fedsr.SPEC.server_half
 @fedavg_body.SPEC.server_half
+@fedrep.SPEC.server_half
 @ditto.SPEC.server_half
 class FedAvgServer(AveragingServer[FedAvgConfig]):
-    """FedAvg: average whole models (FedProx shares it: its difference is in the client objective)."""
+    """FedAvg: average whole models (FedProx shares it: its difference is in the client objective; FedAvg of the
+    body and FedRep too: their clients send the body alone)."""
 
     def validate(self, phase: Phase, organization: str, update: Received) -> None:
         """The example count must be positive, whichever weighting the run uses."""

@@ -3,8 +3,9 @@
 ``HETFED_CRASH_AT=<point>[:<n>]`` in the aggregator's environment makes the process end abruptly
 (``os._exit``: no cleanup, no flush, like SIGKILL) the ``n``-th time (default: the first) it reaches
 ``<point>``. Without the variable (always, outside the harness) a crash point costs one comparison.
-``benchmarks/faults.py`` kills the aggregator at every point below and checks that every restart succeeds
-and that no acknowledged update is lost.
+``benchmarks/faults.py`` kills the aggregator at every point below but ``spool.*`` (only a cut push reaches
+those; ``tests/wire/test_durable_spool.py`` kills it there) and checks that every restart succeeds and that no
+acknowledged update is lost.
 
 ``HETFED_DELAY_AT=<point>:<seconds>`` makes every visit of ``<point>`` wait that long first, as a slow disk
 would (the harness uses it at ``wal.syncing`` so that concurrent pushes pile up behind one fsync and share
@@ -31,6 +32,7 @@ CRASH_POINTS: tuple[str, ...] = (
     "checkpoint.tmp_synced",  # the temporary file is durable, not yet renamed over checkpoint.npz
     "checkpoint.replaced",  # checkpoint.npz is the new one; the directory is not yet fsync'd
     "wal.truncated",  # the closed round's records are cut from the log
+    "spool.synced",  # a partial push's spool file is fsync'd, its new record not yet renamed over the old one
 )
 EXIT_CODE = 86
 

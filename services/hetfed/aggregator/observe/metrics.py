@@ -23,7 +23,8 @@ class AggregatorMetrics:
         )
         self.partial_pushes_dropped = Counter(
             "hetfed_partial_pushes_dropped", "Pushes cut mid-stream whose received part was dropped (or never kept), "
-            "by reason: expired, round_closed, over_size, replaced, refused", ["reason"], registry=r,
+            "by reason: expired, round_closed, over_size, replaced, refused; at start-up also invalid, torn, unsynced",
+            ["reason"], registry=r,
         )
         self.storage_errors = Counter(
             "hetfed_storage_errors", "Writes to the state directory that failed (a push answered storage_unavailable, "

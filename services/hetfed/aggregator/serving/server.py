@@ -3,7 +3,8 @@ graceful stop that ends in bounded time.
 
 The gRPC server runs on one event loop in a thread of its own; blocking work runs in the service's bounded
 worker pool (see ``hetfed.aggregator.serving.service``). Threads: the caller's, the event loop's, gRPC's fixed
-completion-queue pollers, ``server.worker_threads`` workers and the metrics HTTP server's; none per client.
+completion-queue pollers, ``server.worker_threads`` workers, the metrics HTTP server's and, from the first
+push it makes durable, the spool's (its fsyncs); none per client.
 With ``server.health_listen`` set, the plaintext health listener is a small child process fed by a heartbeat
 of the serving loop (see ``hetfed.aggregator.serving.health_listener``).
 """

@@ -410,5 +410,6 @@ class AggregatorService:
     def close(self) -> None:
         """Finish the work in the pool and close every run's files."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self.spool.close()
         for run in self.runs.values():
             run.close()

@@ -6,7 +6,7 @@ A preset (``ditto_cos``, ``fedl2r``) shares the entry of the algorithm it preset
 
 from __future__ import annotations
 
-from hetfed.cli.experiments import ditto, fedavg, fedcma, fedh2l, fedsr, simfed
+from hetfed.cli.experiments import ditto, fedavg, fedavg_body, fedcma, fedh2l, fedproto, fedrep, fedsr, simfed
 from hetfed.cli.experiments.base import Experiment
 from hetfed.wire.specs import AlgorithmSpec
 
@@ -16,7 +16,8 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # Each algorithm's entry lives in the module named after it (``fedcma.py`` beside ``fedcma*.bench.toml``), which
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
-    module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto)
+    module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
+                                                       fedproto)
 }
 
 
