@@ -32,7 +32,7 @@ TIME_COLUMN = "time"
 # The columns that depend on the machine's arithmetic. On one machine the seed fixes them (tests/e2e/
 # test_repeatable.py), but PyTorch's CPU kernels sum in an order that depends on the processor (AVX2 or
 # AVX-512, and the BLAS kernels chosen for it), so another machine's run lands a few tenths of a point away:
-# 95.00 % for 94.70 %, 72.20 % for 73.25 % on an AVX-512 machine against the README's. Compared within
+# the default run gave 95.00 % and 72.20 % on an AVX-512 machine, 94.70 % and 73.25 % on another. Compared within
 # ACCURACY_TOLERANCE_POINTS percentage points, as the golden test compares its accuracies (within 3).
 ACCURACY_COLUMNS = ("own-test acc", "global-test acc")
 ACCURACY_TOLERANCE_POINTS = 2.0
