@@ -7,6 +7,7 @@ config's type at run time. Hooks receive typed payloads (``Received``) and the r
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
@@ -18,6 +19,12 @@ from hetfed.wire.phases import Phase
 from hetfed.wire.specs import TrainConfig
 
 C = TypeVar("C", bound=TrainConfig)
+
+
+def round_seed(run_seed: int, round_: int) -> int:
+    """The seed of a round's shared random draws, derived from the run seed (sent in every round's
+    instructions; a server half that draws what the clients draw derives it here)."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{round_}".encode()).digest()[:8], "little")
 
 
 @dataclass(frozen=True)

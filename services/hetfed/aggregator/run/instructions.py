@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.aggregator.algorithms.base import ServerHalf, round_seed
 from hetfed.wire import messages
 from hetfed.wire.messages import Encoded, Instructions, Pulled
 from hetfed.wire.phases import Action, Phase
@@ -17,11 +16,6 @@ from hetfed.wire.specs import WireDtype
 
 # Per-organization instruction messages a run keeps built (memory does not grow with the federation).
 PER_ORGANIZATION_INSTRUCTIONS = 8
-
-
-def round_seed(run_seed: int, round_: int) -> int:
-    """The seed of a round's shared random draws, derived from the run seed."""
-    return int.from_bytes(hashlib.sha256(f"{run_seed}:{round_}".encode()).digest()[:8], "little")
 
 
 class InstructionCache:
