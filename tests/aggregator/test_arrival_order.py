@@ -69,8 +69,9 @@ class Uploads:
             counts = rng.integers(0, self.counts + 1).astype(np.int64)
             return ClassMeanEmbeddings(np.arange(k, dtype=np.int64), _unit(rng, (k, d)), counts, counts > 0)
         if kind is PayloadKind.SEED_POSTERIORS:
+            # The same public examples for every organization (a consensus over the round's subset needs them).
             p = rng.dirichlet(np.ones(k), 4).astype(np.float32)
-            return SeedPosteriors("seeds", np.arange(4, dtype=np.int64) + 4 * self.org, p / p.sum(1, keepdims=True),
+            return SeedPosteriors("seeds", np.arange(4, dtype=np.int64), p / p.sum(1, keepdims=True),
                                   float(rng.uniform()))
         if kind is PayloadKind.FACTORIZED_WEIGHTS:
             idx = np.sort(rng.choice(8 * 5, 9, replace=False)).astype(np.int64)

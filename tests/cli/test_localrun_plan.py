@@ -75,8 +75,10 @@ def test_every_algorithm_on_every_builtin_dataset_plans_models_that_fit_or_says_
                 continue
             for model in p.runs[0].models:
                 assert input_mismatch(model, entry.input_shape) is None, (name, algorithm, model)
-    # Only FedH2L is refused, on the datasets without its rotated partition, and by its partition.
-    assert sorted((n, a) for n, a, _ in refused) == [(n, "fedh2l") for n in ("digits", "fmnist", "gauss4", "synthetic")]
+    # Only the algorithms that need a seed set (FedH2L, FedMD) are refused, on the datasets without the rotated
+    # partition, and by their partition.
+    assert sorted((n, a) for n, a, _ in refused) == [(n, a) for n in ("digits", "fmnist", "gauss4", "synthetic")
+                                                     for a in ("fedh2l", "fedmd")]
     assert all("'rotated' partition" in why and "\n" not in why for _, _, why in refused)
     simfed = plan(LocalRunOptions(algorithms=("simfed",), dataset="synthetic")).runs[0]
     assert simfed.models == ("mlp",)

@@ -42,6 +42,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedproto": ({**SGD, "latent_dim": 64, "num_classes": 10}, DIGITS),
     "fedh2l": ({"batch_size": 16, "lr": 0.05}, {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2,
                                                   "client_index": 0}),
+    # Two kept Adam optimisers, the digest's and the revisit's.
+    "fedmd": ({"batch_size": 16, "local_epochs": 1, "public_subset": 64, "digest_batch_size": 32},
+              {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2, "client_index": 0}),
 }
 
 

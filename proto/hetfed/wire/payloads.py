@@ -79,7 +79,8 @@ class ClassMeanEmbeddings:
 
 @dataclass(frozen=True)
 class SeedPosteriors:
-    """A node's posteriors on a batch of the shared seed set, with its teaching confidence."""
+    """A node's posteriors on a batch of the shared seed set, with its teaching confidence (FedMD: logits in
+    ``probabilities``, the confidence unused)."""
 
     seed_set_id: str
     indices: np.ndarray

@@ -11,6 +11,7 @@ from hetfed.client.algorithms import (
     fedavg_head,
     fedcma,
     fedh2l,
+    fedmd,
     fedproto,
     fedprox,
     fedrep,
@@ -19,5 +20,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedproto", "fedprox", "fedrep", "fedsr",
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
            "local", "simfed"]

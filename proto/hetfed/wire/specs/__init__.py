@@ -22,6 +22,7 @@ from hetfed.wire.specs import (
     fedavg_head,
     fedcma,
     fedh2l,
+    fedmd,
     fedproto,
     fedprox,
     fedrep,
@@ -55,6 +56,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MKMMD_SPEC,
     ditto.MMDD_SPEC,
     fedproto.SPEC,
+    fedmd.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

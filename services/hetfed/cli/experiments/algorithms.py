@@ -6,7 +6,18 @@ A preset (``ditto_cos``, ``fedl2r``) shares the entry of the algorithm it preset
 
 from __future__ import annotations
 
-from hetfed.cli.experiments import ditto, fedavg, fedavg_body, fedcma, fedh2l, fedproto, fedrep, fedsr, simfed
+from hetfed.cli.experiments import (
+    ditto,
+    fedavg,
+    fedavg_body,
+    fedcma,
+    fedh2l,
+    fedmd,
+    fedproto,
+    fedrep,
+    fedsr,
+    simfed,
+)
 from hetfed.cli.experiments.base import Experiment
 from hetfed.wire.specs import AlgorithmSpec
 
@@ -17,7 +28,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto)
+                                                       fedproto, fedmd)
 }
 
 
