@@ -5,6 +5,7 @@ read for many keepalive periods keeps its connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -36,17 +37,15 @@ async def _digest(requests: object, context: grpc.aio.ServicerContext) -> bytes:
     return h.digest()
 
 
-@pytest.fixture(params=[256 << 10])
-def echo_peer(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The address of a server (the aggregator's make_server) that answers each call with the caller's peer,
-    and each client stream with the SHA-256 of its messages."""
+@contextlib.contextmanager
+def served(service: str, handlers: dict[str, grpc.RpcMethodHandler], **options: int) -> Iterator[str]:
+    """The address of ``make_server(**options)`` serving ``handlers`` as ``service``, run in a thread of its own
+    until the block ends."""
     ready, stop, box = threading.Event(), threading.Event(), []
 
     async def serve() -> None:
-        server, port = make_server("127.0.0.1:0", None, stream_window_bytes=request.param)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(_peer),
-                       "Digest": grpc.stream_unary_rpc_method_handler(_digest)}),))
+        server, port = make_server("127.0.0.1:0", None, **options)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         await server.start()
         box.append(port)
         ready.set()
@@ -57,9 +56,21 @@ def echo_peer(request: pytest.FixtureRequest) -> Iterator[str]:
     thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     assert ready.wait(10)
-    yield f"127.0.0.1:{box[0]}"
-    stop.set()
-    thread.join(10)
+    try:
+        yield f"127.0.0.1:{box[0]}"
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.fixture(params=[256 << 10])
+def echo_peer(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The address of a server (the aggregator's make_server) that answers each call with the caller's peer,
+    and each client stream with the SHA-256 of its messages."""
+    with served("t.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(_peer),
+                           "Digest": grpc.stream_unary_rpc_method_handler(_digest)},
+                stream_window_bytes=request.param) as address:
+        yield address
 
 
 def test_each_channel_is_its_own_connection(echo_peer: str) -> None:
@@ -105,7 +116,7 @@ SHORT_KEEPALIVE_MS = 300
 def holding_server() -> Iterator[tuple[str, threading.Event]]:
     """The address of a server (make_server, keepalive SHORT_KEEPALIVE_MS) whose Hold reads a client stream's
     first message, then nothing until the event is set, then the rest: a push waiting for admission."""
-    ready, stop, release, box = threading.Event(), threading.Event(), threading.Event(), []
+    release = threading.Event()
 
     async def hold(requests: object, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         it = requests.__aiter__()  # type: ignore[attr-defined]
@@ -116,24 +127,12 @@ def holding_server() -> Iterator[tuple[str, threading.Event]]:
             count += len(message)
         return count.to_bytes(8, "little")
 
-    async def serve() -> None:
-        server, port = make_server("127.0.0.1:0", None, keepalive_ms=SHORT_KEEPALIVE_MS)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.Hold", {"Hold": grpc.stream_unary_rpc_method_handler(hold)}),))
-        await server.start()
-        box.append(port)
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.02)
-        await server.stop(0)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield f"127.0.0.1:{box[0]}", release
-    release.set()
-    stop.set()
-    thread.join(10)
+    with served("t.Hold", {"Hold": grpc.stream_unary_rpc_method_handler(hold)},
+                keepalive_ms=SHORT_KEEPALIVE_MS) as address:
+        try:
+            yield address, release
+        finally:
+            release.set()
 
 
 def test_the_server_accepts_the_clients_keepalive_pings() -> None:
