@@ -60,8 +60,8 @@ import numpy as np
 from hetfed.secagg.errors import SecAggError
 from hetfed.secagg.ring import MAX_RING_BITS, reduce, ring_dtype
 
-# RDP orders: the integers 2..128 and 256 (reference code, accounting_utils.py ``RDP_ORDERS``); Theorem 3.5 holds
-# at integer orders.
+# RDP orders: the integers 2..128 and 256 (reference code, distributed_dp/accounting_utils.py:23); Theorem 3.5
+# holds at integer orders.
 ORDERS: tuple[int, ...] = (*range(2, 129), 256)
 # Conditional rounding draws again at most this often (each draw passes with probability at least 1 - β).
 MAX_ROUNDING_DRAWS = 1000
@@ -374,7 +374,8 @@ def choose(*, epsilon: float, delta: float, rounds: int, dim: int, clip: float, 
 
     "Fits": with ``k``, the paper's rule, k standard deviations of a coordinate of the sum,
     k·√(n²c²s²/D + n/4 + n·μ/t), within 2^(b-1) (Kairouz et al. 2021, Section 4.4; the reference code's
-    ``skellam_params`` solves the same equation, with k = 3); it bounds one coordinate's wrap, not all D of them.
+    ``skellam_params`` solves the same equation: k = 3 by default, accounting_utils.py:579, and 4 in its FL runs,
+    fl_run.py:83); it bounds one coordinate's wrap, not all D of them.
     Without ``k`` (the default): ``wrap_bound`` at most ``max_wrap``, for every coordinate at once."""
     n = clients
     half = 2.0 ** (ring_bits - 1)
