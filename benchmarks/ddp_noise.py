@@ -54,7 +54,7 @@ def measured_std(plan: Plan, vectors: list[np.ndarray], trials: int) -> float:
         total = np.zeros(plan.size, plan.dtype)
         for i, v in enumerate(vectors):
             total += plan.encode(v, 1000 + trial, np.random.default_rng([trial, i]))  # wraps mod 2^32 as uint32
-        errors.append(plan.decode(total, 1000 + trial) - exact)
+        errors.append(plan.decode(total, 1000 + trial, len(vectors)) - exact)
     return float(np.std(np.concatenate(errors)))
 
 

@@ -65,13 +65,13 @@ def test_the_rotation_is_orthogonal_and_inverts_exactly_on_integers() -> None:
 def test_a_vector_the_grid_holds_decodes_exactly() -> None:
     """x = 2·ξ₀·e₀ in 4 dimensions rotates to (1, 1, 1, 1); at scale 3 it is the integers (3, 3, 3, 3), which
     stochastic rounding keeps, so the decoded value is x to the last bit."""
-    p = plan(dim=4, clip=2.0, scale=3.0)
+    p = plan(dim=4, clip=2.0, scale=3.0, clients=1, honest=1)
     seed = 11
     x = np.zeros(4)
     x[0] = 2.0 * Rotation(4, seed).signs()[0]
     z = p.rounded(x, seed, np.random.default_rng(0))
     assert z.tolist() == [3, 3, 3, 3]
-    assert p.decode(p.encode(x, seed, np.random.default_rng(0)), seed).tolist() == x.tolist()
+    assert p.decode(p.encode(x, seed, np.random.default_rng(0)), seed, 1).tolist() == x.tolist()
 
 
 @pytest.mark.parametrize("beta", [0.0, math.exp(-0.5)])
@@ -86,7 +86,7 @@ def test_the_round_trip_error_stays_within_its_bound(beta: float) -> None:
     for trial in range(200):
         total = sum(p.encode(x, 1000 + trial, np.random.default_rng([trial, i])) for i, x in enumerate(xs))
         assert total.dtype == np.uint32 and total.shape == (64,)
-        err = p.decode(np.asarray(total, np.uint32), 1000 + trial) - clipped
+        err = p.decode(np.asarray(total, np.uint32), 1000 + trial, 5) - clipped
         assert np.linalg.norm(err) <= 5 * math.sqrt(64) / 10.0
         errors.append(err)
     # unbiased: the mean error over 200 trials is within 5 standard errors (each coordinate's variance <= 5/4/s²)
@@ -300,5 +300,16 @@ def test_wraps_happen_no_more_often_than_the_bound_and_otherwise_the_sum_decodes
         same = np.array_equal(p.centred(total), plain)
         wrapped += not same
         if same:
-            assert np.allclose(p.decode(total, r), Rotation(16, r).inverse(plain.astype(np.float64)) / 300.0)
-    assert wrapped <= bound * 400
+            assert np.allclose(p.decode(total, r, 4), Rotation(16, r).inverse(plain.astype(np.float64)) / 300.0)
+    assert 0 < wrapped <= bound * 400  # 4 of 400 rounds wrap; the bound allows 124
+
+
+def test_a_sum_of_fewer_inputs_than_the_honest_count_is_refused() -> None:
+    p = plan(dim=4, clients=4, honest=3)
+    total = np.zeros(4, np.uint32)
+    with pytest.raises(SecAggError, match="2 inputs; the plan counts the noise of 3 honest") as err:
+        p.decode(total, 1, 2)
+    assert err.value.reason == "below_threshold"
+    assert p.decode(total, 1, 3).tolist() == [0.0] * 4
+    with pytest.raises(SecAggError, match="5 inputs"):
+        p.decode(total, 1, 5)

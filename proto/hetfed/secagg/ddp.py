@@ -342,8 +342,14 @@ class Plan:
             signed[signed >= 1 << (self.ring_bits - 1)] -= 1 << self.ring_bits
         return signed
 
-    def decode(self, ring_sum: np.ndarray, rotation_seed: int) -> np.ndarray:
-        """The noisy float sum of the organizations' clipped vectors: centred, un-rotated, divided by s."""
+    def decode(self, ring_sum: np.ndarray, rotation_seed: int, inputs: int) -> np.ndarray:
+        """The noisy float sum of ``inputs`` organizations' clipped vectors: centred, un-rotated, divided by s.
+        Refused for fewer than ``honest`` inputs: such a sum cannot hold the honest shares the accountant counted
+        (at least ``honest`` inputs is necessary for the assumption, not sufficient)."""
+        if not self.honest <= inputs <= self.clients:
+            raise SecAggError("below_threshold" if inputs < self.honest else "bad_parameters", (
+                f"a sum of {inputs} inputs; the plan counts the noise of {self.honest} honest ones of "
+                f"{self.clients}"))
         return Rotation(self.dim, rotation_seed).inverse(self.centred(ring_sum).astype(np.float64)) / self.scale
 
 
