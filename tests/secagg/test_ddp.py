@@ -204,11 +204,15 @@ def test_a_whole_vector_neighbour_moves_the_sum_by_at_most_the_rounded_norm_boun
         assert np.linalg.norm(z) <= p.norm_bound and np.abs(z).sum() <= p.sensitivity_bounds()[1]
 
 
-def test_a_sensitivity_below_the_whole_vector_refuses_conditional_rounding() -> None:
+def test_plans_that_break_the_proofs_assumptions_are_refused() -> None:
+    """A per-example sensitivity with conditional rounding (the coupling breaks), a sensitivity beyond the clip, a
+    scaled clip past float64's fraction bits."""
     with pytest.raises(SecAggError, match="beta = 0"):
         plan(sensitivity=0.5, beta=0.1)
     with pytest.raises(SecAggError, match="sensitivity"):
         plan(sensitivity=2.0)
+    with pytest.raises(SecAggError, match="below 2\\^52"):
+        plan(clip=2.0**30, scale=2.0**22)
 
 
 # ------------------------------------------------------------------------------------------------ accounting

@@ -224,6 +224,10 @@ class Plan:
             raise SecAggError("bad_parameters", f"clip {self.clip} must be finite and > 0")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise SecAggError("bad_parameters", f"scale {self.scale} must be finite and > 0")
+        if self.clip * self.scale >= 2.0**52:
+            raise SecAggError("bad_parameters", (
+                f"clip x scale = {self.clip * self.scale:.6g} leaves float64 no fraction to round stochastically "
+                "(it must stay below 2^52)"))
         if not 0 <= self.local_variance <= MAX_LOCAL_VARIANCE:
             raise SecAggError("bad_parameters", (
                 f"local variance {self.local_variance} must be in [0, 2^41] (numpy's Poisson draws are exact enough "
