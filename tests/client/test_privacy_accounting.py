@@ -207,8 +207,8 @@ def test_a_ledger_of_another_format_is_a_ledger_error(tmp_path: Path) -> None:
     led.close_round(1)
     path = tmp_path / "run-a" / FILE_NAME
     raw = json.loads(path.read_text())
-    path.write_text(json.dumps({**raw, "format": 3}))
-    with pytest.raises(LedgerError, match=r"is not a hetfed privacy ledger of format 2$"):
+    path.write_text(json.dumps({**raw, "format": 4}))
+    with pytest.raises(LedgerError, match=r"is not a hetfed privacy ledger of format 3$"):
         open_ledger(tmp_path)
 
 

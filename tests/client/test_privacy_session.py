@@ -249,7 +249,7 @@ def test_the_example_count_is_released_once_and_read_back_after_a_restart(tmp_pa
     assert first.ledger.releases == [COUNT] and first.ledger.released == {"examples": 1007}
     on_disk = json.loads((tmp_path / "run" / FILE_NAME).read_text())
     assert on_disk["released"] == {"examples": 1007} and on_disk["releases"] == [[1.0, 20.0, 1]]
-    assert on_disk["epsilon"] == epsilon_of([COUNT], 1.0 / 1007**2) and on_disk["format"] == 2
+    assert on_disk["epsilon"] == epsilon_of([COUNT], 1.0 / 1007**2) and on_disk["format"] == 3
     # Everything declared derives from N̂: δ = 1/N̂², q = B/N̂, qN̂ = B, the steps of a round over N̂.
     first.set_batch_size(B)
     assert first.delta == 1.0 / 1007**2 and first.q == 50 / 1007

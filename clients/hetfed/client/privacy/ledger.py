@@ -1,4 +1,5 @@
-"""One organization's privacy ledger for one run: every DP-SGD step and Gaussian release, composed by dp-accounting.
+"""One organization's privacy ledger for one run: every DP-SGD step and Gaussian release, composed by dp-accounting,
+and every round of a distributed Skellam sum under secure aggregation (``DistributedRelease``).
 
 The ledger lists releases as runs of identical events (a Poisson-sampled Gaussian step with its sampling rate
 and noise multiplier, or an unsampled Gaussian release), and ε at δ is dp-accounting's for their composition:
@@ -8,6 +9,12 @@ With a state directory it lives in ``<state_dir>/<run>/privacy-ledger.json``, wr
 upload leaves, so a restarted client continues it: ε never goes down. It also keeps the values the organization
 released (its example count N̂, an algorithm's noisy counts) in the same write as the releases that paid for them,
 so a restart sends them again instead of releasing new ones.
+
+A distributed release (``hetfed.secagg.ddp``) is accounted in Rényi DP only: dp-accounting has no Skellam event,
+so its RDP (Agarwal, Kairouz and Liu 2021, Theorem 3.5) is added, order by order, to dp-accounting's RDP of the
+ledger's Gaussian releases at the integer orders 2..128 and 256, and ε at δ is dp-accounting's conversion of the
+total. It records the assumption the noise rests on (at least ``honest`` of ``clients`` organizations add their
+share and keep it secret) and the ring it was reduced in; a ledger under the PLD accountant refuses it.
 """
 
 from __future__ import annotations
@@ -17,15 +24,22 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import dp_accounting
+import numpy as np
 from dp_accounting import pld, rdp
+from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+from hetfed.secagg import ddp
 
 # 2: the released values and the round the ledger first joined at (format 1 kept neither).
-FORMAT = 2
+# 3: distributed releases. A format-2 ledger (none) is continued; one written as 3 is refused by code that reads 2,
+# which would otherwise drop the distributed releases and lower ε.
+FORMAT = 3
+READS = (2, 3)
 FILE_NAME = "privacy-ledger.json"
 
 
@@ -59,6 +73,66 @@ class Release:
         if self.q < 1:
             one = dp_accounting.PoissonSampledDpEvent(self.q, one)
         return one if self.count == 1 else dp_accounting.SelfComposedDpEvent(one, self.count)
+
+
+@dataclass(frozen=True)
+class DistributedRelease:
+    """``count`` rounds of a distributed Skellam sum (``hetfed.secagg.ddp.Plan``): sensitivities ``l2`` and ``l1``
+    after rounding and the noise variance ``variance`` the accountant counts, all in the integer domain, under the
+    declared assumption that at least ``honest`` of the ``clients`` organizations add their share and keep it
+    secret. ``ring_bits``, ``scale`` and ``wrap`` (the bound on a round's wrap-around probability) are recorded
+    for the reader: reduction mod 2^ring_bits is post-processing and costs no privacy."""
+
+    l2: float
+    l1: float
+    variance: float
+    honest: int
+    clients: int
+    ring_bits: int
+    scale: float
+    wrap: float
+    count: int = 1
+
+    @classmethod
+    def of(cls, plan: ddp.Plan, count: int = 1) -> DistributedRelease:
+        """``count`` rounds of ``plan``."""
+        l2, l1 = plan.sensitivity_bounds()
+        return cls(l2, l1, plan.central_variance, plan.honest, plan.clients, plan.ring_bits, plan.scale,
+                   plan.wrap_bound(), count)
+
+    def key(self) -> tuple[float | int, ...]:
+        """Everything but the count: releases with the same key are the same event."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "count")
+
+    def rdp(self) -> np.ndarray:
+        """Its RDP at ``ddp.ORDERS``, ``count`` rounds composed."""
+        return self.count * ddp.skellam_rdp(self.l2, self.l1, self.variance)
+
+
+def merged_distributed(releases: Sequence[DistributedRelease]) -> list[DistributedRelease]:
+    """``releases`` with runs of the same event joined, in the order each first appears."""
+    counts: dict[tuple[float | int, ...], tuple[DistributedRelease, int]] = {}
+    for r in releases:
+        if r.count > 0:
+            first, count = counts.get(r.key(), (r, 0))
+            counts[r.key()] = (first, count + r.count)
+    return [replace(first, count=count) for first, count in counts.values()]
+
+
+def epsilon_with_distributed(releases: Sequence[Release], distributed: Sequence[DistributedRelease],
+                             delta: float) -> float:
+    """ε at ``delta`` of Gaussian ``releases`` and ``distributed`` ones composed in RDP at ``ddp.ORDERS``: the
+    Gaussian ones' RDP from dp-accounting, the Skellam ones' from Theorem 3.5, converted by dp-accounting."""
+    acc = rdp.RdpAccountant(orders=[float(a) for a in ddp.ORDERS])
+    runs = merged(releases)
+    if runs:
+        acc.compose(dp_accounting.ComposedDpEvent([r.event() for r in runs]))
+    # dp-accounting keeps the composed RDP curve in ``_rdp`` and takes no custom curve; it is read, not changed.
+    total = np.array(acc._rdp, dtype=np.float64)
+    for d in merged_distributed(distributed):
+        total += d.rdp()
+    eps, _ = compute_epsilon(ddp.ORDERS, total, delta)
+    return float(eps)
 
 
 def merged(releases: Sequence[Release]) -> list[Release]:
@@ -126,6 +200,8 @@ class Ledger:
         # Whether this ledger was read from disk (False: it starts in this process).
         self.loaded = False
         self.releases: list[Release] = []
+        # Rounds of distributed DP under secure aggregation (accounted in RDP).
+        self.distributed: list[DistributedRelease] = []
         # ε after each round this ledger saw (round -> ε), for the operator and the tests.
         self.rounds: dict[int, float] = {}
         # What the organization released, by name ("examples": N̂; an algorithm's noisy counts), JSON values.
@@ -133,10 +209,11 @@ class Ledger:
         # The run's round when this ledger first joined it (None: not yet).
         self.joined_at: int | None = None
         self._pending: list[Release] = []
+        self._pending_distributed: list[DistributedRelease] = []
         self._pending_values: dict[str, Any] = {}
         # ε of the committed releases, kept with the releases it was computed for: a round asks for it several
         # times (its declaration, the file, the budget check), and the PLD accountant takes most of a second.
-        self._spent: tuple[tuple[Release, ...], float] = ((), 0.0)
+        self._spent: tuple[tuple[tuple[Release, ...], tuple[DistributedRelease, ...]], float] = (((), ()), 0.0)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -162,9 +239,9 @@ class Ledger:
         except (OSError, ValueError) as exc:
             raise LedgerError(f"{path} cannot be read ({type(exc).__name__}: {exc}); a lost ledger cannot be "
                               "rebuilt, so this organization cannot go on in this run under DP") from None
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        if not isinstance(raw, dict) or raw.get("format") not in READS:
             found = raw.get("format") if isinstance(raw, dict) else None
-            if isinstance(found, int) and found < FORMAT:
+            if isinstance(found, int) and found < min(READS):
                 raise LedgerError(f"{path} is a privacy ledger of format {found}, which kept no released values, so "
                                   "a restart could not send the same ones again; finish this run with the hetfed "
                                   "version that wrote it, or start a new run")
@@ -181,6 +258,7 @@ class Ledger:
             self.noise_multiplier = float(raw["noise_multiplier"])
             self.clip_norm = float(raw["clip_norm"])
             self.releases = [Release(float(q), float(s), int(c)) for q, s, c in raw["releases"]]
+            self.distributed = [DistributedRelease(**d) for d in raw.get("distributed", [])]
             self.rounds = {int(k): float(v) for k, v in raw["rounds"].items()}
             self.released = dict(raw["released"])
             self.joined_at = None if raw["joined_at"] is None else int(raw["joined_at"])
@@ -201,6 +279,14 @@ class Ledger:
         """Note ``count`` releases of the current round (committed by ``close_round``)."""
         self._pending = merged([*self._pending, Release(q, sigma, count)])
 
+    def record_distributed(self, release: DistributedRelease) -> None:
+        """Note a round of distributed DP (committed by ``close_round``). Refused under the PLD accountant, which
+        cannot compose it."""
+        if self.accountant != "rdp":
+            raise LedgerError(f"distributed DP is accounted in Rényi DP; this ledger composes with {self.accountant!r}"
+                              " and cannot take it (use privacy.accountant = \"rdp\")")
+        self._pending_distributed = merged_distributed([*self._pending_distributed, release])
+
     def hold(self, name: str, value: Any) -> None:
         """Keep a released value (JSON-serialisable), written with the releases that paid for it."""
         self._pending_values[name] = value
@@ -214,8 +300,9 @@ class Ledger:
         """Commit the pending releases and values and write the ledger (atomically, before anything they made
         leaves); with ``round_``, note ε after that round. ε so far."""
         self.releases = merged([*self.releases, *self._pending])
+        self.distributed = merged_distributed([*self.distributed, *self._pending_distributed])
         self.released.update(self._pending_values)
-        self._pending, self._pending_values = [], {}
+        self._pending, self._pending_distributed, self._pending_values = [], [], {}
         eps = self.epsilon()
         if round_ is not None:
             self.rounds[int(round_)] = max(eps, self.rounds.get(int(round_), 0.0))
@@ -226,17 +313,25 @@ class Ledger:
         """Commit the round's releases and values, write the ledger (atomically, before the upload leaves); ε."""
         return self.commit(round_)
 
-    def epsilon(self, extra: Sequence[Release] = ()) -> float:
+    def epsilon(self, extra: Sequence[Release] = (), extra_distributed: Sequence[DistributedRelease] = ()) -> float:
         """ε at δ of every committed release (and ``extra`` ones, to ask what a next round would cost)."""
-        if not merged([*self.releases, *extra]):
+        distributed = [*self.distributed, *extra_distributed]
+        if not merged([*self.releases, *extra]) and not merged_distributed(distributed):
             return 0.0
         if self.delta is None:
             raise LedgerError("δ is not fixed yet: the ledger cannot give ε")
-        if extra:
-            return epsilon_of([*self.releases, *extra], self.delta, self.accountant)
-        committed = tuple(self.releases)
+        delta = self.delta
+
+        def of(releases: Sequence[Release]) -> float:
+            if merged_distributed(distributed):
+                return epsilon_with_distributed(releases, distributed, delta)
+            return epsilon_of(releases, delta, self.accountant)
+
+        if extra or extra_distributed:
+            return of([*self.releases, *extra])
+        committed = (tuple(self.releases), tuple(self.distributed))
         if self._spent[0] != committed:
-            self._spent = (committed, epsilon_of(committed, self.delta, self.accountant))
+            self._spent = (committed, of(self.releases))
         return self._spent[1]
 
     def save(self) -> None:
@@ -247,6 +342,7 @@ class Ledger:
         body = {"format": FORMAT, "identity": self.identity, "noise_multiplier": self.noise_multiplier,
                 "clip_norm": self.clip_norm, "epsilon": self.epsilon(),
                 "releases": [[r.q, r.sigma, r.count] for r in self.releases],
+                "distributed": [asdict(d) for d in self.distributed],
                 "rounds": {str(k): v for k, v in sorted(self.rounds.items())},
                 "released": self.released, "joined_at": self.joined_at}
         tmp = self.path.with_suffix(".tmp")
