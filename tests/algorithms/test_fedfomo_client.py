@@ -6,6 +6,7 @@ uploads."""
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ X = rng.standard_normal((N, 1, 2, 2)).astype(np.float32)
 Y = (X[:, 0, 0, 0] > 0).astype(np.int64)  # the class is the sign of the first feature
 
 
-def linear(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:
+def linear(weight: npt.ArrayLike, bias: npt.ArrayLike) -> dict[str, np.ndarray]:
     return {"head.weight": np.asarray(weight, np.float32), "head.bias": np.asarray(bias, np.float32)}
 
 
@@ -39,6 +40,7 @@ def client(**fields: object) -> FedFomoClient:
     config = SPEC.config(**{"local_epochs": 1, "batch_size": 4, **fields})
     data = ClientData(ArrayDataset(X, Y), ArrayDataset(X, Y), None, K, (1, 2, 2), "toy")
     assert client_half_type(SPEC) is FedFomoClient
+    assert FedFomoClient.privacy_mechanism is None  # the validation losses behind the weights escape DP-SGD
     model = SplitModel(nn.Flatten(), D, K)
     return FedFomoClient(ClientContext("org-0", model, data, CPU, config, seed=4,
                                        build_model=lambda: SplitModel(nn.Flatten(), D, K)))
