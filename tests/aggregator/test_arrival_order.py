@@ -23,6 +23,7 @@ from hetfed.wire.payloads import (
     ModelWeights,
     Payload,
     PayloadKind,
+    PeerWeights,
     Received,
     SeedPosteriors,
 )
@@ -56,7 +57,7 @@ class Uploads:
         self.counts = np.random.default_rng([RUN.seed, org]).integers(0, 40, self.k).astype(np.int64)
         self.counts[org % self.k] += 1
 
-    def make(self, kind: PayloadKind) -> Payload:
+    def make(self, kind: PayloadKind, sent: list[Payload] | None = None) -> Payload | None:
         rng, k, d = self.rng, self.k, self.d
         if kind is PayloadKind.MODEL_WEIGHTS:
             return ModelWeights({"encoder.weight": _scaled(rng, (40, 30)), "encoder.bias": _scaled(rng, (30,)),
@@ -81,6 +82,13 @@ class Uploads:
             return CriteriaEmbeddings("criteria", rng.standard_normal((2, 4)).astype(np.float32))
         if kind is PayloadKind.EVAL_METRICS:
             return EvalMetrics(train_loss=float(rng.uniform()), num_train_examples=10)
+        if kind is PayloadKind.PEER_WEIGHTS:
+            # The organization itself, then the peers it was sent, in order (none sent: nothing to report).
+            names = [p for p in sent or [] if isinstance(p, PeerWeights)]
+            if not names:
+                return None
+            peers = names[0].organizations
+            return PeerWeights((ORGS[self.org], *peers), _scaled(rng, (len(peers) + 1,)))
         raise AssertionError(f"no test upload for {kind}: add one here")
 
 
@@ -98,10 +106,13 @@ def canonical(value: Any) -> Any:
     return value
 
 
-def received(spec: AlgorithmSpec, phase: Phase, config: Any, org: int, round_: int) -> Received:
+def received(spec: AlgorithmSpec, phase: Phase, config: Any, org: int, round_: int,
+             sent: list[Payload] | None = None) -> Received:
+    """Organization ``org``'s upload of every kind its phase allows (``sent``: what it was sent this round)."""
     kinds = spec.setup_upload if phase is Phase.SETUP else spec.upload
     make = Uploads(config, org, round_).make
-    return Received([make(kind) for kind in sorted(kinds, key=lambda k: k.value)], spec.repeated_download)
+    made = [make(kind, sent) for kind in sorted(kinds, key=lambda k: k.value)]
+    return Received([p for p in made if p is not None], spec.repeated_download)
 
 
 def drive(spec: AlgorithmSpec, config: Any, order: Callable[[int], list[int]],
@@ -112,9 +123,10 @@ def drive(spec: AlgorithmSpec, config: Any, order: Callable[[int], list[int]],
     seen: list[Any] = []
     phases = [(Phase.SETUP, 0)] if spec.setup_upload else []
     for phase, round_ in [*phases, *((Phase.TRAIN, r) for r in range(1, ROUNDS + 1)), (Phase.EVALUATE, ROUNDS + 1)]:
-        seen.append([canonical(half.payloads_for(phase, round_, org)) for org in ORGS])
+        sent = [half.payloads_for(phase, round_, org) for org in ORGS]
+        seen.append([canonical(p) for p in sent])
         for i in order(round_):
-            update = received(spec, phase, config, i, round_) if phase is not Phase.EVALUATE else \
+            update = received(spec, phase, config, i, round_, sent[i]) if phase is not Phase.EVALUATE else \
                 Received([EvalMetrics()])
             half.validate(phase, ORGS[i], update)
             half.accumulate(phase, ORGS[i], update)

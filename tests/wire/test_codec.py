@@ -31,6 +31,7 @@ from hetfed.wire.payloads import (
     ModelWeights,
     Payload,
     PayloadKind,
+    PeerWeights,
     SeedPosteriors,
     named_tensors,
 )
@@ -396,6 +397,7 @@ PAYLOADS: dict[PayloadKind, st.SearchStrategy[Any]] = {
     PayloadKind.CRITERIA_EMBEDDINGS: st.builds(CriteriaEmbeddings, names, floats(2, 2)),
     PayloadKind.EVAL_METRICS: st.builds(EvalMetrics, doubles, int64s, doubles, doubles, int64s,
                                         st.dictionaries(names, doubles, max_size=4)),
+    PayloadKind.PEER_WEIGHTS: st.builds(PeerWeights, st.lists(names, max_size=4).map(tuple), floats(1, 1)),
 }
 
 

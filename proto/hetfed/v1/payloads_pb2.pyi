@@ -19,6 +19,7 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_FACTORIZED_WEIGHTS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_CRITERIA_EMBEDDINGS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_EVAL_METRICS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_PEER_WEIGHTS: _ClassVar[PayloadKind]
 
 class MaskEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ PAYLOAD_KIND_SEED_POSTERIORS: PayloadKind
 PAYLOAD_KIND_FACTORIZED_WEIGHTS: PayloadKind
 PAYLOAD_KIND_CRITERIA_EMBEDDINGS: PayloadKind
 PAYLOAD_KIND_EVAL_METRICS: PayloadKind
+PAYLOAD_KIND_PEER_WEIGHTS: PayloadKind
 MASK_ENCODING_UNSPECIFIED: MaskEncoding
 MASK_ENCODING_GAPS: MaskEncoding
 MASK_ENCODING_BITMAP: MaskEncoding
@@ -126,6 +128,14 @@ class CriteriaEmbeddings(_message.Message):
     embeddings: _tensor_pb2.Tensor
     def __init__(self, criteria_set_id: _Optional[str] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
+class PeerWeights(_message.Message):
+    __slots__ = ("organizations", "weights")
+    ORGANIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    organizations: _containers.RepeatedScalarFieldContainer[str]
+    weights: _tensor_pb2.Tensor
+    def __init__(self, organizations: _Optional[_Iterable[str]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
 class EvalMetrics(_message.Message):
     __slots__ = ("train_loss", "num_train_examples", "test_accuracy", "test_loss", "num_test_examples", "extra", "withheld")
     class ExtraEntry(_message.Message):
@@ -152,7 +162,7 @@ class EvalMetrics(_message.Message):
     def __init__(self, train_loss: _Optional[float] = ..., num_train_examples: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., num_test_examples: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., withheld: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics")
+    __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics", "peer_weights")
     MODEL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     HEAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +171,7 @@ class Payload(_message.Message):
     FACTORIZED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CRITERIA_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model_weights: ModelWeights
     head_weights: HeadWeights
     class_counts: ClassCounts
@@ -169,4 +180,5 @@ class Payload(_message.Message):
     factorized_weights: FactorizedWeights
     criteria_embeddings: CriteriaEmbeddings
     eval_metrics: EvalMetrics
-    def __init__(self, model_weights: _Optional[_Union[ModelWeights, _Mapping]] = ..., head_weights: _Optional[_Union[HeadWeights, _Mapping]] = ..., class_counts: _Optional[_Union[ClassCounts, _Mapping]] = ..., class_mean_embeddings: _Optional[_Union[ClassMeanEmbeddings, _Mapping]] = ..., seed_posteriors: _Optional[_Union[SeedPosteriors, _Mapping]] = ..., factorized_weights: _Optional[_Union[FactorizedWeights, _Mapping]] = ..., criteria_embeddings: _Optional[_Union[CriteriaEmbeddings, _Mapping]] = ..., eval_metrics: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...
+    peer_weights: PeerWeights
+    def __init__(self, model_weights: _Optional[_Union[ModelWeights, _Mapping]] = ..., head_weights: _Optional[_Union[HeadWeights, _Mapping]] = ..., class_counts: _Optional[_Union[ClassCounts, _Mapping]] = ..., class_mean_embeddings: _Optional[_Union[ClassMeanEmbeddings, _Mapping]] = ..., seed_posteriors: _Optional[_Union[SeedPosteriors, _Mapping]] = ..., factorized_weights: _Optional[_Union[FactorizedWeights, _Mapping]] = ..., criteria_embeddings: _Optional[_Union[CriteriaEmbeddings, _Mapping]] = ..., eval_metrics: _Optional[_Union[EvalMetrics, _Mapping]] = ..., peer_weights: _Optional[_Union[PeerWeights, _Mapping]] = ...) -> None: ...

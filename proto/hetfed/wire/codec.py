@@ -39,6 +39,7 @@ from hetfed.wire.payloads import (
     ModelWeights,
     Payload,
     PayloadKind,
+    PeerWeights,
     SeedPosteriors,
     named_tensors,
 )
@@ -490,6 +491,17 @@ def eval_metrics_from_proto(m: pb.EvalMetrics, lifted: list[memoryview] | None) 
     """Decode an EvalMetrics message."""
     return EvalMetrics(float(m.train_loss), int(m.num_train_examples), float(m.test_accuracy), float(m.test_loss),
                        int(m.num_test_examples), dict(m.extra), tuple(m.withheld))
+
+
+def peer_weights_to_proto(payload: PeerWeights, out: pb.PeerWeights, wire_dtype: str | None) -> None:
+    """Fill a PeerWeights message (a handful of weights: ``wire_dtype`` does not narrow them)."""
+    out.organizations.extend(payload.organizations)
+    _fill(out.weights, payload.weights)
+
+
+def peer_weights_from_proto(w: pb.PeerWeights, lifted: list[memoryview] | None) -> PeerWeights:
+    """Decode a PeerWeights message."""
+    return PeerWeights(tuple(w.organizations), tensor_from_proto(w.weights, lifted))
 
 
 _ToProto = Callable[[Any, Any, str | None], None]

@@ -24,6 +24,7 @@ class PayloadKind(enum.Enum):
     FACTORIZED_WEIGHTS = "factorized_weights"
     CRITERIA_EMBEDDINGS = "criteria_embeddings"
     EVAL_METRICS = "eval_metrics"
+    PEER_WEIGHTS = "peer_weights"
 
     @property
     def proto_enum(self) -> int:
@@ -120,6 +121,16 @@ class CriteriaEmbeddings:
     kind = PayloadKind.CRITERIA_EMBEDDINGS
 
 
+@dataclass(frozen=True)
+class PeerWeights:
+    """One weight per named organization (FedFomo): down, the peers whose models follow in the message, in
+    their order, with the receiver's affinity to each; up, the sender's weight of each model it weighed."""
+
+    organizations: tuple[str, ...]
+    weights: np.ndarray
+    kind = PayloadKind.PEER_WEIGHTS
+
+
 WITHHELD = "withheld"
 """How results, tables and reports show a figure an organization withheld under its privacy settings
 (docs/privacy.md): never 0, and never averaged in."""
@@ -169,6 +180,7 @@ Payload = (
     | FactorizedWeights
     | CriteriaEmbeddings
     | EvalMetrics
+    | PeerWeights
 )
 
 
@@ -197,6 +209,8 @@ def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
             yield f"{layer.name}.mask_values", layer.mask_values
     elif isinstance(payload, CriteriaEmbeddings):
         yield "embeddings", payload.embeddings
+    elif isinstance(payload, PeerWeights):
+        yield "weights", payload.weights
 
 
 def training_examples(payload: Payload) -> int | None:
