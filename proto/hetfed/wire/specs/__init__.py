@@ -16,6 +16,7 @@ import os
 from typing import TypeVar
 
 from hetfed.wire.specs import (
+    cfl,
     ditto,
     fedavg,
     fedavg_body,
@@ -57,6 +58,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MMDD_SPEC,
     fedproto.SPEC,
     fedmd.SPEC,
+    cfl.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
