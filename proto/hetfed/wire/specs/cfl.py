@@ -39,7 +39,7 @@ class CFLConfig(PeriodicEvalConfig):
     eps1: float = 0.4
     # ε2: ... and the largest norm of its members' updates is above it (the notebook's EPS_2).
     eps2: float = 1.6
-    # γ_max of the paper's Algorithm 3: a bipartition is kept only when γ_max < sqrt((1 − α_cross_max) / 2), α_cross_max
+    # γ_max of the paper's CFL algorithm: a bipartition is kept only when γ_max < sqrt((1 − α_cross_max) / 2), α_cross_max
     # the largest cosine similarity across its two parts. 0: kept whenever α_cross_max < 1 (the reference code
     # has no such check).
     gamma_max: float = 0.0
@@ -47,7 +47,7 @@ class CFLConfig(PeriodicEvalConfig):
     min_split_size: int = 3
     # The first training round whose close may split a cluster (the reference code's c_round > 20).
     split_from_round: int = 21
-    # "single": the paper's optimal bipartition (Algorithm 1: merge the most similar pairs until two clusters are
+    # "single": the paper's optimal bipartition (merge the most similar pairs until two clusters are
     # left, which minimises the largest similarity across the parts); "complete": the reference code's
     # sklearn AgglomerativeClustering(linkage="complete") on −α.
     linkage: Linkage = "single"

@@ -66,7 +66,7 @@ def cosine_similarities(g: np.ndarray) -> np.ndarray:
 def bipartition(alpha: np.ndarray, linkage: Linkage = "single") -> tuple[list[int], list[int]]:
     """Two parts of 0..M−1 (M ≥ 2) from the similarity matrix ``alpha``, the part holding 0 first, each sorted.
 
-    "single": the paper's Algorithm 1 (optimal bipartition): visit the pairs (i, j) in descending order of α_ij
+    "single": the paper's optimal bipartition: visit the pairs (i, j) in descending order of α_ij
     (ties in row-major order: a stable argsort of −α) and merge the clusters holding i and j until two are left.
     The parts minimise max_{i∈c1, j∈c2} α_ij over every bipartition. "complete": the reference code's
     agglomerative clustering with complete linkage on the distance −α: merge the two clusters whose least
