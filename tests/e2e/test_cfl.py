@@ -138,3 +138,14 @@ def test_the_aggregator_refuses_what_cfl_does_not_declare_and_sends_each_cluster
         (mw,) = (codec.payload_from_proto(p) for p in ins.payloads)
         got[c.organization] = mw.tensors["w"].tolist()
     assert got == {"a": [1.5, -1.0, 2.0], "b": [-0.5, -1.0, 2.5]}
+
+
+def test_a_run_under_privacy_is_refused_at_join() -> None:
+    """CFL has no DP mechanism: its client refuses [privacy] once it has joined, before any upload."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "cfl", "--rounds", "1", "--clients", "2",
+         "--dataset", "digits", "--model", "mlp", "--set", "privacy.epsilon_budget=3", "--no-report"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0
+    assert "[privacy] is set, but hetfed has no DP mechanism for cfl's uploads" in proc.stdout + proc.stderr
