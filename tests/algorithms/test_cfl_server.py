@@ -242,3 +242,13 @@ def test_the_contract_refuses_what_cfl_does_not_declare() -> None:
         check_download(SPEC, [head])
     assert err.value.reason == "payload_kind_not_allowed"
     assert check_update(SPEC, Phase.SETUP, [weights], schema, 10**6).get(ModelWeights).num_examples == 4
+
+
+def test_each_checked_cluster_logs_the_norms_the_criterion_compares(caplog: pytest.LogCaptureFixture) -> None:
+    half = server(split_from_round=1, eps1=3.6, eps2=4.9, weighting="uniform")
+    with caplog.at_level("INFO", logger="hetfed.aggregator.algorithms.cfl"):
+        train_round(half, 1)
+        train_round(half, 2)  # clusters of two are below min_split_size: not checked, not logged
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("cfl round 1, cluster 0 ['a', 'b', 'c', 'd']: mean update norm 3.5 (eps1 3.6), largest update "
+                    "norm 5 (eps2 4.9); largest cross similarity 0.28, split into ['a', 'b'] and ['c', 'd']")

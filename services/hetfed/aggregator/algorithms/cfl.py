@@ -21,6 +21,7 @@ part with the first organization in sorted order) keeps c's index; c2 becomes th
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
@@ -36,6 +37,7 @@ from hetfed.wire.specs import cfl
 from hetfed.wire.specs.cfl import CFLConfig, Linkage
 
 Arrays = Mapping[str, np.ndarray]
+log = logging.getLogger(__name__)
 
 
 def gram(updates: Sequence[Arrays]) -> np.ndarray:
@@ -211,11 +213,18 @@ class CFLServer(ServerHalf[CFLConfig]):
                 w = np.asarray(weights) / sum(weights)
                 mean_norm = math.sqrt(max(float(w @ g @ w), 0.0))
                 max_norm = math.sqrt(max(float(np.diag(g).max()), 0.0))
+                outcome = "no split"
                 if split_allowed(cfg, mean_norm, max_norm):
                     alpha = cosine_similarities(g)
                     c1, c2 = bipartition(alpha, cfg.linkage)
-                    if separated(cfg, cross_similarity(alpha, c1, c2)):
+                    cross = cross_similarity(alpha, c1, c2)
+                    outcome = f"largest cross similarity {cross:.4g}, no split (gamma_max)"
+                    if separated(cfg, cross):
                         groups = [[pushed[i] for i in c1], [pushed[i] for i in c2]]
+                        outcome = f"largest cross similarity {cross:.4g}, split into {groups[0]} and {groups[1]}"
+                # The figures the reference notebook plots, to set eps1 and eps2 by.
+                log.info("cfl round %d, cluster %d %s: mean update norm %.4g (eps1 %g), largest update norm %.4g "
+                         "(eps2 %g); %s", round_, index, members, mean_norm, cfg.eps1, max_norm, cfg.eps2, outcome)
             base = self.models[index]
             for k, group in enumerate(groups):
                 model = add_mean_update(base, [self._round[o][0] for o in group], self._weights(group))
