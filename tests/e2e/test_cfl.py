@@ -6,9 +6,11 @@ aggregator refuses what CFL does not declare and sends each organization its own
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, HeadWeights, ModelWeights, Payload, PayloadKind
 from hetfed.wire.traffic import embedded_size
-from tests.conftest import RawClient, denied
+from tests.conftest import RawClient, denied, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 CLIENTS, ROUNDS = 4, 5
@@ -149,3 +151,79 @@ def test_a_run_under_privacy_is_refused_at_join() -> None:
     )
     assert proc.returncode != 0
     assert "[privacy] is set, but hetfed has no DP mechanism for cfl's uploads" in proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], int]]]:
+    """Start (and restart) a real ``hetfed aggregator`` process hosting a CFL run, on one port and one state
+    directory."""
+    port = free_port()
+    cfg = {
+        "server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state")},
+        "runs": [{"id": "r", "algorithm": "cfl", "organizations": ["a", "b", "c"], "rounds": 3,
+                  "algorithm_config": {"split_from_round": 1, "eps1": 1e9, "eps2": 0.0}}],
+    }
+    (tmp_path / "agg.json").write_text(json.dumps(cfg))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> tuple[subprocess.Popen[bytes], int]:
+        ready = tmp_path / "ready"
+        ready.unlink(missing_ok=True)
+        log = open(tmp_path / f"agg{len(procs)}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
+                              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the aggregator to start")
+        assert p.poll() is None, (tmp_path / f"agg{len(procs) - 1}.log").read_text()
+        return p, port
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _pull_model(c: RawClient, completed: int, round_: int) -> list[float]:
+    ins = c.pull(completed=completed)
+    assert ins.action == apb.ACTION_TRAIN and ins.envelope.round == round_
+    (mw,) = (codec.payload_from_proto(p) for p in ins.payloads)
+    assert isinstance(mw, ModelWeights)
+    return mw.tensors["w"].tolist()  # type: ignore[no-any-return]
+
+
+def test_the_clusters_and_their_models_survive_a_killed_aggregator(
+    aggregator_process: Callable[[], tuple[Any, int]], raw_client: Callable[..., RawClient]
+) -> None:
+    proc, port = aggregator_process()
+    a, b, c = (raw_client(port, o) for o in "abc")
+    theta0 = np.array([0.5, -1.0, 2.0], np.float32)
+    metrics = EvalMetrics(train_loss=1.0, test_accuracy=0.5, num_test_examples=4)
+    for cl in (a, b, c):
+        cl.join([(PayloadKind.MODEL_WEIGHTS, "w", theta0)], examples=10)
+    for cl in (a, b, c):
+        assert cl.push(0, [ModelWeights({"w": theta0}, 10)]).accepted
+
+    def update(*w: float) -> list[Any]:
+        return [ModelWeights({"w": np.array(w, np.float32)}, 10), metrics]
+
+    # Round 1: a and b move alike, c against them: the three split into {a, b} and {c}.
+    for cl, w in ((a, (1.0, 0.0, 0.0)), (b, (0.75, 0.25, 0.0)), (c, (-1.0, 0.0, 0.5))):
+        assert cl.push(1, update(*w)).accepted
+    assert _pull_model(a, 1, 2) == _pull_model(b, 1, 2) == [1.375, -0.875, 2.0]  # θ0 + (0.875, 0.125, 0)
+    assert _pull_model(c, 1, 2) == [-0.5, -1.0, 2.5]
+    # Round 2: a's update is acknowledged, then the process dies without warning.
+    assert a.push(2, update(0.5, 0.0, 0.0)).accepted
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    aggregator_process()
+    # The restarted aggregator sends each organization its own cluster's model again ...
+    assert _pull_model(b, 1, 2) == [1.375, -0.875, 2.0]
+    assert _pull_model(c, 1, 2) == [-0.5, -1.0, 2.5]
+    assert a.push(2, update(0.5, 0.0, 0.0)).duplicate
+    assert b.push(2, update(0.25, 0.25, 0.0)).accepted
+    assert c.push(2, update(0.0, 1.0, 0.0)).accepted
+    # ... and closes round 2 with a's acknowledged update: {a, b} (too small to split again) moves by their mean.
+    assert _pull_model(a, 2, 3) == _pull_model(b, 2, 3) == [1.75, -0.75, 2.0]
+    assert _pull_model(c, 2, 3) == [-0.5, 0.0, 2.5]
