@@ -42,3 +42,20 @@ def test_permute_labels_is_refused_where_it_does_not_apply() -> None:
         DataConfig(dataset="synthetic", partition="natural", permute_labels=True)
     with pytest.raises(ValueError, match=r"data\.permute_labels must be true or false"):
         DataConfig(dataset="digits", partition="iid", permute_labels="yes")  # type: ignore[arg-type]
+
+
+def test_label_groups_share_one_permutation_per_group() -> None:
+    base = {"dataset": "digits", "partition": "iid", "num_clients": 4, "seed": 5, "permute_labels": True,
+            "label_groups": 2}
+    plain = [load_client_data(DataConfig(**{**base, "client_index": k, "permute_labels": False, "label_groups": 0}))
+             for k in range(4)]
+    grouped = [load_client_data(DataConfig(**{**base, "client_index": k})) for k in range(4)]
+    for k in range(4):  # organization k relabels by group k mod 2's permutation, the one organization k mod 2 has
+        perm = label_permutation(5, k % 2, 10)
+        np.testing.assert_array_equal(grouped[k].train.y, perm[plain[k].train.y])
+        np.testing.assert_array_equal(grouped[k].train.x, plain[k].train.x)
+    assert not np.array_equal(label_permutation(5, 0, 10), label_permutation(5, 1, 10))
+    with pytest.raises(ValueError, match=r"data\.label_groups groups the label permutations"):
+        DataConfig(dataset="digits", partition="iid", label_groups=2)
+    with pytest.raises(ValueError, match=r"data\.label_groups"):
+        DataConfig(dataset="digits", partition="iid", permute_labels=True, label_groups=-1)

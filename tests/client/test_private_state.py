@@ -47,6 +47,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
               {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2, "client_index": 0}),
     # φ, the model before the last training: round 2 weighs the trained model against it.
     "fedfomo": ({**SGD}, DIGITS),
+    # The kept SGD optimiser with its momentum; the setup sends the initial model.
+    "cfl": ({**SGD, "momentum": 0.9}, DIGITS),
 }
 
 

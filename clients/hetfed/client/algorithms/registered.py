@@ -5,6 +5,7 @@ torch is loaded); never a server half.
 """
 
 from hetfed.client.algorithms import (
+    cfl,
     ditto,
     fedavg,
     fedavg_body,
@@ -21,5 +22,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
+__all__ = ["cfl", "ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
            "local", "simfed"]

@@ -83,7 +83,9 @@ def load_client_data(cfg: DataConfig) -> ClientData:
     data: ClientData = resolve(DATASETS[cfg.dataset].partitions[cfg.partition].loader)(cfg)
     if cfg.mean and cfg.dataset in NORMALISABLE:
         data = normalised(data, cfg.mean, cfg.std)
-    return permuted(data, cfg.seed, cfg.client_index) if cfg.permute_labels else data
+    if not cfg.permute_labels:
+        return data
+    return permuted(data, cfg.seed, cfg.client_index % cfg.label_groups if cfg.label_groups else cfg.client_index)
 
 
 def normalised(data: ClientData, mean: tuple[float, ...], std: tuple[float, ...]) -> ClientData:

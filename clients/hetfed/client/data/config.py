@@ -54,6 +54,10 @@ class DataConfig:
     # Label heterogeneity (partitions "iid" and "dirichlet", see hetfed.client.data.permuted): every
     # organization's labels go through its own permutation drawn from (seed, client_index).
     permute_labels: bool = False
+    # With permute_labels: 0 gives every organization its own permutation; G >= 1 gives organization k the
+    # permutation of group k mod G, drawn from (seed, k mod G), so the organizations of a group share one label
+    # map (G = 2: two groups that name the classes differently, the clustered setting CFL separates).
+    label_groups: int = 0
     # The seed of the data itself (generation, partition and split); None: the run's `seed`. A fixed value keeps
     # one data set while the training seed varies (the Ditto+MMD paper's protocol: one data set, seeds 2021-2023).
     data_seed: int | None = None
@@ -161,6 +165,10 @@ class DataConfig:
                              f"{self.rotation!r} with partition {self.partition!r}")
         if not isinstance(self.permute_labels, bool):
             raise ValueError(f"data.permute_labels must be true or false, got {self.permute_labels!r}")
+        check_int("data.label_groups", self.label_groups, minimum=0)
+        if self.label_groups and not self.permute_labels:
+            raise ValueError(f"data.label_groups groups the label permutations: it needs data.permute_labels = true, "
+                             f"got label_groups = {self.label_groups} without it")
         if self.permute_labels and not PARTITIONS[self.partition].permutable:
             allowed = sorted(p for p, info in PARTITIONS.items() if info.permutable)
             raise ValueError(f"data.permute_labels works with partition {' or '.join(map(repr, allowed))}, "

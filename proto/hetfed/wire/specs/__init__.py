@@ -16,6 +16,7 @@ import os
 from typing import TypeVar
 
 from hetfed.wire.specs import (
+    cfl,
     ditto,
     fedavg,
     fedavg_body,
@@ -59,6 +60,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedproto.SPEC,
     fedmd.SPEC,
     fedfomo.SPEC,
+    cfl.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

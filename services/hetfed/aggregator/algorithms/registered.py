@@ -4,6 +4,7 @@ One import per module that holds a server half; numpy only, never a client half.
 """
 
 from hetfed.aggregator.algorithms import (
+    cfl,
     fedavg,
     fedavg_head,
     fedcma,
@@ -15,4 +16,4 @@ from hetfed.aggregator.algorithms import (
     simfed,
 )
 
-__all__ = ["fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local", "simfed"]
+__all__ = ["cfl", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local", "simfed"]

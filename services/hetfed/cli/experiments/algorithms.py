@@ -7,6 +7,7 @@ A preset (``ditto_cos``, ``fedl2r``) shares the entry of the algorithm it preset
 from __future__ import annotations
 
 from hetfed.cli.experiments import (
+    cfl,
     ditto,
     fedavg,
     fedavg_body,
@@ -29,7 +30,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo)
+                                                       fedproto, fedmd, fedfomo, cfl)
 }
 
 
