@@ -6,6 +6,7 @@ torch is loaded); never a server half.
 
 from hetfed.client.algorithms import (
     ditto,
+    fedadg,
     fedavg,
     fedavg_body,
     fedavg_head,
@@ -20,5 +21,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
+__all__ = ["ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
            "local", "simfed"]

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from hetfed.wire.specs import (
     ditto,
+    fedadg,
     fedavg,
     fedavg_body,
     fedavg_head,
@@ -57,6 +58,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MMDD_SPEC,
     fedproto.SPEC,
     fedmd.SPEC,
+    fedadg.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
