@@ -99,8 +99,9 @@ def test_the_generator_and_discriminator_are_their_float64_formulas() -> None:
     g = fedadg_client.DistributionGenerator(NOISE, K, G_HIDDEN, LATENT, relu=True).double()
     d = fedadg_client.Discriminator(LATENT, K, PROJECTION, D_HIDDEN).double()
     p = {n: t.detach().numpy() for n, t in [*g.named_parameters(), *d.named_parameters()]}
-    # D's projection starts with unit Frobenius norm (the reference code divides it by its norm).
-    assert np.linalg.norm(p["projection.weight"]) == pytest.approx(1.0, abs=1e-6)  # divided in float32
+    # D's weights: Kaiming-uniform, within sqrt(6 / fan_in) (the reference code's initialize_params).
+    for name, fan_in in (("projection.weight", LATENT), ("net.0.weight", PROJECTION + K), ("net.2.weight", D_HIDDEN)):
+        assert np.abs(p[name]).max() <= math.sqrt(6 / fan_in)
     # G's weights: Xavier-uniform with gain 0.5, so within 0.5·sqrt(6 / (fan_in + fan_out)).
     assert np.abs(p["net.fc1.weight"]).max() <= 0.5 * math.sqrt(6 / (NOISE + K + G_HIDDEN))
     rng = np.random.default_rng(0)
@@ -111,7 +112,7 @@ def test_the_generator_and_discriminator_are_their_float64_formulas() -> None:
     want_g = np.maximum(h @ p["net.fc2.weight"].T + p["net.fc2.bias"], 0)
     got_g = g(torch.from_numpy(xi), torch.from_numpy(code)).detach().numpy()
     np.testing.assert_allclose(got_g, want_g, rtol=0, atol=1e-14)
-    proj = np.concatenate([z, code], 1) @ p["projection.weight"].T
+    proj = np.concatenate([z @ p["projection.weight"].T, code], 1)
     a = _leaky(proj @ p["net.0.weight"].T + p["net.0.bias"]) @ p["net.2.weight"].T + p["net.2.bias"]
     want_d = (1 / (1 + np.exp(-a)))[:, 0]
     got_d = d(torch.from_numpy(z), torch.from_numpy(code)).detach().numpy()
@@ -156,7 +157,7 @@ def reference_round(h: Any) -> dict[str, dict[str, np.ndarray]]:
         return torch.relu(F.leaky_relu(a) @ g["net.fc2.weight"].T + g["net.fc2.bias"])
 
     def disc(z: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-        a = torch.cat([z, code], 1) @ d["projection.weight"].T
+        a = torch.cat([z @ d["projection.weight"].T, code], 1)
         a = F.leaky_relu(a @ d["net.0.weight"].T + d["net.0.bias"]) @ d["net.2.weight"].T + d["net.2.bias"]
         return torch.sigmoid(a)[:, 0]
 

@@ -3,8 +3,8 @@ reference distribution that a federated generator produces from noise.
 
 The organization's model is F (its encoder, the features z) and C (its head). Beside it the half keeps G, the
 distribution generator ``Linear(noise + K, h) → LeakyReLU → Linear(h, d) [→ ReLU]`` whose weights are federated,
-and D, the discriminator ``Linear(d + K, p, no bias) → Linear(p, q) → LeakyReLU → Linear(q, 1) → Sigmoid`` that
-never leaves. G and D read the label as a one-hot code scaled by ``label_value``; the noise is uniform on [0, 1).
+and D, the discriminator ``Linear(d, p, no bias)``, the label code appended, ``→ Linear(p + K, q) → LeakyReLU →
+Linear(q, 1) → Sigmoid``, that never leaves. G and D read the label as a one-hot code scaled by ``label_value``; the noise is uniform on [0, 1).
 
 A round, as the authors' code runs it (wzml/FedADG, pacs-ours/localTrain.py): take the global F, C and G; E0
 epochs of F and C on the label-smoothed cross-entropy; then E1 epochs in which every batch takes three steps in
@@ -112,21 +112,24 @@ class DistributionGenerator(nn.Module):
 
 
 class Discriminator(nn.Module):
-    """D: ``Linear(feature + K, projection, no bias)``, its weight divided by its Frobenius norm at creation, then
-    ``Linear(projection, hidden) → LeakyReLU → Linear(hidden, 1) → Sigmoid`` on [z, code] (pacs-ours/Nets.py,
-    Discriminator; the projection trains with the rest, as D's optimiser there takes every parameter)."""
+    """D: ``Linear(feature, projection, no bias)`` on z, the label code appended to its output, then
+    ``Linear(projection + K, hidden) → LeakyReLU → Linear(hidden, 1) → Sigmoid`` (pacs-ours/Nets.py:109-133).
+    Every weight is Kaiming-uniform (``initialize_params``, Nets.py:135-140, which also overwrites the
+    projection's division by its norm at Nets.py:121-122), the biases PyTorch's default; the projection trains
+    with the rest, as D's optimiser there takes every parameter (train.py:70)."""
 
     def __init__(self, feature_dim: int, num_classes: int, projection_dim: int, hidden: int) -> None:
         super().__init__()
-        self.projection = nn.Linear(feature_dim + num_classes, projection_dim, bias=False)
-        with torch.no_grad():
-            self.projection.weight.div_(torch.norm(self.projection.weight))
-        self.net = nn.Sequential(nn.Linear(projection_dim, hidden), nn.LeakyReLU(), nn.Linear(hidden, 1),
+        self.projection = nn.Linear(feature_dim, projection_dim, bias=False)
+        self.net = nn.Sequential(nn.Linear(projection_dim + num_classes, hidden), nn.LeakyReLU(), nn.Linear(hidden, 1),
                                  nn.Sigmoid())
+        for layer in self.modules():
+            if isinstance(layer, nn.Linear):
+                nn.init.kaiming_uniform_(layer.weight)
 
     def forward(self, z: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
         """The probability that each (z, y) comes from the reference distribution, shape (B,)."""
-        out: torch.Tensor = self.net(self.projection(torch.cat([z.flatten(1), code], dim=1)))
+        out: torch.Tensor = self.net(torch.cat([self.projection(z.flatten(1)), code], dim=1))
         return out.squeeze(1)
 
 
