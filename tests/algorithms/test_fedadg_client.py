@@ -33,7 +33,7 @@ SEED, ROUND_SEED, ORG = 7, 11, "org-0"
 # One batch an epoch (batch = N): E0 = 1 classifier step, then E1 = 2 adversarial batches of three steps each.
 CONFIG = {"local_epochs": 2, "classifier_epochs": 1, "batch_size": N, "lr": 0.1, "adversarial_lr": 0.05,
           "momentum": 0.9, "weight_decay": 0.01, "alpha": 0.85, "label_smoothing": 0.1, "label_value": 0.7,
-          "noise_dim": NOISE, "generator_hidden": G_HIDDEN, "projection_dim": PROJECTION,
+          "noise_dim": NOISE, "generator_hidden": G_HIDDEN, "generator_relu": True, "projection_dim": PROJECTION,
           "discriminator_hidden": D_HIDDEN}
 MODEL = ["encoder.0.weight", "encoder.0.bias", "head.weight", "head.bias"]
 GENERATOR = ["generator.net.fc1.weight", "generator.net.fc1.bias", "generator.net.fc2.weight",
@@ -268,7 +268,7 @@ def test_the_defaults_are_the_reference_codes() -> None:
         == (3, 7, 10, 0.01, 0.007, 0.9, 1e-5)
     assert (c.alpha, c.label_smoothing, c.label_value, c.noise_dim, c.generator_hidden, c.generator_relu,
             c.projection_dim, c.discriminator_hidden, c.weighting) == \
-        (0.85, 0.01, 0.7, 2048, 4096, True, 1024, 1024, "uniform")
+        (0.85, 0.01, 0.7, 64, 256, False, 256, 256, "uniform")  # G's and D's sizes are hetfed's own
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -22,15 +22,14 @@ from tests.e2e.test_local_run import hetfed_run
 
 pytestmark = pytest.mark.e2e
 CLIENTS, ROUNDS, TARGET, Z, K = 2, 2, 2, 64, 10
-# One classifier epoch and one adversarial epoch of batch 64 a round; the run's small generator (mnist5k defaults).
+# One classifier epoch and one adversarial epoch of batch 64 a round; G and D of the default sizes.
 SETTINGS = ("local_epochs=1", "classifier_epochs=1", "batch_size=64")
 
 
 def _sizes() -> tuple[int, int]:
     """(FedADG's, FedAvg's) encoded ModelWeights of one organization: rmnist_cnn with z = 64, 900 examples."""
     spec = get_spec("fedadg")
-    config = spec.config(noise_dim=64, generator_hidden=256, generator_relu=False, projection_dim=256,
-                         discriminator_hidden=256)
+    config = spec.config()
     data = load_client_data(DataConfig(dataset="mnist5k", partition="rotated_lodo", num_clients=CLIENTS,
                                        target_domain=TARGET))
     model = FedADGClient.make_model("rmnist_cnn", data.input_shape, K, seed=0, latent_dim=Z, bounded_latent=False,

@@ -7,7 +7,7 @@ label-smoothed cross-entropy alone, then E1 epochs of three steps per batch: D o
 (reference → 1, features → 0), F and C on α·CE + (1 − α)·mean (1 − D(F(x), y))², G on mean D(G(ξ, y), y)².
 F, C and G go up as one ModelWeights (G's tensors named ``generator.*``) and the server averages them
 uniformly; D and its optimiser never leave the organization. The defaults are the authors' code's
-(wzml/FedADG, pacs-ours/); docs/algorithms/fedadg.md labels each with its source line.
+(wzml/FedADG, pacs-ours/) but G's and D's sizes; docs/algorithms/fedadg.md labels each with its source.
 """
 
 from __future__ import annotations
@@ -47,15 +47,16 @@ class FedADGConfig(FedAvgConfig):
     label_smoothing: float = 0.01
     # The value of the label's entry in the one-hot code G and D read (pacs-ours/localTrain.py:81).
     label_value: float = 0.7
-    # G's noise width; the noise is uniform on [0, 1) (pacs-ours/train.py:30, localTrain.py:70).
-    noise_dim: int = 2048
-    # G's hidden width (pacs-ours/Nets.py:12).
-    generator_hidden: int = 4096
-    # G ends in a ReLU (pacs-ours/Nets.py:16), as the reference's AlexNet features do; False: a bare Linear.
-    generator_relu: bool = True
-    # D's random projection width, rp-size (README's commands) and its hidden width (pacs-ours/Nets.py).
-    projection_dim: int = 1024
-    discriminator_hidden: int = 1024
+    # The sizes of G and D are hetfed's own, for a 64-wide feature on a CPU budget: the reference code's
+    # (noise 2048, hidden 4096, projection and hidden 1024; pacs-ours/train.py:30, Nets.py:12, README --rp-size,
+    # Nets.py:114) were sized for AlexNet's 4096-wide features and make G 8.7 M values on the wire each way.
+    noise_dim: int = 64  # G's noise width; the noise is uniform on [0, 1) (localTrain.py:70)
+    generator_hidden: int = 256
+    # G ends in a ReLU in the reference (Nets.py:16), as its AlexNet features do; hetfed's encoders may end in a
+    # bare Linear (signed features, rmnist_cnn), so G's output is bare unless this is set.
+    generator_relu: bool = False
+    projection_dim: int = 256  # D's random projection width
+    discriminator_hidden: int = 256
     # Figures: the held-out target is evaluated every round (a few hundred images).
     eval_every: int = 1
 
