@@ -6,11 +6,15 @@ encoded tensors alone, so no discriminator value goes up."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hetfed.cli.localrun import LocalFederation, LocalRunOptions, aggregator_config, client_config
 from hetfed.client.algorithms import ClientContext
 from hetfed.client.algorithms.fedadg import FedADGClient
 from hetfed.client.algorithms.fedavg import model_weights
@@ -69,3 +73,29 @@ def test_fedadg_generalises_to_the_target_and_sends_f_c_and_g_alone(tmp_path: Pa
     assert [a["bytes_up"].get("model_weights", 0) - b["bytes_up"].get("model_weights", 0)
             for a, b in zip(fedadg["rounds"], fedavg["rounds"], strict=True)] == \
         [CLIENTS * (ours - theirs)] * ROUNDS + [0]
+
+
+def test_a_client_under_privacy_is_refused_at_join_in_one_line(tmp_path: Path) -> None:
+    """FedADG has no DP mechanism (G and D train outside DP-SGD, G is sent): an organization with [privacy]
+    joins, learns the algorithm and stops, exit 2, before any training or push."""
+    opts = LocalRunOptions(algorithms=("fedadg",), clients=1, rounds=1, data={"target_domain": 1},
+                           privacy={"noise_multiplier": 1.0, "delta": 1e-5}, quiet=True)
+    fed = LocalFederation(tmp_path, fork_clients=False)
+    try:
+        fed.start_aggregator(aggregator_config(opts, str(tmp_path / "state")))
+        path = tmp_path / "org-0.json"
+        path.write_text(json.dumps({**client_config(opts, "fedadg", 0, fed.port),
+                                    "state_dir": str(tmp_path / "org-0-state")}))
+        proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "client", "--config", str(path)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        (status,) = fed.status()
+    finally:
+        fed.stop()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "hetfed client: org-0: [privacy] is set, but hetfed has no DP mechanism for fedadg's uploads "
+        "(docs/privacy.md lists the algorithms it serves)")
+    assert "Traceback" not in proc.stderr
+    # Joined (it learnt the algorithm there), never pushed: no round has a client.
+    assert [o.last_round_pushed for o in status.organization_status] == [-1]
+    assert status.round == 1 and all(h.clients == 0 for h in status.history)
