@@ -4,7 +4,8 @@ reference distribution that a federated generator produces from noise.
 The organization's model is F (its encoder, the features z) and C (its head). Beside it the half keeps G, the
 distribution generator ``Linear(noise + K, h) → LeakyReLU → Linear(h, d) [→ ReLU]`` whose weights are federated,
 and D, the discriminator ``Linear(d, p, no bias)``, the label code appended, ``→ Linear(p + K, q) → LeakyReLU →
-Linear(q, 1) → Sigmoid``, that never leaves. G and D read the label as a one-hot code scaled by ``label_value``; the noise is uniform on [0, 1).
+Linear(q, 1) → Sigmoid``, that never leaves. G and D read the label as a one-hot code scaled by
+``label_value``; the noise is uniform on [0, 1).
 
 A round, as the authors' code runs it (wzml/FedADG, pacs-ours/localTrain.py): take the global F, C and G; E0
 epochs of F and C on the label-smoothed cross-entropy; then E1 epochs in which every batch takes three steps in
