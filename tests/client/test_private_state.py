@@ -33,6 +33,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedrep": ({"batch_size": 64, "local_epochs": 2, "lr": 0.05, "momentum": 0.9, "keep_optimizer_state": True},
                DIGITS),
     "fedsr": ({**SGD, "alpha_cmi": 0.1, "alpha_l2r": 0.01}, DIGITS),
+    # The kept discriminator and its momentum, and the generator beside the model.
+    "fedadg": ({"batch_size": 64, "local_epochs": 1, "classifier_epochs": 1, "lr": 0.05, "noise_dim": 8,
+                "generator_hidden": 16, "projection_dim": 16, "discriminator_hidden": 16}, DIGITS),
     "ditto_mmdd": ({**SGD, "momentum": 0.9, "keep_optimizer_state": True, "mu": 0.1, "refit_every": 2,
                     "refit_batches": 1, "mmdd_steps": 2}, DIGITS),
     # Momentum 0: a resumed Fed-CMA half does not yet restore

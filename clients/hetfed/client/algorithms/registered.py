@@ -7,6 +7,7 @@ torch is loaded); never a server half.
 from hetfed.client.algorithms import (
     cfl,
     ditto,
+    fedadg,
     fedavg,
     fedavg_body,
     fedavg_head,
@@ -22,5 +23,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["cfl", "ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
-           "local", "simfed"]
+__all__ = ["cfl", "ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd",
+           "fedproto", "fedprox", "fedrep", "fedsr", "local", "simfed"]

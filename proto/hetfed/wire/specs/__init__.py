@@ -18,6 +18,7 @@ from typing import TypeVar
 from hetfed.wire.specs import (
     cfl,
     ditto,
+    fedadg,
     fedavg,
     fedavg_body,
     fedavg_head,
@@ -61,6 +62,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedmd.SPEC,
     fedfomo.SPEC,
     cfl.SPEC,
+    fedadg.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

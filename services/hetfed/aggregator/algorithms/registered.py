@@ -5,6 +5,7 @@ One import per module that holds a server half; numpy only, never a client half.
 
 from hetfed.aggregator.algorithms import (
     cfl,
+    fedadg,
     fedavg,
     fedavg_head,
     fedcma,
@@ -16,4 +17,5 @@ from hetfed.aggregator.algorithms import (
     simfed,
 )
 
-__all__ = ["cfl", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local", "simfed"]
+__all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local",
+           "simfed"]

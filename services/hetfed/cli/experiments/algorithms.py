@@ -9,6 +9,7 @@ from __future__ import annotations
 from hetfed.cli.experiments import (
     cfl,
     ditto,
+    fedadg,
     fedavg,
     fedavg_body,
     fedcma,
@@ -30,7 +31,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo, cfl)
+                                                       fedproto, fedmd, fedfomo, cfl, fedadg)
 }
 
 
