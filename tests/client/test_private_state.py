@@ -45,6 +45,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # Two kept Adam optimisers, the digest's and the revisit's.
     "fedmd": ({"batch_size": 16, "local_epochs": 1, "public_subset": 64, "digest_batch_size": 32},
               {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2, "client_index": 0}),
+    # The private model's kept SGD and the meme model (the meme's optimiser is rebuilt every round).
+    "fml": ({**SGD, "momentum": 0.9, "meme_model": "mlp"}, DIGITS),
 }
 
 

@@ -27,6 +27,7 @@ from hetfed.wire.specs import (
     fedprox,
     fedrep,
     fedsr,
+    fml,
     local,
     simfed,
 )
@@ -57,6 +58,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MMDD_SPEC,
     fedproto.SPEC,
     fedmd.SPEC,
+    fml.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
