@@ -139,3 +139,14 @@ def test_the_aggregator_refuses_what_fml_does_not_declare(
     got = codec.payload_from_proto(payload)
     assert isinstance(got, ModelWeights)
     np.testing.assert_array_equal(got.tensors["head.bias"], np.full(K, 2.0, np.float32))  # (20·1 + 10·4) / 30
+
+
+def test_a_run_under_privacy_is_refused_by_every_client_before_it_trains(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fml", "--dataset", "digits", "--clients", "2",
+         "--rounds", "1", "--set", "privacy.noise_multiplier=1.0", "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "[privacy] is set, but hetfed has no DP mechanism for fml's uploads" in proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "results.json").exists()
