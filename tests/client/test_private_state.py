@@ -52,6 +52,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedfomo": ({**SGD}, DIGITS),
     # The kept SGD optimiser with its momentum; the setup sends the initial model.
     "cfl": ({**SGD, "momentum": 0.9}, DIGITS),
+    # The private model's kept SGD and the meme model (the meme's optimiser is rebuilt every round).
+    "fml": ({**SGD, "momentum": 0.9, "meme_model": "mlp"}, DIGITS),
 }
 
 

@@ -19,9 +19,10 @@ from hetfed.client.algorithms import (
     fedprox,
     fedrep,
     fedsr,
+    fml,
     local,
     simfed,
 )
 
 __all__ = ["cfl", "ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd",
-           "fedproto", "fedprox", "fedrep", "fedsr", "local", "simfed"]
+           "fedproto", "fedprox", "fedrep", "fedsr", "fml", "local", "simfed"]

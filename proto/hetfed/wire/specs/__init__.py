@@ -30,6 +30,7 @@ from hetfed.wire.specs import (
     fedprox,
     fedrep,
     fedsr,
+    fml,
     local,
     simfed,
 )
@@ -63,6 +64,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedfomo.SPEC,
     cfl.SPEC,
     fedadg.SPEC,
+    fml.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

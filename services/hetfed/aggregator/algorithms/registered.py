@@ -13,9 +13,10 @@ from hetfed.aggregator.algorithms import (
     fedh2l,
     fedmd,
     fedproto,
+    fml,
     local,
     simfed,
 )
 
-__all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local",
-           "simfed"]
+__all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fml",
+           "local", "simfed"]

@@ -19,6 +19,7 @@ from hetfed.cli.experiments import (
     fedproto,
     fedrep,
     fedsr,
+    fml,
     simfed,
 )
 from hetfed.cli.experiments.base import Experiment
@@ -31,7 +32,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo, cfl, fedadg)
+                                                       fedproto, fedmd, fedfomo, cfl, fedadg, fml)
 }
 
 
