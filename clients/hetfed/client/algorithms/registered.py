@@ -10,6 +10,7 @@ from hetfed.client.algorithms import (
     fedavg_body,
     fedavg_head,
     fedcma,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -20,5 +21,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedgen", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
            "local", "simfed"]

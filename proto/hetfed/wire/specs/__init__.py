@@ -21,6 +21,7 @@ from hetfed.wire.specs import (
     fedavg_body,
     fedavg_head,
     fedcma,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -57,6 +58,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MMDD_SPEC,
     fedproto.SPEC,
     fedmd.SPEC,
+    fedgen.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"
