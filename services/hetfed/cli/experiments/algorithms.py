@@ -11,6 +11,7 @@ from hetfed.cli.experiments import (
     fedavg,
     fedavg_body,
     fedcma,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -28,7 +29,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd)
+                                                       fedproto, fedmd, fedgen)
 }
 
 
