@@ -204,3 +204,8 @@ def test_the_contract_accepts_its_upload_and_refuses_what_fedgen_does_not_declar
 def test_it_refuses_a_model_of_another_width() -> None:
     with pytest.raises(ValueError, match="latent_dim=4"):
         half(latent_dim=4)
+
+
+def test_it_serves_no_privacy_mechanism() -> None:
+    # The label counts go up raw: under [privacy] the runtime refuses a half without a mechanism after Join.
+    assert FedGenClient.privacy_mechanism is None
