@@ -143,3 +143,14 @@ def test_a_restart_resumes_bit_for_bit() -> None:
     assert all(np.array_equal(mw1.tensors[k], mw2.tensors[k]) for k in mw1.tensors)
     assert isinstance(hw1, HeadWeights) and isinstance(hw2, HeadWeights) and np.array_equal(hw1.weight, hw2.weight)
     assert all(np.array_equal(a, restored.generator.state()[k]) for k, a in half.generator.state().items())
+
+
+def test_nothing_is_trained_or_sent_while_no_label_is_counted() -> None:
+    half = server()
+    for org in ORGS:
+        update = upload(org, cc=ClassCounts(np.zeros(K, np.int64)))
+        half.validate(Phase.TRAIN, org, update)
+        half.accumulate(Phase.TRAIN, org, update)
+    half.close_round(Phase.TRAIN, 1)
+    (mw, _) = half.payloads_for(Phase.TRAIN, 2, "a")
+    assert isinstance(mw, ModelWeights) and list(mw.tensors) == ["enc"] and half.generator.rounds == 0

@@ -207,12 +207,13 @@ class GeneratorTrainer:
         self.rounds = 0  # rounds trained: the learning rate is generator_lr·decay^rounds
         self.last: dict[str, float] = {}
 
-    def train_round(self, heads: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray, seed: int) -> None:
-        """generator_steps Adam steps against ``heads`` weighted by ``counts`` [N, K]; then the lr decays."""
+    def train_round(self, heads: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray, seed: int) -> bool:
+        """generator_steps Adam steps against ``heads`` weighted by ``counts`` [N, K], then the lr decays; False
+        (nothing done) when no label was counted."""
         cfg = self.config
         weights, qualified = label_weights(counts)
         if qualified.size == 0:
-            return
+            return False
         rng = np.random.default_rng([seed, 0x6E6])
         self.adam.lr = cfg.generator_lr * cfg.generator_lr_decay ** self.rounds
         sums = {"loss": 0.0, "teacher": 0.0, "diversity": 0.0}
@@ -227,6 +228,7 @@ class GeneratorTrainer:
                 sums[key] += parts[key]
         self.rounds += 1
         self.last = {k: s / cfg.generator_steps for k, s in sums.items()}
+        return True
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything a restart needs."""
@@ -310,9 +312,9 @@ class FedGenServer(AveragingServer[FedGenConfig]):
         """The generator trained on the round's heads (organizations in sorted order), then FedAvg's close."""
         if phase is Phase.TRAIN and self._heads:
             ordered = [self._heads[o] for o in sorted(self._heads)]
-            self.generator.train_round([(w, b) for w, b, _ in ordered], np.stack([c for _, _, c in ordered]),
-                                       round_seed(self.run.seed, round_))
-            self.trained = True
+            trained = self.generator.train_round([(w, b) for w, b, _ in ordered],
+                                                 np.stack([c for _, _, c in ordered]), round_seed(self.run.seed, round_))
+            self.trained = self.trained or trained
         self._heads = {}
         super().close_round(phase, round_)
 
