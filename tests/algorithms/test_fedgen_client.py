@@ -209,3 +209,24 @@ def test_it_refuses_a_model_of_another_width() -> None:
 def test_it_serves_no_privacy_mechanism() -> None:
     # The label counts go up raw: under [privacy] the runtime refuses a half without a mechanism after Join.
     assert FedGenClient.privacy_mechanism is None
+
+
+def test_sharing_the_head_alone_declares_and_sends_no_encoder_and_the_contract_refuses_one() -> None:
+    spec = get_spec("fedgen_head")
+    ctx = ClientContext(ORG, model(), data(), torch.device("cpu"), spec.config(**CONFIG), SEED)
+    h = make_client_half(spec, ctx)
+    assert isinstance(h, FedGenClient)
+    schema = schema_from_declared(h.declarations(None), spec)
+    assert list(schema) == [HeadWeights.kind]
+    before = {n: p.detach().numpy().copy() for n, p in h.ctx.model.named_parameters() if n in BODY}
+    generator = {GENERATOR_PREFIX + n: a.astype(np.float32) for n, a in generator_arrays().items()}
+    head = HeadWeights(np.ones((K, LATENT), np.float32), np.zeros(K, np.float32))
+    up = h.train(2, 11, Received([ModelWeights(generator), head], frozenset()))
+    assert [type(p) for p in up] == [HeadWeights, ClassCounts, EvalMetrics] and h.generator is not None
+    assert any(not np.array_equal(before[n], p.detach().numpy()) for n, p in h.ctx.model.named_parameters()
+               if n in BODY)  # the encoder trained, and stays here
+    assert check_update(spec, Phase.TRAIN, _protos(up), schema, 10**6).kinds == {p.kind for p in up}
+    encoder = ModelWeights(dict(before), N)
+    with pytest.raises(WireError, match="fedgen_head does not accept model_weights") as refused:
+        check_update(spec, Phase.TRAIN, _protos([encoder, *up]), schema, 10**6)
+    assert refused.value.reason == "payload_kind_not_allowed"

@@ -154,3 +154,25 @@ def test_nothing_is_trained_or_sent_while_no_label_is_counted() -> None:
     half.close_round(Phase.TRAIN, 1)
     (mw, _) = half.payloads_for(Phase.TRAIN, 2, "a")
     assert isinstance(mw, ModelWeights) and list(mw.tensors) == ["enc"] and half.generator.rounds == 0
+
+
+def test_sharing_the_head_alone_averages_heads_and_sends_the_generator_without_an_encoder() -> None:
+    spec = get_spec("fedgen_head")
+    half = make_server_half(spec, spec.config(**FIELDS), RUN)
+    assert isinstance(half, FedGenServer) and spec.model_private
+    for org in ORGS:
+        w, b = HEADS[org]
+        update = Received([HeadWeights(w, b, EXAMPLES[org]), ClassCounts(COUNTS[org]), EvalMetrics()], frozenset())
+        half.validate(Phase.TRAIN, org, update)
+        half.accumulate(Phase.TRAIN, org, update)
+    half.close_round(Phase.TRAIN, 1)
+    mw, hw = half.payloads_for(Phase.TRAIN, 2, "a")
+    assert isinstance(mw, ModelWeights) and isinstance(hw, HeadWeights)
+    assert sorted(mw.tensors) == sorted(GENERATOR_PREFIX + n for n in GENERATOR_TENSORS)  # no encoder tensor
+    np.testing.assert_allclose(hw.weight, hand_mean({o: HEADS[o][0] for o in ORGS}), rtol=1e-6)
+    # The same generator as the encoder-sharing server's: it sees the same heads and counts.
+    full = server()
+    close(full, 1)
+    (full_mw, _) = full.payloads_for(Phase.TRAIN, 2, "a")
+    assert isinstance(full_mw, ModelWeights)
+    assert all(np.array_equal(mw.tensors[k], full_mw.tensors[k]) for k in mw.tensors)

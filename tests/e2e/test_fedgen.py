@@ -1,6 +1,7 @@
 """FedGen end to end: `hetfed run` over real processes beats chance; every byte each way is the declared
-encoder, head, label counts, generator, metrics or envelope, sized as the spec implies; and the aggregator refuses
-what FedGen does not declare, then closes the round with the valid updates and sends the generator down."""
+encoder, head, label counts, generator, metrics or envelope, sized as the spec implies; sharing the head alone
+(`fedgen_head`, two architectures) sends no encoder tensor; and the aggregator refuses what FedGen does not
+declare, then closes the round with the valid updates and sends the generator down."""
 
 from __future__ import annotations
 
@@ -37,18 +38,27 @@ K, D, CLIENTS, ROUNDS = 10, 32, 3, 3
 SPEC = get_spec("fedgen")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``hetfed run --algorithm fedgen --dataset mnist5k`` as a user runs it (real processes, loopback gRPC)."""
-    out = tmp_path_factory.mktemp("fedgen") / "out"
+def _run(tmp_path_factory: pytest.TempPathFactory, algorithm: str) -> dict[str, Any]:
+    """``hetfed run --algorithm ALGORITHM --dataset mnist5k`` as a user runs it (real processes, loopback gRPC)."""
+    out = tmp_path_factory.mktemp(algorithm) / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedgen", "--dataset", "mnist5k",
+        [sys.executable, "-m", "hetfed.cli", "run", "--algorithm", algorithm, "--dataset", "mnist5k",
          "--clients", str(CLIENTS), "--rounds", str(ROUNDS), "--output", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (only,) = json.loads((out / "results.json").read_text())["runs"]
     return only  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory, "fedgen")
+
+
+@pytest.fixture(scope="module")
+def head_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory, "fedgen_head")
 
 
 def _size(payload: Payload) -> int:
@@ -96,6 +106,22 @@ def test_every_byte_is_declared_and_sized_as_the_spec_implies(run: dict[str, Any
         if r["round"] == 1:  # nothing to send before the first close
             assert set(r["bytes_down"]) == {"envelope"}
         else:  # the averaged encoder with the generator beside it, and the averaged head
+            assert set(r["bytes_down"]) == {*down, "envelope"}
+            assert all(r["bytes_down"][kind] == CLIENTS * size for kind, size in down.items()), r["bytes_down"]
+
+
+def test_sharing_the_head_alone_sends_no_encoder_and_mixed_models_beat_chance(head_run: dict[str, Any]) -> None:
+    assert head_run["algorithm"] == "fedgen_head"
+    assert all(r["clients"] == CLIENTS for r in head_run["rounds"]), head_run["rounds"]
+    assert head_run["final_test_accuracy"] > 0.5  # chance is 0.1
+    head_up = _size(HeadWeights(np.zeros((K, D), np.float32), np.zeros(K, np.float32), 1000))
+    down = {"model_weights": _size(ModelWeights(_generator())),  # the generator alone: no encoder either way
+            "head_weights": _size(HeadWeights(np.zeros((K, D), np.float32), np.zeros(K, np.float32)))}
+    for r in head_run["rounds"]:
+        if r["round"] <= ROUNDS:
+            assert set(r["bytes_up"]) == {"head_weights", "class_counts", "eval_metrics", "envelope"}
+            assert r["bytes_up"]["head_weights"] == CLIENTS * head_up
+        if r["round"] > 1:
             assert set(r["bytes_down"]) == {*down, "envelope"}
             assert all(r["bytes_down"][kind] == CLIENTS * size for kind, size in down.items()), r["bytes_down"]
 

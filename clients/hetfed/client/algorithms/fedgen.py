@@ -92,8 +92,10 @@ class Regulariser:
 
 
 @fedgen.SPEC.client_half
+@fedgen.HEAD_SPEC.client_half
 class FedGenClient(ModelAveragingClient[FedGenConfig]):
-    """FedGen user: FedAvg's model, regularised by the generator; encoder, head and label counts go up."""
+    """FedGen user: FedAvg's model, regularised by the generator; encoder (not under ``fedgen_head``), head and
+    label counts go up."""
 
     # Under DP nothing would bound the label counts that go up with the weights (they are raw counts of the
     # round's batches): this half does not serve [privacy].
@@ -110,9 +112,10 @@ class FedGenClient(ModelAveragingClient[FedGenConfig]):
         self.generator: Generator | None = None
 
     def declarations(self, wire_dtype: str | None) -> list[DeclaredTensor]:
-        """The encoder's shared state, and the head's weight and bias."""
+        """The encoder's shared state (not under ``fedgen_head``), and the head's weight and bias."""
         head = self.ctx.model.head
-        return [d for d in super().declarations(wire_dtype) if not d.name.startswith(HEAD)] + [
+        body = super().declarations(wire_dtype) if self.config.shares_encoder else []
+        return [d for d in body if not d.name.startswith(HEAD)] + [
             DeclaredTensor.of(PayloadKind.HEAD_WEIGHTS, "weight", head.weight.detach().cpu().numpy(), wire_dtype),
             DeclaredTensor.of(PayloadKind.HEAD_WEIGHTS, "bias", head.bias.detach().cpu().numpy(), wire_dtype)]
 
@@ -175,7 +178,8 @@ class FedGenClient(ModelAveragingClient[FedGenConfig]):
         result = fit([Objective(ctx.model, self.optimizer(), terms)], counted(epoch_batches(ctx.train, self.config, rng)))
         head = ctx.model.head
         body = {k: v.detach().cpu().numpy() for k, v in shared_state(ctx.model).items() if not k.startswith(HEAD)}
-        return [ModelWeights(body, ctx.num_examples),
+        encoder = [ModelWeights(body, ctx.num_examples)] if self.config.shares_encoder else []
+        return [*encoder,
                 HeadWeights(head.weight.detach().cpu().numpy(), head.bias.detach().cpu().numpy(), ctx.num_examples),
                 ClassCounts(counts.cpu().numpy()),
                 dataclasses.replace(before, train_loss=result.loss)]

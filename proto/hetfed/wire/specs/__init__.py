@@ -59,6 +59,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedproto.SPEC,
     fedmd.SPEC,
     fedgen.SPEC,
+    fedgen.HEAD_SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

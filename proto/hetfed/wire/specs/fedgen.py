@@ -15,6 +15,7 @@ docs/algorithms/fedgen.md with their file and line.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
@@ -36,6 +37,9 @@ class FedGenConfig(FedAvgConfig, SharedSpaceConfig):
     server's training of it. Local training is the reference code's: plain SGD at lr 0.01, 20 steps of batch 32
     a round, lr ×0.99 a round from round 3."""
 
+    # Whether the encoder is averaged too (FedGen's main setting: every parameter, servers/serverbase.py:90-102),
+    # or only the head (FedGenHeadConfig).
+    shares_encoder: ClassVar[bool] = True
     # The client's regulariser: α·(B̂/B)·CE(head(G(ε, ŷ)), ŷ) on generated samples and β·KL(softmax(head(G(ε, y)))
     # ‖ model(x)) on the real batch, α and β decayed as max(1e-4, ·0.98^(t−1)) in round t.
     gen_alpha: float = 10.0
@@ -92,4 +96,26 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS, K.CLASS_COUNTS, K.EVAL_METRICS}),
     download=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS}),
+)
+
+
+@dataclass(frozen=True)
+class FedGenHeadConfig(FedGenConfig):
+    """FedGen sharing the head alone: encoders stay with their organizations (and may differ)."""
+
+    shares_encoder: ClassVar[bool] = False
+
+
+# FedGen as Fed-CMA's Table 2 runs it ("the limited parameter setting", sharing only the classification layer;
+# paper 000, the paragraph before Table 2): each organization keeps its encoder; heads, label counts and the
+# generator cross.
+HEAD_SPEC = SPEC.derive(
+    name="fedgen_head",
+    summary="FedGen sharing only the classification head (Fed-CMA's comparison): heads averaged, encoders private "
+    "and possibly different, the server's generator regularising every head.",
+    config_type=FedGenHeadConfig,
+    upload=frozenset({K.HEAD_WEIGHTS, K.CLASS_COUNTS, K.EVAL_METRICS}),
+    required_upload=frozenset({K.HEAD_WEIGHTS, K.CLASS_COUNTS, K.EVAL_METRICS}),
+    shared_schema=frozenset({K.HEAD_WEIGHTS}),
+    model_private=True,
 )

@@ -245,10 +245,18 @@ class GeneratorTrainer:
         self.adam.step_count, self.rounds = (int(c) for c in arrays["counters"])
 
 
+def examples(update: Received) -> int:
+    """The update's example count: model_weights' (it weighs encoder and head alike), else head_weights'."""
+    mw = update.maybe(ModelWeights)
+    return mw.num_examples if mw is not None else update.get(HeadWeights).num_examples
+
+
 @fedgen.SPEC.server_half
+@fedgen.HEAD_SPEC.server_half
 class FedGenServer(AveragingServer[FedGenConfig]):
-    """FedAvg of every organization's encoder and head (weighted by example counts, as serverbase.py:90-102),
-    and the generator trained on the round's heads and label counts; both go down."""
+    """FedAvg of every organization's encoder and head (weighted by example counts, as serverbase.py:90-102), or of
+    the heads alone (``fedgen_head``), and the generator trained on the round's heads and label counts; all go
+    down."""
 
     def __init__(self, config: FedGenConfig, run: RunInfo) -> None:
         super().__init__(config, run)
@@ -257,13 +265,13 @@ class FedGenServer(AveragingServer[FedGenConfig]):
         self._heads: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
-        """The encoder's tensors and the head's (as ``head:weight``, ``head:bias``), weighted by the example
-        count (1 each under uniform weighting)."""
+        """The encoder's tensors (none under ``fedgen_head``) and the head's (as ``head:weight``, ``head:bias``),
+        weighted by the example count (1 each under uniform weighting)."""
         mw, hw = update.maybe(ModelWeights), update.maybe(HeadWeights)
-        if mw is None or hw is None:
+        if hw is None:
             return None
-        arrays = {**mw.tensors, f"{HEAD}weight": hw.weight, f"{HEAD}bias": hw.bias}
-        return arrays, 1 if self.config.weighting == "uniform" else mw.num_examples
+        arrays = {**(mw.tensors if mw is not None else {}), f"{HEAD}weight": hw.weight, f"{HEAD}bias": hw.bias}
+        return arrays, 1 if self.config.weighting == "uniform" else examples(update)
 
     def payloads_for(self, phase: Phase, round_: int, organization: str) -> list[Payload]:
         """The averaged encoder with the generator's tensors (``generator:<name>``, float32) and the averaged head;
@@ -273,18 +281,18 @@ class FedGenServer(AveragingServer[FedGenConfig]):
         body = {k: v for k, v in self.global_.items() if not k.startswith(HEAD)}
         if self.trained:
             body |= {GENERATOR_PREFIX + n: self.generator.params[n].astype(np.float32) for n in GENERATOR_TENSORS}
-        return [ModelWeights(body), HeadWeights(self.global_[f"{HEAD}weight"], self.global_[f"{HEAD}bias"])]
+        head = HeadWeights(self.global_[f"{HEAD}weight"], self.global_[f"{HEAD}bias"])
+        return [ModelWeights(body), head] if body else [head]
 
     def validate(self, phase: Phase, organization: str, update: Received) -> None:
-        """A positive example count (model_weights' weighs encoder and head alike), no encoder tensor named like
-        the head's or the generator's, a head [K, d_e] + [K] of the run, label counts int [K] and >= 0; then FedAvg's bounds."""
+        """A positive example count, no encoder tensor named like the head's or the generator's, a head [K, d_e] + [K] of the run, label counts int [K] and >= 0; then FedAvg's bounds."""
         if phase is not Phase.TRAIN:
             return
         cfg = self.config
-        mw, hw, cc = update.get(ModelWeights), update.get(HeadWeights), update.get(ClassCounts)
-        if mw.num_examples <= 0:
-            raise WireError("invalid_value", f"model_weights.num_examples must be > 0, got {mw.num_examples}")
-        clash = sorted(n for n in mw.tensors if n.startswith((HEAD, GENERATOR_PREFIX)))
+        mw, hw, cc = update.maybe(ModelWeights), update.get(HeadWeights), update.get(ClassCounts)
+        if examples(update) <= 0:
+            raise WireError("invalid_value", f"num_examples must be > 0, got {examples(update)}")
+        clash = sorted(n for n in (mw.tensors if mw is not None else {}) if n.startswith((HEAD, GENERATOR_PREFIX)))
         if clash:
             raise WireError("invalid_value", f"model_weights may not name {clash[:3]}: those names are the head's "
                                              "and the generator's")

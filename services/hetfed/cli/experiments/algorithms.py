@@ -31,6 +31,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
                                                        fedproto, fedmd, fedgen)
 }
+EXPERIMENTS[fedgen.HEAD_SPEC.name] = fedgen.HEAD_EXPERIMENT
 
 
 def experiment(spec: AlgorithmSpec) -> Experiment:
