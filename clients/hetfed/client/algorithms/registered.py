@@ -13,6 +13,7 @@ from hetfed.client.algorithms import (
     fedavg_head,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -24,5 +25,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["cfl", "ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd",
-           "fedproto", "fedprox", "fedrep", "fedsr", "fml", "local", "simfed"]
+__all__ = ["cfl", "ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l",
+           "fedmd", "fedproto", "fedprox", "fedrep", "fedsr", "fml", "local", "simfed"]

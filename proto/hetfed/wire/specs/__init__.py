@@ -24,6 +24,7 @@ from hetfed.wire.specs import (
     fedavg_head,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -65,6 +66,8 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     cfl.SPEC,
     fedadg.SPEC,
     fml.SPEC,
+    fedgen.SPEC,
+    fedgen.HEAD_SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

@@ -10,6 +10,7 @@ from hetfed.aggregator.algorithms import (
     fedavg_head,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -18,5 +19,5 @@ from hetfed.aggregator.algorithms import (
     simfed,
 )
 
-__all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fml",
-           "local", "simfed"]
+__all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l", "fedmd", "fedproto",
+           "fml", "local", "simfed"]

@@ -14,6 +14,8 @@ from hetfed.cli.experiments import (
     fedavg_body,
     fedcma,
     fedfomo,
+    fedgen,
+    fedgen_head,
     fedh2l,
     fedmd,
     fedproto,
@@ -32,7 +34,8 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo, cfl, fedadg, fml)
+                                                       fedproto, fedmd, fedfomo, cfl, fedadg, fml, fedgen,
+                                                       fedgen_head)
 }
 
 
