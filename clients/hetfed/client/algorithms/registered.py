@@ -17,8 +17,9 @@ from hetfed.client.algorithms import (
     fedrep,
     fedsr,
     local,
+    perfedavg,
     simfed,
 )
 
 __all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
-           "local", "simfed"]
+           "local", "perfedavg", "simfed"]

@@ -28,6 +28,7 @@ from hetfed.wire.specs import (
     fedrep,
     fedsr,
     local,
+    perfedavg,
     simfed,
 )
 from hetfed.wire.specs.base import SIDES, AlgorithmSpec, Figure, TrainConfig, WireDtype
@@ -57,6 +58,8 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     ditto.MMDD_SPEC,
     fedproto.SPEC,
     fedmd.SPEC,
+    perfedavg.SPEC,
+    perfedavg.HF_SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

@@ -3,6 +3,16 @@
 One import per module that holds a server half; numpy only, never a client half.
 """
 
-from hetfed.aggregator.algorithms import fedavg, fedavg_head, fedcma, fedh2l, fedmd, fedproto, local, simfed
+from hetfed.aggregator.algorithms import (
+    fedavg,
+    fedavg_head,
+    fedcma,
+    fedh2l,
+    fedmd,
+    fedproto,
+    local,
+    perfedavg,
+    simfed,
+)
 
-__all__ = ["fedavg", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "local", "simfed"]
+__all__ = ["fedavg", "fedavg_head", "fedcma", "fedh2l", "fedmd", "fedproto", "local", "perfedavg", "simfed"]
