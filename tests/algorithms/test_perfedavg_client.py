@@ -226,5 +226,5 @@ def test_the_config_refuses_what_it_cannot_run(fields: dict[str, Any], message: 
 
 def test_the_defaults() -> None:
     c = get_spec("perfedavg").config()
-    assert (c.variant, c.alpha, c.lr, c.momentum, c.batch_size, c.local_steps, c.hvp, c.delta, c.eval_steps,
-            c.weighting) == ("fo", 0.01, 0.001, 0.0, 40, 4, "finite_difference", 0.001, 1, "uniform")
+    assert (c.variant, c.alpha, c.lr, c.momentum, c.batch_size, c.local_steps, c.local_epochs, c.hvp, c.delta,
+            c.eval_steps, c.weighting) == ("fo", 0.01, 0.1, 0.0, 40, 0, 2, "finite_difference", 0.001, 1, "uniform")

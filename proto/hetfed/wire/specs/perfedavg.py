@@ -33,13 +33,15 @@ class PerFedAvgConfig(FedAvgConfig):
     variant: Variant = "fo"
     # α: the step of the inner (personalisation) update, in training and at evaluation.
     alpha: float = 0.01
-    # β, the meta step: TrainConfig's lr, plain SGD (no momentum, no decay).
-    lr: float = 0.001
+    # β, the meta step: TrainConfig's lr, a plain gradient step (no momentum, no decay).
+    lr: float = 0.1
     momentum: float = 0.0
     # B = |D| = |D'| (= |D''| under HF).
     batch_size: int = 40
-    # τ: local steps a round, each on fresh independent batches (0: local_epochs passes instead).
-    local_steps: int = 4
+    # τ: when > 0, exactly this many local steps a round, each on a fresh independent draw; 0 (the default):
+    # ``local_epochs`` shuffled passes a round, a step taking the next 2B (3B) examples of the pass.
+    local_steps: int = 0
+    local_epochs: int = 2
     # How HF gets d: "finite_difference", [∇f(w + δv; D'') − ∇f(w − δv; D'')] / 2δ, or "autograd", the exact
     # product by double backpropagation.
     hvp: Hvp = "finite_difference"
