@@ -22,8 +22,9 @@ from hetfed.client.algorithms import (
     fedsr,
     fml,
     local,
+    perfedavg,
     simfed,
 )
 
 __all__ = ["cfl", "ditto", "fedadg", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l",
-           "fedmd", "fedproto", "fedprox", "fedrep", "fedsr", "fml", "local", "simfed"]
+           "fedmd", "fedproto", "fedprox", "fedrep", "fedsr", "fml", "local", "perfedavg", "simfed"]

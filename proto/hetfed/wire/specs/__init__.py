@@ -33,6 +33,7 @@ from hetfed.wire.specs import (
     fedsr,
     fml,
     local,
+    perfedavg,
     simfed,
 )
 from hetfed.wire.specs.base import SIDES, AlgorithmSpec, Figure, TrainConfig, WireDtype
@@ -68,6 +69,8 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fml.SPEC,
     fedgen.SPEC,
     fedgen.HEAD_SPEC,
+    perfedavg.SPEC,
+    perfedavg.HF_SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

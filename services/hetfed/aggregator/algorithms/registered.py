@@ -16,8 +16,9 @@ from hetfed.aggregator.algorithms import (
     fedproto,
     fml,
     local,
+    perfedavg,
     simfed,
 )
 
 __all__ = ["cfl", "fedadg", "fedavg", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l", "fedmd", "fedproto",
-           "fml", "local", "simfed"]
+           "fml", "local", "perfedavg", "simfed"]

@@ -22,6 +22,7 @@ from hetfed.cli.experiments import (
     fedrep,
     fedsr,
     fml,
+    perfedavg,
     simfed,
 )
 from hetfed.cli.experiments.base import Experiment
@@ -35,7 +36,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
                                                        fedproto, fedmd, fedfomo, cfl, fedadg, fml, fedgen,
-                                                       fedgen_head)
+                                                       fedgen_head, perfedavg)
 }
 
 
