@@ -271,3 +271,44 @@ def test_the_encoding_bounds_each_field() -> None:
     unit = {f.name: f for f in encoding_fields(schema, SecureParams(value_bound=3.0), True)}
     assert unit["model_weights/w"].bound == 3.0 and unit["model_weights#weight"].bound == 1.0
     assert PayloadKind.MODEL_WEIGHTS in fedavg.SPEC.summed_upload
+
+
+def test_two_rounds_on_a_sparse_graph_follow_the_plain_rounds() -> None:
+    """Eight organizations on a Harary graph of degree 4 (t = 3), two rounds with fresh graph seeds and keys,
+    one dropout after masking each round: FedAvg's model after each round is the plain one's within the
+    quantization's error, and keeps the model's tensor order."""
+    orgs = tuple(f"org-{i}" for i in range(8))
+    rng = np.random.default_rng(4)
+    secure_half = make_server_half(fedavg.SPEC, fedavg.SPEC.config(), RunInfo(SEED, orgs))
+    plain_half = make_server_half(fedavg.SPEC, fedavg.SPEC.config(), RunInfo(SEED, orgs))
+    params = SecureParams(degree=4)
+    for round_, gone in ((1, "org-3"), (2, "org-6")):
+        ups = {o: ModelWeights({"w": rng.normal(0, 1, (5, 2)).astype(np.float32),
+                                "b": rng.normal(0, 1, 3).astype(np.float32)}, int(rng.integers(10, 500)))
+               for o in orgs}
+        sr = SecureRound(fedavg.SPEC, secure_half, "run-s", round_, orgs, SEED, shapes(ups[orgs[0]]), params)
+        assert sr.config.degree == 4 and sr.config.threshold == 3
+        clients = {o: SecureClient(sr.setup(), o, secagg.SeededEntropy(f"{round_}{o}")) for o in orgs}
+        for o, c in clients.items():
+            sr.receive(o, c.advertise())
+        for o, k in sr.close_stage().items():
+            sr.receive(o, clients[o].share(k))  # type: ignore[arg-type]
+        for o, s in sr.close_stage().items():
+            masked = clients[o].mask(s, [ups[o]], fedavg.SPEC.summed_upload, np.random.default_rng(round_))  # type: ignore[arg-type]
+            if o != gone:
+                sr.receive(o, masked)
+        for o, q in sr.close_stage().items():
+            sr.receive(o, clients[o].unmask(q))  # type: ignore[arg-type]
+        agg = sr.finish()
+        assert agg is not None and agg.dropped == (gone,)
+        secure_half.close_round(Phase.TRAIN, round_)
+        for o in agg.survivors:
+            plain_half.accumulate(Phase.TRAIN, o, Received([ups[o]]))
+        plain_half.close_round(Phase.TRAIN, round_)
+        secure, plain = secure_half.state(), plain_half.state()
+        assert list(secure) == list(plain) == ["w", "b"]
+        step = max(f.bound for f in sr.config.encoding.fields) / sr.config.encoding.level
+        for name in plain:
+            a = plain[name].astype(np.float64)
+            tol = len(agg.survivors) * step * (1 + np.abs(a).max()) / 10 + 1e-6 * np.abs(a).max()
+            assert np.abs(secure[name] - a).max() <= tol

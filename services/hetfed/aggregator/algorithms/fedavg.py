@@ -201,7 +201,9 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         elements at a time."""
         if self._summed is not None:
             values, weight = self._summed
-            self.global_ = {name: (a / weight).astype(np.float32) for name, a in values.items()}
+            known = self.global_ or {}
+            order = list(known) + [name for name in values if name not in known]  # the model's own order
+            self.global_ = {name: (values[name] / weight).astype(np.float32) for name in order if name in values}
             self._global_norm = self._global_max_abs = None
         elif self._running.count:
             self.global_ = self._running.mean(np.float32)

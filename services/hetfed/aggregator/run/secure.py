@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hetfed import secagg
@@ -91,6 +91,9 @@ class SecureRound:
         except secagg.SecAggError as exc:
             raise from_secagg(exc) from None
         self.session = secagg.ServerSession(self.config)
+        # Each kind's arrays in the schema's order (the encoding's fields are sorted by name).
+        self._order = {kind: [n.partition("/")[2] for n in shapes if n.startswith(kind.value + "/")]
+                       for kind in spec.summed_upload}
         self.abandoned = ""  # why the round's aggregate was abandoned ("" while it was not)
         self.result: secagg.Aggregate | None = None
 
@@ -148,6 +151,8 @@ class SecureRound:
         except secagg.SecAggError as exc:  # too few shares, or a sum no honest inputs give: refused
             self.abandoned = str(from_secagg(exc))
             return None
-        self.half.accumulate_sum(Phase.TRAIN, sums(self.spec.summed_upload, result.values), result.survivors)
+        summed = {kind: replace(total, values={n: total.values[n] for n in self._order[kind] if n in total.values})
+                  for kind, total in sums(self.spec.summed_upload, result.values).items()}
+        self.half.accumulate_sum(Phase.TRAIN, summed, result.survivors)
         self.result = result
         return result
