@@ -312,3 +312,60 @@ def test_two_rounds_on_a_sparse_graph_follow_the_plain_rounds() -> None:
             a = plain[name].astype(np.float64)
             tol = len(agg.survivors) * step * (1 + np.abs(a).max()) / 10 + 1e-6 * np.abs(a).max()
             assert np.abs(secure[name] - a).max() <= tol
+
+
+CUTS = ("advertise:2", "advertise:closed", "share_keys:3", "share_keys:closed", "mask:1", "mask:closed", "unmask:2")
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_round_rebuilt_from_its_events_at_any_point_ends_as_the_uninterrupted_one(cut: str) -> None:
+    """The coordinator is replaced at ``cut`` (stage:messages received, or stage:closed) by a fresh one fed the
+    old one's events through Protobuf bytes, as a restarted aggregator would be: it is at the same stage, gives
+    the same outbox, and the round ends with the same sum and the same model; org-e drops after masking."""
+    whole = Federation(fedavg.SPEC)
+    expected = whole.run(drop_at_mask=frozenset({"org-e"}))
+    assert expected is not None
+    fed = Federation(fedavg.SPEC)
+    stage, _, at = cut.partition(":")
+    restarted: list[str] = []
+
+    def maybe_restart(now: str, received: int | None) -> None:
+        if now != stage or (at == "closed") != (received is None) or (received is not None and received != int(at)):
+            return
+        old = fed.round
+        fresh = SecureRound(fedavg.SPEC, setup_half(fedavg.SPEC, fed.counts), "run-s", 1, ORGS, SEED,
+                            {n: s for p in fed.uploads[ORGS[0]] for n, s in shapes(p).items()}, SecureParams())
+        fresh.replay([(o, None if p is None else wire(p)) for o, p in old.events])
+        assert fresh.stage == old.stage and fresh.outbox.keys() == old.outbox.keys()
+        for org, msg in old.outbox.items():
+            assert codec.payload_to_proto(fresh.outbox[org]) == codec.payload_to_proto(msg)
+        fed.half, fed.round = fresh.half, fresh
+        restarted.append(cut)
+
+    def stage_loop(name: str, send: dict[str, Payload]) -> None:
+        for i, (org, payload) in enumerate(send.items()):
+            maybe_restart(name, i)
+            fed.round.receive(org, wire(payload))
+        maybe_restart(name, len(send))
+        assert fed.round.stage == name
+
+    stage_loop("advertise", {o: c.advertise() for o, c in fed.clients.items()})
+    keys = fed.round.close_stage()
+    maybe_restart("advertise", None)
+    stage_loop("share_keys", {o: fed.clients[o].share(k) for o, k in keys.items()})  # type: ignore[arg-type]
+    shares = fed.round.close_stage()
+    maybe_restart("share_keys", None)
+    masked = {o: fed.clients[o].mask(s, fed.uploads[o], fed.spec.summed_upload, rounding(o))  # type: ignore[arg-type]
+              for o, s in shares.items()}
+    stage_loop("mask", {o: m for o, m in masked.items() if o != "org-e"})
+    requests = fed.round.close_stage()
+    maybe_restart("mask", None)
+    stage_loop("unmask", {o: fed.clients[o].unmask(q) for o, q in requests.items()})  # type: ignore[arg-type]
+    got = fed.round.finish()
+    assert restarted == [cut]
+    assert got is not None and got.survivors == expected.survivors and got.dropped == ("org-e",)
+    np.testing.assert_array_equal(got.ring_sum, expected.ring_sum)
+    fed.half.close_round(Phase.TRAIN, 1)
+    whole.half.close_round(Phase.TRAIN, 1)
+    for name, a in whole.half.state().items():
+        np.testing.assert_array_equal(fed.half.state()[name], a)
