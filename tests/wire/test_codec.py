@@ -32,9 +32,11 @@ from hetfed.wire.payloads import (
     Payload,
     PayloadKind,
     PeerWeights,
+    SecAggMaskedInput,
     SeedPosteriors,
     named_tensors,
 )
+from tests.wire.secagg_strategies import SECAGG_PAYLOADS
 
 # wire name -> (enum, little-endian numpy dtype the bytes are read as)
 EXPECTED_ENUMS = {
@@ -401,6 +403,9 @@ PAYLOADS: dict[PayloadKind, st.SearchStrategy[Any]] = {
 }
 
 
+PAYLOADS.update(SECAGG_PAYLOADS)
+
+
 def test_every_payload_kind_has_a_strategy() -> None:
     assert set(PAYLOADS) == set(PayloadKind)
 
@@ -459,6 +464,8 @@ def test_tensor_elements_counts_exactly(kind: PayloadKind, data: st.DataObject) 
             size, k = math.prod(layer.mask_shape), int(np.size(layer.mask_indices))
             expected += {pb.MASK_ENCODING_UNSPECIFIED: k, pb.MASK_ENCODING_GAPS: k,
                          pb.MASK_ENCODING_BITMAP: (size + 7) // 8, pb.MASK_ENCODING_DENSE: size - k}[sent.mask_encoding]
+    if isinstance(payload, SecAggMaskedInput) and payload.message.vector.dtype == np.uint64:
+        expected *= 2  # a 64-bit ring travels as two uint32 words per element
     assert codec.tensor_elements(msg) == expected
 
 

@@ -20,6 +20,13 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_CRITERIA_EMBEDDINGS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_EVAL_METRICS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_PEER_WEIGHTS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_SETUP: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_KEY_ADVERT: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_PEER_KEYS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_SHARED_KEYS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_PEER_SHARES: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_MASKED_INPUT: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_SECAGG_UNMASK: _ClassVar[PayloadKind]
 
 class MaskEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +44,13 @@ PAYLOAD_KIND_FACTORIZED_WEIGHTS: PayloadKind
 PAYLOAD_KIND_CRITERIA_EMBEDDINGS: PayloadKind
 PAYLOAD_KIND_EVAL_METRICS: PayloadKind
 PAYLOAD_KIND_PEER_WEIGHTS: PayloadKind
+PAYLOAD_KIND_SECAGG_SETUP: PayloadKind
+PAYLOAD_KIND_SECAGG_KEY_ADVERT: PayloadKind
+PAYLOAD_KIND_SECAGG_PEER_KEYS: PayloadKind
+PAYLOAD_KIND_SECAGG_SHARED_KEYS: PayloadKind
+PAYLOAD_KIND_SECAGG_PEER_SHARES: PayloadKind
+PAYLOAD_KIND_SECAGG_MASKED_INPUT: PayloadKind
+PAYLOAD_KIND_SECAGG_UNMASK: PayloadKind
 MASK_ENCODING_UNSPECIFIED: MaskEncoding
 MASK_ENCODING_GAPS: MaskEncoding
 MASK_ENCODING_BITMAP: MaskEncoding
@@ -161,8 +175,164 @@ class EvalMetrics(_message.Message):
     withheld: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, train_loss: _Optional[float] = ..., num_train_examples: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., num_test_examples: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., withheld: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class SecAggField(_message.Message):
+    __slots__ = ("name", "shape", "bound", "norm_bound")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    NORM_BOUND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    bound: float
+    norm_bound: float
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., norm_bound: _Optional[float] = ...) -> None: ...
+
+class SecAggSetup(_message.Message):
+    __slots__ = ("run_id", "round", "roster", "degree", "threshold", "graph_seed", "fields", "value_bits", "ring_bits", "max_inputs", "stochastic", "unit_weights")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    DEGREE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_SEED_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BITS_FIELD_NUMBER: _ClassVar[int]
+    RING_BITS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    STOCHASTIC_FIELD_NUMBER: _ClassVar[int]
+    UNIT_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    roster: _containers.RepeatedScalarFieldContainer[str]
+    degree: int
+    threshold: int
+    graph_seed: bytes
+    fields: _containers.RepeatedCompositeFieldContainer[SecAggField]
+    value_bits: int
+    ring_bits: int
+    max_inputs: int
+    stochastic: bool
+    unit_weights: bool
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ..., threshold: _Optional[int] = ..., graph_seed: _Optional[bytes] = ..., fields: _Optional[_Iterable[_Union[SecAggField, _Mapping]]] = ..., value_bits: _Optional[int] = ..., ring_bits: _Optional[int] = ..., max_inputs: _Optional[int] = ..., stochastic: _Optional[bool] = ..., unit_weights: _Optional[bool] = ...) -> None: ...
+
+class SecAggKeyAdvert(_message.Message):
+    __slots__ = ("run_id", "round", "sender", "share_public", "mask_public")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    MASK_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    sender: str
+    share_public: bytes
+    mask_public: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., share_public: _Optional[bytes] = ..., mask_public: _Optional[bytes] = ...) -> None: ...
+
+class SecAggPeerKeys(_message.Message):
+    __slots__ = ("run_id", "round", "receiver", "peers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    receiver: str
+    peers: _containers.RepeatedCompositeFieldContainer[SecAggKeyAdvert]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., receiver: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[SecAggKeyAdvert, _Mapping]]] = ...) -> None: ...
+
+class SecAggEncryptedShare(_message.Message):
+    __slots__ = ("sender", "receiver", "ciphertext")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    receiver: str
+    ciphertext: bytes
+    def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+
+class SecAggSharedKeys(_message.Message):
+    __slots__ = ("run_id", "round", "sender", "shares")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    sender: str
+    shares: _containers.RepeatedCompositeFieldContainer[SecAggEncryptedShare]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[SecAggEncryptedShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggPeerShares(_message.Message):
+    __slots__ = ("run_id", "round", "receiver", "shares")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    receiver: str
+    shares: _containers.RepeatedCompositeFieldContainer[SecAggEncryptedShare]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., receiver: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[SecAggEncryptedShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggMaskedInput(_message.Message):
+    __slots__ = ("run_id", "round", "sender", "vector")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    sender: str
+    vector: _tensor_pb2.Tensor
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., vector: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SecAggUnmaskRequest(_message.Message):
+    __slots__ = ("run_id", "round", "receiver", "survivors", "dropped")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    receiver: str
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., receiver: _Optional[str] = ..., survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggRevealedShare(_message.Message):
+    __slots__ = ("owner", "share")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    share: bytes
+    def __init__(self, owner: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class SecAggUnmaskReply(_message.Message):
+    __slots__ = ("run_id", "round", "sender", "seed_shares", "key_shares")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SEED_SHARES_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    sender: str
+    seed_shares: _containers.RepeatedCompositeFieldContainer[SecAggRevealedShare]
+    key_shares: _containers.RepeatedCompositeFieldContainer[SecAggRevealedShare]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., seed_shares: _Optional[_Iterable[_Union[SecAggRevealedShare, _Mapping]]] = ..., key_shares: _Optional[_Iterable[_Union[SecAggRevealedShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggUnmask(_message.Message):
+    __slots__ = ("request", "reply")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    request: SecAggUnmaskRequest
+    reply: SecAggUnmaskReply
+    def __init__(self, request: _Optional[_Union[SecAggUnmaskRequest, _Mapping]] = ..., reply: _Optional[_Union[SecAggUnmaskReply, _Mapping]] = ...) -> None: ...
+
 class Payload(_message.Message):
-    __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics", "peer_weights")
+    __slots__ = ("model_weights", "head_weights", "class_counts", "class_mean_embeddings", "seed_posteriors", "factorized_weights", "criteria_embeddings", "eval_metrics", "peer_weights", "secagg_setup", "secagg_key_advert", "secagg_peer_keys", "secagg_shared_keys", "secagg_peer_shares", "secagg_masked_input", "secagg_unmask")
     MODEL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     HEAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +342,13 @@ class Payload(_message.Message):
     CRITERIA_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
     PEER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SETUP_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_KEY_ADVERT_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_PEER_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SHARED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_PEER_SHARES_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_MASKED_INPUT_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_UNMASK_FIELD_NUMBER: _ClassVar[int]
     model_weights: ModelWeights
     head_weights: HeadWeights
     class_counts: ClassCounts
@@ -181,4 +358,11 @@ class Payload(_message.Message):
     criteria_embeddings: CriteriaEmbeddings
     eval_metrics: EvalMetrics
     peer_weights: PeerWeights
-    def __init__(self, model_weights: _Optional[_Union[ModelWeights, _Mapping]] = ..., head_weights: _Optional[_Union[HeadWeights, _Mapping]] = ..., class_counts: _Optional[_Union[ClassCounts, _Mapping]] = ..., class_mean_embeddings: _Optional[_Union[ClassMeanEmbeddings, _Mapping]] = ..., seed_posteriors: _Optional[_Union[SeedPosteriors, _Mapping]] = ..., factorized_weights: _Optional[_Union[FactorizedWeights, _Mapping]] = ..., criteria_embeddings: _Optional[_Union[CriteriaEmbeddings, _Mapping]] = ..., eval_metrics: _Optional[_Union[EvalMetrics, _Mapping]] = ..., peer_weights: _Optional[_Union[PeerWeights, _Mapping]] = ...) -> None: ...
+    secagg_setup: SecAggSetup
+    secagg_key_advert: SecAggKeyAdvert
+    secagg_peer_keys: SecAggPeerKeys
+    secagg_shared_keys: SecAggSharedKeys
+    secagg_peer_shares: SecAggPeerShares
+    secagg_masked_input: SecAggMaskedInput
+    secagg_unmask: SecAggUnmask
+    def __init__(self, model_weights: _Optional[_Union[ModelWeights, _Mapping]] = ..., head_weights: _Optional[_Union[HeadWeights, _Mapping]] = ..., class_counts: _Optional[_Union[ClassCounts, _Mapping]] = ..., class_mean_embeddings: _Optional[_Union[ClassMeanEmbeddings, _Mapping]] = ..., seed_posteriors: _Optional[_Union[SeedPosteriors, _Mapping]] = ..., factorized_weights: _Optional[_Union[FactorizedWeights, _Mapping]] = ..., criteria_embeddings: _Optional[_Union[CriteriaEmbeddings, _Mapping]] = ..., eval_metrics: _Optional[_Union[EvalMetrics, _Mapping]] = ..., peer_weights: _Optional[_Union[PeerWeights, _Mapping]] = ..., secagg_setup: _Optional[_Union[SecAggSetup, _Mapping]] = ..., secagg_key_advert: _Optional[_Union[SecAggKeyAdvert, _Mapping]] = ..., secagg_peer_keys: _Optional[_Union[SecAggPeerKeys, _Mapping]] = ..., secagg_shared_keys: _Optional[_Union[SecAggSharedKeys, _Mapping]] = ..., secagg_peer_shares: _Optional[_Union[SecAggPeerShares, _Mapping]] = ..., secagg_masked_input: _Optional[_Union[SecAggMaskedInput, _Mapping]] = ..., secagg_unmask: _Optional[_Union[SecAggUnmask, _Mapping]] = ...) -> None: ...

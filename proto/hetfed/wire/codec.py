@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import EncodeError
 
+from hetfed import secagg
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.v1 import tensor_pb2 as tpb
 from hetfed.wire import framing, serialize
-from hetfed.wire.errors import WireError
+from hetfed.wire.errors import WireError, from_secagg
 from hetfed.wire.payloads import (
     ClassCounts,
     ClassMeanEmbeddings,
@@ -40,6 +41,13 @@ from hetfed.wire.payloads import (
     Payload,
     PayloadKind,
     PeerWeights,
+    SecAggKeyAdvert,
+    SecAggMaskedInput,
+    SecAggPeerKeys,
+    SecAggPeerShares,
+    SecAggSetup,
+    SecAggSharedKeys,
+    SecAggUnmask,
     SeedPosteriors,
     named_tensors,
 )
@@ -502,6 +510,169 @@ def peer_weights_to_proto(payload: PeerWeights, out: pb.PeerWeights, wire_dtype:
 def peer_weights_from_proto(w: pb.PeerWeights, lifted: list[memoryview] | None) -> PeerWeights:
     """Decode a PeerWeights message."""
     return PeerWeights(tuple(w.organizations), tensor_from_proto(w.weights, lifted))
+
+# ------------------------------------------------------------------------------- secure aggregation's stages
+# Each stage message maps field for field to its hetfed.secagg dataclass. A decoded message the core would refuse
+# to build (a graph seed of the wrong size, parameters that could wrap) is malformed or invalid here.
+
+
+def _secagg(build: Callable[[], Any]) -> Any:
+    """``build()``, a SecAggError it raises becoming the matching WireError."""
+    try:
+        return build()
+    except secagg.SecAggError as exc:
+        raise from_secagg(exc) from None
+
+
+def secagg_setup_to_proto(payload: SecAggSetup, out: pb.SecAggSetup, wire_dtype: str | None) -> None:
+    """Fill a SecAggSetup message from its round configuration."""
+    c, enc = payload.config, payload.config.encoding
+    out.run_id, out.round, out.degree, out.threshold = c.run_id, c.round, c.degree, c.threshold
+    out.roster.extend(c.roster)
+    out.graph_seed = c.graph_seed
+    for f in enc.fields:
+        pf = out.fields.add()
+        pf.name, pf.bound = f.name, f.bound
+        pf.shape.extend(f.shape)
+        if f.norm_bound is not None:
+            pf.norm_bound = f.norm_bound
+    out.value_bits, out.ring_bits, out.max_inputs = enc.value_bits, enc.ring_bits, enc.max_inputs
+    out.stochastic, out.unit_weights = enc.stochastic, payload.unit_weights
+
+
+def secagg_setup_from_proto(m: pb.SecAggSetup, lifted: list[memoryview] | None) -> SecAggSetup:
+    """Decode a SecAggSetup message into a checked round configuration."""
+    def build() -> secagg.RoundConfig:
+        fields = tuple(secagg.Field(f.name, tuple(int(d) for d in f.shape), f.bound,
+                                    f.norm_bound if f.HasField("norm_bound") else None) for f in m.fields)
+        enc = secagg.Encoding(fields, int(m.value_bits), int(m.ring_bits), int(m.max_inputs), m.stochastic)
+        return secagg.RoundConfig(m.run_id, int(m.round), tuple(m.roster), int(m.degree), int(m.threshold),
+                                  bytes(m.graph_seed), enc)
+    return SecAggSetup(_secagg(build), m.unit_weights)
+
+
+def _advert_to_proto(a: secagg.KeyAdvert, out: pb.SecAggKeyAdvert) -> None:
+    out.run_id, out.round, out.sender = a.run_id, a.round, a.sender
+    out.share_public, out.mask_public = a.share_public, a.mask_public
+
+
+def _advert_from_proto(m: pb.SecAggKeyAdvert) -> secagg.KeyAdvert:
+    return secagg.KeyAdvert(m.run_id, int(m.round), m.sender, bytes(m.share_public), bytes(m.mask_public))
+
+
+def secagg_key_advert_to_proto(payload: SecAggKeyAdvert, out: pb.SecAggKeyAdvert, wire_dtype: str | None) -> None:
+    """Fill a SecAggKeyAdvert message."""
+    _advert_to_proto(payload.message, out)
+
+
+def secagg_key_advert_from_proto(m: pb.SecAggKeyAdvert, lifted: list[memoryview] | None) -> SecAggKeyAdvert:
+    """Decode a SecAggKeyAdvert message."""
+    return SecAggKeyAdvert(_advert_from_proto(m))
+
+
+def secagg_peer_keys_to_proto(payload: SecAggPeerKeys, out: pb.SecAggPeerKeys, wire_dtype: str | None) -> None:
+    """Fill a SecAggPeerKeys message."""
+    k = payload.message
+    out.run_id, out.round, out.receiver = k.run_id, k.round, k.receiver
+    for a in k.peers:
+        _advert_to_proto(a, out.peers.add())
+
+
+def secagg_peer_keys_from_proto(m: pb.SecAggPeerKeys, lifted: list[memoryview] | None) -> SecAggPeerKeys:
+    """Decode a SecAggPeerKeys message."""
+    return SecAggPeerKeys(secagg.PeerKeys(m.run_id, int(m.round), m.receiver,
+                                          tuple(_advert_from_proto(a) for a in m.peers)))
+
+
+def _sealed_to_proto(shares: tuple[secagg.EncryptedShare, ...], out: Any) -> None:
+    for e in shares:
+        pe = out.add()
+        pe.sender, pe.receiver, pe.ciphertext = e.sender, e.receiver, e.ciphertext
+
+
+def _sealed_from_proto(shares: Any) -> tuple[secagg.EncryptedShare, ...]:
+    return tuple(secagg.EncryptedShare(e.sender, e.receiver, bytes(e.ciphertext)) for e in shares)
+
+
+def secagg_shared_keys_to_proto(payload: SecAggSharedKeys, out: pb.SecAggSharedKeys, wire_dtype: str | None) -> None:
+    """Fill a SecAggSharedKeys message."""
+    k = payload.message
+    out.run_id, out.round, out.sender = k.run_id, k.round, k.sender
+    _sealed_to_proto(k.shares, out.shares)
+
+
+def secagg_shared_keys_from_proto(m: pb.SecAggSharedKeys, lifted: list[memoryview] | None) -> SecAggSharedKeys:
+    """Decode a SecAggSharedKeys message."""
+    return SecAggSharedKeys(secagg.SharedKeys(m.run_id, int(m.round), m.sender, _sealed_from_proto(m.shares)))
+
+
+def secagg_peer_shares_to_proto(payload: SecAggPeerShares, out: pb.SecAggPeerShares, wire_dtype: str | None) -> None:
+    """Fill a SecAggPeerShares message."""
+    k = payload.message
+    out.run_id, out.round, out.receiver = k.run_id, k.round, k.receiver
+    _sealed_to_proto(k.shares, out.shares)
+
+
+def secagg_peer_shares_from_proto(m: pb.SecAggPeerShares, lifted: list[memoryview] | None) -> SecAggPeerShares:
+    """Decode a SecAggPeerShares message."""
+    return SecAggPeerShares(secagg.PeerShares(m.run_id, int(m.round), m.receiver, _sealed_from_proto(m.shares)))
+
+
+def secagg_masked_input_to_proto(payload: SecAggMaskedInput, out: pb.SecAggMaskedInput,
+                                 wire_dtype: str | None) -> None:
+    """Fill a SecAggMaskedInput message: a uint32 vector as it is, a uint64 one as its two little-endian
+    uint32 words per element, [n, 2] (a view: nothing is copied here). ``wire_dtype`` does not apply."""
+    k = payload.message
+    out.run_id, out.round, out.sender = k.run_id, k.round, k.sender
+    v = np.asarray(k.vector)
+    if v.ndim != 1 or v.dtype not in (np.uint32, np.uint64):
+        raise WireError("malformed", f"a masked input is a vector of uint32 or uint64, not {v.dtype}{list(v.shape)}")
+    words = v if v.dtype == np.uint32 else np.ascontiguousarray(v, "<u8").view("<u4").reshape(v.size, 2)
+    out.vector.SetInParent()
+    _fill(out.vector, words)
+
+
+def secagg_masked_input_from_proto(m: pb.SecAggMaskedInput, lifted: list[memoryview] | None) -> SecAggMaskedInput:
+    """Decode a SecAggMaskedInput message (its vector a read-only view of the received bytes)."""
+    words = tensor_from_proto(m.vector, lifted)
+    if words.dtype != np.uint32 or not (words.ndim == 1 or (words.ndim == 2 and words.shape[1] == 2)):
+        raise WireError("malformed", f"a masked input is uint32 [n] or [n, 2], not {words.dtype}{list(words.shape)}")
+    vector = words if words.ndim == 1 else words.view("<u8").reshape(words.shape[0]).view(np.uint64)
+    return SecAggMaskedInput(secagg.MaskedInput(m.run_id, int(m.round), m.sender, vector))
+
+
+def secagg_unmask_to_proto(payload: SecAggUnmask, out: pb.SecAggUnmask, wire_dtype: str | None) -> None:
+    """Fill a SecAggUnmask message: the request or the reply."""
+    k = payload.message
+    if isinstance(k, secagg.UnmaskRequest):
+        req = out.request
+        req.SetInParent()
+        req.run_id, req.round, req.receiver = k.run_id, k.round, k.receiver
+        req.survivors.extend(k.survivors)
+        req.dropped.extend(k.dropped)
+        return
+    rep = out.reply
+    rep.SetInParent()
+    rep.run_id, rep.round, rep.sender = k.run_id, k.round, k.sender
+    for target, shares in ((rep.seed_shares, k.seed_shares), (rep.key_shares, k.key_shares)):
+        for s in shares:
+            ps = target.add()
+            ps.owner, ps.share = s.owner, s.share
+
+
+def secagg_unmask_from_proto(m: pb.SecAggUnmask, lifted: list[memoryview] | None) -> SecAggUnmask:
+    """Decode a SecAggUnmask message; one that is neither a request nor a reply is malformed."""
+    which = m.WhichOneof("message")
+    if which == "request":
+        q = m.request
+        return SecAggUnmask(secagg.UnmaskRequest(q.run_id, int(q.round), q.receiver, tuple(q.survivors),
+                                                 tuple(q.dropped)))
+    if which == "reply":
+        r = m.reply
+        seeds = tuple(secagg.RevealedShare(s.owner, bytes(s.share)) for s in r.seed_shares)
+        keys = tuple(secagg.RevealedShare(s.owner, bytes(s.share)) for s in r.key_shares)
+        return SecAggUnmask(secagg.UnmaskReply(r.run_id, int(r.round), r.sender, seeds, keys))
+    raise WireError("malformed", "a secagg_unmask payload is neither a request nor a reply")
 
 
 _ToProto = Callable[[Any, Any, str | None], None]

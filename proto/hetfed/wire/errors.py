@@ -106,12 +106,39 @@ REASONS: dict[str, Reason] = {
     # The aggregator could not make the update (or the round's close) durable: nothing was acknowledged or
     # lost, and the same request may succeed once the state directory can be written again.
     "storage_unavailable": Reason("UNAVAILABLE", True),
+    # Secure aggregation (hetfed.secagg): a stage message of another run, round or party than the one it answers.
+    "foreign_message": Reason("FAILED_PRECONDITION", False),
+    # A stage message for a stage that is not the open one (a replay, or one too late).
+    "unexpected_stage": Reason("FAILED_PRECONDITION", False),
+    # A stage message the protocol refuses: keys of the wrong size or reused, peers other than the graph's, a
+    # share that does not open or rebuild, both shares of one peer asked for.
+    "secagg_refused": Reason("INVALID_ARGUMENT", False),
+    # Too few parties are left to unmask the round's sum: the round's secure aggregate is abandoned, nothing revealed.
+    "secagg_abandoned": Reason("FAILED_PRECONDITION", False),
     # An unexpected failure inside the aggregator (a bug): logged with its traceback there.
     "internal": Reason("INTERNAL", True),
 }
 REASON_STATUS: dict[str, str] = {k: v.status for k, v in REASONS.items()}
 # The ErrorInfo domain of hetfed's rejections.
 ERROR_DOMAIN = "hetfed.v1"
+
+
+# hetfed.secagg's refusal reasons -> the wire's (each a key of REASONS).
+SECAGG_REASONS: dict[str, str] = {
+    "foreign_message": "foreign_message",
+    "unexpected_stage": "unexpected_stage",
+    "duplicate": "replayed",
+    "bad_keys": "secagg_refused",
+    "neighbours_mismatch": "secagg_refused",
+    "share_authentication_failed": "secagg_refused",
+    "both_shares_requested": "secagg_refused",
+    "inconsistent_shares": "secagg_refused",
+    "malformed": "malformed",
+    "out_of_range": "implausible_update",
+    "sum_out_of_range": "implausible_update",
+    "bad_parameters": "invalid_value",
+    "below_threshold": "secagg_abandoned",
+}
 
 
 class WireError(Exception):
@@ -136,3 +163,9 @@ class WireError(Exception):
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}"
+
+
+def from_secagg(error: Exception) -> WireError:
+    """The WireError for a ``hetfed.secagg.SecAggError`` (its ``reason`` mapped by SECAGG_REASONS)."""
+    reason = getattr(error, "reason", "")
+    return WireError(SECAGG_REASONS.get(reason, "internal"), f"secure aggregation: {error}")

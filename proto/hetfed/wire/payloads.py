@@ -9,6 +9,7 @@ from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
+from hetfed import secagg
 from hetfed.v1 import payloads_pb2 as pb
 from hetfed.wire.errors import WireError
 
@@ -25,6 +26,14 @@ class PayloadKind(enum.Enum):
     CRITERIA_EMBEDDINGS = "criteria_embeddings"
     EVAL_METRICS = "eval_metrics"
     PEER_WEIGHTS = "peer_weights"
+    # Secure aggregation's stage messages (``hetfed.secagg``), each counted as its own kind.
+    SECAGG_SETUP = "secagg_setup"
+    SECAGG_KEY_ADVERT = "secagg_key_advert"
+    SECAGG_PEER_KEYS = "secagg_peer_keys"
+    SECAGG_SHARED_KEYS = "secagg_shared_keys"
+    SECAGG_PEER_SHARES = "secagg_peer_shares"
+    SECAGG_MASKED_INPUT = "secagg_masked_input"
+    SECAGG_UNMASK = "secagg_unmask"
 
     @property
     def proto_enum(self) -> int:
@@ -131,6 +140,69 @@ class PeerWeights:
     kind = PayloadKind.PEER_WEIGHTS
 
 
+@dataclass(frozen=True)
+class SecAggSetup:
+    """Stage 0, aggregator to client: the round's secure aggregation (roster, graph, threshold, encoding), and
+    whether the summed payloads' weights are all 1 (``hetfed.wire.summation``)."""
+
+    config: secagg.RoundConfig
+    unit_weights: bool = False
+    kind = PayloadKind.SECAGG_SETUP
+
+
+@dataclass(frozen=True)
+class SecAggKeyAdvert:
+    """Stage 1, client to aggregator: its two public keys."""
+
+    message: secagg.KeyAdvert
+    kind = PayloadKind.SECAGG_KEY_ADVERT
+
+
+@dataclass(frozen=True)
+class SecAggPeerKeys:
+    """Stage 1, aggregator to client: its neighbours' adverts."""
+
+    message: secagg.PeerKeys
+    kind = PayloadKind.SECAGG_PEER_KEYS
+
+
+@dataclass(frozen=True)
+class SecAggSharedKeys:
+    """Stage 2, client to aggregator: its sealed shares, one per neighbour."""
+
+    message: secagg.SharedKeys
+    kind = PayloadKind.SECAGG_SHARED_KEYS
+
+
+@dataclass(frozen=True)
+class SecAggPeerShares:
+    """Stage 2, aggregator to client: the sealed shares addressed to it."""
+
+    message: secagg.PeerShares
+    kind = PayloadKind.SECAGG_PEER_SHARES
+
+
+@dataclass(frozen=True)
+class SecAggMaskedInput:
+    """Stage 3, client to aggregator: its masked ring vector."""
+
+    message: secagg.MaskedInput
+    kind = PayloadKind.SECAGG_MASKED_INPUT
+
+
+@dataclass(frozen=True)
+class SecAggUnmask:
+    """Stage 4: the aggregator's request down, or the client's reply up."""
+
+    message: secagg.UnmaskRequest | secagg.UnmaskReply
+    kind = PayloadKind.SECAGG_UNMASK
+
+
+SECAGG_KINDS = frozenset({PayloadKind.SECAGG_SETUP, PayloadKind.SECAGG_KEY_ADVERT, PayloadKind.SECAGG_PEER_KEYS,
+                          PayloadKind.SECAGG_SHARED_KEYS, PayloadKind.SECAGG_PEER_SHARES,
+                          PayloadKind.SECAGG_MASKED_INPUT, PayloadKind.SECAGG_UNMASK})
+
+
 WITHHELD = "withheld"
 """How results, tables and reports show a figure an organization withheld under its privacy settings
 (docs/privacy.md): never 0, and never averaged in."""
@@ -181,6 +253,13 @@ Payload = (
     | CriteriaEmbeddings
     | EvalMetrics
     | PeerWeights
+    | SecAggSetup
+    | SecAggKeyAdvert
+    | SecAggPeerKeys
+    | SecAggSharedKeys
+    | SecAggPeerShares
+    | SecAggMaskedInput
+    | SecAggUnmask
 )
 
 
@@ -211,6 +290,8 @@ def named_tensors(payload: Payload) -> Iterator[tuple[str, np.ndarray]]:
         yield "embeddings", payload.embeddings
     elif isinstance(payload, PeerWeights):
         yield "weights", payload.weights
+    elif isinstance(payload, SecAggMaskedInput):
+        yield "vector", payload.message.vector
 
 
 def training_examples(payload: Payload) -> int | None:

@@ -20,6 +20,7 @@ from typing import Any, Generic, Literal, TypeVar
 from hetfed.wire.config import check, from_mapping
 from hetfed.wire.payloads import PayloadKind
 from hetfed.wire.phases import Phase
+from hetfed.wire.summation import SUMMABLE
 
 WireDtype = Literal["float32", "float16", "bfloat16"]
 Optimizer = Literal["sgd", "adam", "amsgrad"]
@@ -148,6 +149,9 @@ class AlgorithmSpec(Generic[C]):
     setup_upload: frozenset[PayloadKind] = frozenset()
     # Kinds whose tensors must match one schema across the run (declared at Join).
     shared_schema: frozenset[PayloadKind] = frozenset()
+    # Upload kinds the server half only sums, weighted (``hetfed.wire.summation``): what secure aggregation
+    # carries in a training round. Empty: the algorithm needs individual payloads and cannot run under it.
+    summed_upload: frozenset[PayloadKind] = frozenset()
     # Download kinds the aggregator may send several of in one instructions message (relays).
     repeated_download: frozenset[PayloadKind] = frozenset()
     # True when no encoder weights may ever leave an organization.
@@ -183,6 +187,10 @@ class AlgorithmSpec(Generic[C]):
             raise ValueError(f"{self.name}: required uploads must be allowed uploads")
         if PayloadKind.EVAL_METRICS not in self.upload:
             raise ValueError(f"{self.name}: every algorithm reports EvalMetrics")
+        if not self.summed_upload <= self.upload - _METRICS:
+            raise ValueError(f"{self.name}: summed uploads must be allowed uploads other than EvalMetrics")
+        if not self.summed_upload <= SUMMABLE:
+            raise ValueError(f"{self.name}: {sorted(k.value for k in self.summed_upload - SUMMABLE)} have no summed form")
         if not self.repeated_download <= self.download:
             raise ValueError(f"{self.name}: repeated download kinds must be download kinds")
         if not dataclasses.is_dataclass(self.config_type) or not issubclass(self.config_type, TrainConfig):
@@ -214,6 +222,13 @@ class AlgorithmSpec(Generic[C]):
         algorithm's config has one, else the spec's."""
         own = getattr(config, "bounded_latent", None)
         return self.bounded_latent if own is None else bool(own)
+
+    def secure_aggregation_refusal(self) -> str:
+        """Why this algorithm cannot run with ``secure_aggregation = true`` (one line), or "" when it can."""
+        if self.summed_upload:
+            return ""
+        return (f"algorithm {self.name!r} needs each organization's own payloads (it declares no summed upload), "
+                "so it cannot run with secure_aggregation = true")
 
     @property
     def first_phase(self) -> Phase:

@@ -62,6 +62,7 @@ SPEC = AlgorithmSpec(
     config_type=FedAvgConfig,
     upload=frozenset({K.MODEL_WEIGHTS, K.EVAL_METRICS}),
     required_upload=frozenset({K.MODEL_WEIGHTS, K.EVAL_METRICS}),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),
     download=frozenset({K.MODEL_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
 )

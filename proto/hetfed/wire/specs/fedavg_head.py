@@ -20,6 +20,7 @@ SPEC = AlgorithmSpec(
     config_type=HeadFedAvgConfig,
     upload=frozenset({K.HEAD_WEIGHTS, K.EVAL_METRICS}),
     required_upload=frozenset({K.HEAD_WEIGHTS, K.EVAL_METRICS}),
+    summed_upload=frozenset({K.HEAD_WEIGHTS}),
     download=frozenset({K.HEAD_WEIGHTS}),
     shared_schema=frozenset({K.HEAD_WEIGHTS}),
     model_private=True,

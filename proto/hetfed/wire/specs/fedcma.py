@@ -90,6 +90,7 @@ SPEC = AlgorithmSpec(
     config_type=FedCMAConfig,
     upload=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS, K.EVAL_METRICS}),
     required_upload=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS, K.EVAL_METRICS}),
+    summed_upload=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS}),
     download=frozenset({K.CLASS_MEAN_EMBEDDINGS, K.HEAD_WEIGHTS}),
     setup_upload=frozenset({K.CLASS_COUNTS}),
     model_private=True,

@@ -14,9 +14,10 @@ from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from hetfed.wire.payloads import Payload, Received
+from hetfed.wire.payloads import Payload, PayloadKind, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs import TrainConfig
+from hetfed.wire.summation import Summed
 
 C = TypeVar("C", bound=TrainConfig)
 
@@ -79,6 +80,22 @@ class ServerHalf(Generic[C]):
 
     def accumulate(self, phase: Phase, organization: str, update: Received) -> None:
         """Fold one accepted update into the round's running aggregate (streaming)."""
+
+    def secure_aggregation_refusal(self) -> str:
+        """Why this run cannot sum its uploads under secure aggregation (one line), or "" when it can: a half
+        that sums overrides it, and refuses a config under which it would do more than sum."""
+        return "its server half needs each organization's own payloads"
+
+    @property
+    def summed_unit_weights(self) -> bool:
+        """True when the half sums its uploads unweighted (``hetfed.wire.summation``: every weight 1)."""
+        return False
+
+    def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
+        """Fold the secure sum of the round's uploads of the summed kinds (``organizations``: whose uploads it
+        holds), instead of ``accumulate`` on each: the same round as those uploads one by one would give.
+        Payloads that are not summed (EvalMetrics) still arrive one by one through ``accumulate``."""
+        raise NotImplementedError(f"{type(self).__name__} does not take secure sums")
 
     def close_round(self, phase: Phase, round_: int) -> None:
         """Finish the round: turn the running aggregate into the new server state."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -21,10 +23,11 @@ from hetfed.aggregator.algorithms.aggregators import (
 )
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import ModelWeights, Payload, Received
+from hetfed.wire.payloads import ModelWeights, Payload, PayloadKind, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs import ditto, fedavg, fedavg_body, fedprox, fedrep, fedsr
 from hetfed.wire.specs.fedavg import AveragingConfig, FedAvgConfig
+from hetfed.wire.summation import Summed
 
 A = TypeVar("A", bound=AveragingConfig)
 # Relative slack of the distance's shortcut past ``max_abs_weight``: far above the distance's rounding (about 10⁻⁸,
@@ -67,12 +70,16 @@ class AveragingServer(ServerHalf[A], Generic[A]):
         self._global_max_abs: float | None = None
         self._terms: list[Term] = []  # the round's updates, folded at the close
         self._running = WeightedMean()  # or their running sum, for a small model under the weighted mean
+        self._summed: tuple[dict[str, np.ndarray], float] | None = None  # or their secure sum (Σ w·x, Σ w)
 
     def _aggregator(self) -> Aggregator:
         """A fresh aggregator of the configured kind (one per range at the close)."""
         config = self.config
         return (TrimmedMean(config.trim) if config.aggregation == "trimmed_mean"
                 else CoordinateMedian() if config.aggregation == "median" else WeightedMean())
+
+    # The payload kind whose arrays are averaged.
+    summed_kind: ClassVar[PayloadKind] = PayloadKind.MODEL_WEIGHTS
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The arrays an update contributes and their weight (None: nothing to average)."""
@@ -160,6 +167,26 @@ class AveragingServer(ServerHalf[A], Generic[A]):
             else:
                 self._terms.append(term)
 
+    def secure_aggregation_refusal(self) -> str:
+        """The weighted mean is a sum; the trimmed mean, the median and norm clipping need each update."""
+        if self.config.aggregation != "mean":
+            return f"aggregation = {self.config.aggregation!r} needs each update (secure aggregation sums them)"
+        if self.config.update_norm_policy == "clip" and self.config.max_update_norm_ratio:
+            return "update_norm_policy = 'clip' needs each update's distance from the global model"
+        return ""
+
+    def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
+        """Take Σ w_i·x_i and Σ w_i of the round's arrays: the close divides, as it would the running sum."""
+        summed = sums.get(self.summed_kind)
+        if summed is None:
+            return
+        weight = float(summed.weight)
+        if not (math.isfinite(weight) and weight > 0):
+            raise WireError("implausible_update", f"the summed weight is {weight:g}; it must be finite and > 0")
+        if self._terms or self._running.count or self._summed is not None:
+            raise ValueError("a round takes one secure sum and no single update")
+        self._summed = (dict(summed.values), weight)
+
     def _runs(self, arrays: dict[str, np.ndarray]) -> bool:
         """Whether the round's updates go into a running sum as they arrive (then the close only divides): under
         the weighted mean, for a model whose exact sum takes at most ``RUNNING_SUM_BYTES``, as the round's first
@@ -172,7 +199,13 @@ class AveragingServer(ServerHalf[A], Generic[A]):
     def close_round(self, phase: Phase, round_: int) -> None:
         """w ← Σ n_i w_i / Σ n_i over the organizations that pushed (or their trimmed mean or median), a range of
         elements at a time."""
-        if self._running.count:
+        if self._summed is not None:
+            values, weight = self._summed
+            known = self.global_ or {}
+            order = list(known) + [name for name in values if name not in known]  # the model's own order
+            self.global_ = {name: (values[name] / weight).astype(np.float32) for name in order if name in values}
+            self._global_norm = self._global_max_abs = None
+        elif self._running.count:
             self.global_ = self._running.mean(np.float32)
             self._global_norm = self._global_max_abs = None
         elif self._terms:
@@ -184,6 +217,7 @@ class AveragingServer(ServerHalf[A], Generic[A]):
             self._global_norm = self._global_max_abs = None
         self._terms = []
         self._running.reset()
+        self._summed = None
 
     def state(self) -> dict[str, np.ndarray]:
         """The global arrays."""
@@ -212,6 +246,14 @@ class FedAvgServer(AveragingServer[FedAvgConfig]):
             raise WireError("invalid_value", f"num_examples must be > 0, got {mw.num_examples}")
         if mw is not None:
             self.check_plausible(mw.tensors)
+
+    # The payload kind whose arrays are averaged.
+    summed_kind: ClassVar[PayloadKind] = PayloadKind.MODEL_WEIGHTS
+
+    @property
+    def summed_unit_weights(self) -> bool:
+        """Uniform weighting sums the models unweighted."""
+        return self.config.weighting == "uniform"
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The model's tensors and their weight: the example count, or 1 under uniform weighting."""

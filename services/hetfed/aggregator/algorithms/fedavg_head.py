@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetfed.aggregator.algorithms.fedavg import AveragingServer
-from hetfed.wire.payloads import HeadWeights, Payload, Received
+from hetfed.wire.payloads import HeadWeights, Payload, PayloadKind, Received
 from hetfed.wire.specs import fedavg_head
 from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 
@@ -13,6 +13,8 @@ from hetfed.wire.specs.fedavg_head import HeadFedAvgConfig
 @fedavg_head.SPEC.server_half
 class HeadFedAvgServer(AveragingServer[HeadFedAvgConfig]):
     """Averages the head Linear(d_e, K), weighted by example counts."""
+
+    summed_kind = PayloadKind.HEAD_WEIGHTS
 
     def arrays(self, update: Received) -> tuple[dict[str, np.ndarray], int] | None:
         """The head's weight and bias and the example count."""

@@ -15,6 +15,7 @@ clients skip its alignment term. v̄⁰ is drawn from the run seed (torch's Line
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fractions import Fraction
 
 import numpy as np
@@ -22,10 +23,11 @@ import numpy as np
 from hetfed.aggregator.algorithms.aggregators import ExactSum
 from hetfed.aggregator.algorithms.base import RunInfo, ServerHalf
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, Received
+from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, Payload, PayloadKind, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs import fedcma
 from hetfed.wire.specs.fedcma import FedCMAConfig
+from hetfed.wire.summation import Summed
 
 # Stream of the run seed that draws v̄⁰ (independent of every other draw made from the seed).
 _HEAD_INIT_STREAM = 0xC3A
@@ -157,6 +159,8 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
             return
         if phase is not Phase.TRAIN:
             return
+        if update.maybe(ClassMeanEmbeddings) is None and update.maybe(HeadWeights) is None:
+            return  # under secure aggregation both arrive summed (``accumulate_sum``)
         i = self._index(organization)
         cme, head = update.get(ClassMeanEmbeddings), update.get(HeadWeights)
         present = np.asarray(cme.presence, dtype=bool)
@@ -167,6 +171,34 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
         self._v_weight_sum.add(np.asarray(head.weight), p)
         self._v_bias_sum.add(np.asarray(head.bias), p)
         self._v_weight += Fraction(p)
+
+    def secure_aggregation_refusal(self) -> str:
+        """Eq. 7 needs only Σ_i p_i^k e_i^k and Σ_i p_i v_i with their weights: a sum."""
+        return ""
+
+    def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
+        """Train: the secure sums Σ_i n_i^k e_i^k, Σ_i n_i^k (each organization's setup counts as its class
+        weights) and Σ_i N_i v_i, Σ_i N_i (N_i = Σ_k n_i^k). p_i^k = n_i^k / N^k and p_i = N_i / N differ from
+        them by a factor the same for every organization, which the renormalised ratios of eq. 7 cancel."""
+        if phase is not Phase.TRAIN:
+            return
+        for org in organizations:
+            self._index(org)
+        k, d = self.config.num_classes, self.config.latent_dim
+        cme, head = sums[PayloadKind.CLASS_MEAN_EMBEDDINGS], sums[PayloadKind.HEAD_WEIGHTS]
+        e_sum, e_weight = cme.values["means"], cme.weight
+        v_weight_sum, v_bias_sum, v_weight = head.values["weight"], head.values["bias"], float(head.weight)
+        if e_sum.shape != (k, d) or e_weight.shape != (k,) or v_weight_sum.shape != (k, d) or v_bias_sum.shape != (k,):
+            raise WireError("shape_mismatch", f"the secure sums are not of K = {k}, d_e = {d}")
+        if (e_weight < 0).any() or not v_weight > 0:
+            raise WireError("implausible_update", "the summed class weights must be >= 0 and the head's > 0")
+        if self._e_weight.count or self._v_weight:
+            raise ValueError("a round takes one secure sum and no single update")
+        self._e_sum.add(e_sum)
+        self._e_weight.add(e_weight)
+        self._v_weight_sum.add(v_weight_sum)
+        self._v_bias_sum.add(v_bias_sum)
+        self._v_weight += Fraction(v_weight)
 
     def close_round(self, phase: Phase, round_: int) -> None:
         """Setup: fix the p weights. Train: eq. 7 over the reporting organizations."""

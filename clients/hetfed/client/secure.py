@@ -1,0 +1,120 @@
+"""An organization's side of one round's secure aggregation: the SecAgg+ client session of ``hetfed.secagg``
+behind hetfed's payloads.
+
+The aggregator's setup (``SecAggSetup``) fixes the encoding: one bounded field per array of the summed form of
+the spec's summed kinds (``hetfed.wire.summation``). ``mask`` turns the round's trained payloads into that form,
+checks every value against its declared bound before anything is masked (strict: a value beyond its bound is
+refused here, ``implausible_update``, and nothing leaves the organization), encodes, and masks.
+
+Distributed differential privacy's seam: ``mask`` takes ``noise``, a function of the encoding that returns
+integers (a vector of the ring's dtype, one per element) to add to the encoded input. Masking is addition mod
+2^b, so the noise is added to the masked vector, which is the same ring element as noising before masking.
+
+Not wired into the client's round loop yet: nothing in the runtime reaches this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
+
+import numpy as np
+
+from hetfed import secagg
+from hetfed.secagg.keys import Entropy, system_entropy
+from hetfed.secagg.ring import reduce
+from hetfed.wire.errors import WireError, from_secagg
+from hetfed.wire.payloads import (
+    Payload,
+    PayloadKind,
+    SecAggKeyAdvert,
+    SecAggMaskedInput,
+    SecAggPeerKeys,
+    SecAggPeerShares,
+    SecAggSetup,
+    SecAggSharedKeys,
+    SecAggUnmask,
+)
+from hetfed.wire.summation import WEIGHT, fields
+
+Noise = Callable[[secagg.Encoding], np.ndarray]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def summed_fields(payloads: Iterable[Payload], kinds: frozenset[PayloadKind], unit: bool) -> dict[str, np.ndarray]:
+    """The weighted form of the payloads of ``kinds`` (one of each), as the encoding's named arrays."""
+    out: dict[str, np.ndarray] = {}
+    seen = set()
+    for p in payloads:
+        if p.kind in kinds:
+            seen.add(p.kind)
+            out.update(fields(p, unit))
+    if seen != kinds:
+        raise WireError("missing_payload", f"secure aggregation sums {sorted(k.value for k in kinds - seen)} too")
+    return out
+
+
+def check_ranges(values: dict[str, np.ndarray], encoding: secagg.Encoding) -> None:
+    """Refuse (``implausible_update``) a value x whose weighted form w·x lies beyond w times its declared bound:
+    the bound of x is its field's bound over its weight field's (``hetfed.aggregator.run.secure.encoding_fields``).
+    The encoding's strict mode then refuses a weight beyond its own bound."""
+    bounds = {f.name: f.bound for f in encoding.fields}
+    for name, wx in values.items():
+        kind, sep, _ = name.partition("/")
+        if not sep:
+            continue
+        weight = np.asarray(values[kind + WEIGHT], np.float64)
+        limit = bounds[name] / bounds[kind + WEIGHT]
+        w = weight.reshape(weight.shape + (1,) * (wx.ndim - weight.ndim))
+        beyond = np.abs(wx) > w * limit * (1 + 1e-12)
+        if beyond.any():
+            raise WireError("implausible_update", f"{name} holds a value beyond its declared bound {limit:g}")
+
+
+class SecureClient:
+    """One organization in one round (module docstring); each stage runs once, in order."""
+
+    def __init__(self, setup: SecAggSetup, organization: str, entropy: Entropy = system_entropy) -> None:
+        self.setup = setup
+        try:
+            self.session = secagg.ClientSession(setup.config, organization, entropy)
+        except secagg.SecAggError as exc:
+            raise from_secagg(exc) from None
+
+    def advertise(self) -> SecAggKeyAdvert:
+        """Stage 1: this round's public keys."""
+        return SecAggKeyAdvert(self._run(self.session.advertise))
+
+    def share(self, peer_keys: SecAggPeerKeys) -> SecAggSharedKeys:
+        """Stage 2: sealed shares for the neighbours that advertised."""
+        return SecAggSharedKeys(self._run(self.session.share_keys, peer_keys.message))
+
+    def mask(self, peer_shares: SecAggPeerShares, payloads: Iterable[Payload], kinds: frozenset[PayloadKind],
+             rng: np.random.Generator, noise: Noise | None = None) -> SecAggMaskedInput:
+        """Stage 3: the summed payloads checked against their bounds (strict), encoded (``rng`` draws the
+        stochastic rounding), noised (``noise``, if given) and masked."""
+        values = summed_fields(payloads, kinds, self.setup.unit_weights)
+        check_ranges(values, self.setup.config.encoding)
+        masked = self._run(self.session.mask, peer_shares.message, values, rng, True)
+        if noise is not None:
+            enc = self.setup.config.encoding
+            extra = np.asarray(noise(enc))
+            if extra.dtype != enc.dtype or extra.shape != (enc.length,):
+                raise ValueError(f"noise must be {enc.length} elements of {np.dtype(enc.dtype)}")
+            masked = secagg.MaskedInput(masked.run_id, masked.round, masked.sender,
+                                        reduce(masked.vector + extra, enc.ring_bits))
+        return SecAggMaskedInput(masked)
+
+    def unmask(self, request: SecAggUnmask) -> SecAggUnmask:
+        """Stage 4: the shares asked for, never both of one peer."""
+        if not isinstance(request.message, secagg.UnmaskRequest):
+            raise WireError("payload_kind_not_allowed", "a client answers an unmask request, not a reply")
+        return SecAggUnmask(self._run(self.session.unmask, request.message))
+
+    @staticmethod
+    def _run(step: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return step(*args, **kwargs)
+        except secagg.SecAggError as exc:
+            raise from_secagg(exc) from None
