@@ -217,6 +217,22 @@ def test_each_part_moves_and_the_discriminator_is_not_reset_between_rounds() -> 
     assert h.optimizer("task") is not h.optimizer("task")  # keep_optimizer_state = false: fresh every round
 
 
+def test_local_steps_runs_exactly_that_many_adversarial_batches() -> None:
+    # One batch an epoch (batch = N): local_steps = 2 with E0 = 0 is the round of E1 = 2 epochs, bit for bit,
+    # whatever local_epochs says; a third step changes it.
+    def after(**fields: Any) -> dict[str, torch.Tensor]:
+        h = half(classifier_epochs=0, **fields)
+        h.train(1, ROUND_SEED, NOTHING)
+        return {f"{part}.{n}": p.detach().clone() for part, m in
+                (("model", h.ctx.model), ("generator", h.generator), ("discriminator", h.discriminator))
+                for n, p in m.named_parameters()}
+
+    two_epochs, two_steps, three_steps = after(local_epochs=2), after(local_epochs=7, local_steps=2), \
+        after(local_epochs=7, local_steps=3)
+    assert all(torch.equal(two_epochs[n], two_steps[n]) for n in two_epochs)
+    assert all(not torch.equal(three_steps[n], two_steps[n]) for n in two_steps)
+
+
 # ------------------------------------------------------------------------------------------------- the wire
 def test_the_upload_is_f_c_and_g_and_never_d() -> None:
     h = half()
@@ -272,7 +288,7 @@ def test_the_defaults_are_the_reference_codes() -> None:
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"local_steps": 5}, "local_steps must be 0"),
+    ({"local_steps": 5}, "local_steps .* needs classifier_epochs = 0"),
     ({"alpha": 1.5}, r"alpha must be in \[0, 1\]"),
     ({"label_smoothing": 1.0}, r"label_smoothing must be in \[0, 1\)"),
     ({"noise_dim": 0}, "noise_dim must be >= 1"),

@@ -62,9 +62,13 @@ class FedADGConfig(FedAvgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.local_steps == 0,
-              f"fedadg counts its two phases in epochs (classifier_epochs, local_epochs); local_steps must be 0, "
-              f"got {self.local_steps}")
+        # local_steps > 0 runs exactly that many adversarial batches a round (in place of local_epochs), so that a
+        # grid can give FedADG the same step budget as its other methods; the E0 phase is counted in epochs only,
+        # so the two cannot be mixed.
+        check(self.local_steps == 0 or self.classifier_epochs == 0,
+              f"fedadg counts its classifier phase in epochs; local_steps (the adversarial batches of a round) needs "
+              f"classifier_epochs = 0, got local_steps = {self.local_steps}, classifier_epochs = "
+              f"{self.classifier_epochs}")
         check(self.classifier_epochs >= 0, f"classifier_epochs must be >= 0, got {self.classifier_epochs}")
         check(self.adversarial_lr > 0, f"adversarial_lr must be > 0, got {self.adversarial_lr}")
         check(0 <= self.alpha <= 1, f"alpha must be in [0, 1], got {self.alpha}")
