@@ -97,6 +97,15 @@ def test_a_model_the_data_does_not_fit_is_refused_before_any_process(dataset: st
     assert str(info.value) == message
 
 
+def test_an_algorithm_that_averages_a_model_of_its_own_takes_several_architectures() -> None:
+    # FML averages its meme model, not the organizations' own: each may bring its own architecture.
+    fml = plan(LocalRunOptions(algorithms=("fml",), models=("lenet", "mlp"), clients=3)).runs[0]
+    assert fml.models == ("lenet", "mlp") and [c.model.name for c in fml.clients] == ["lenet", "mlp", "lenet"]
+    with pytest.raises(ConfigError) as info:
+        plan(LocalRunOptions(algorithms=("fedavg",), models=("lenet", "mlp")))
+    assert str(info.value).startswith("fedavg averages one model") and str(info.value).endswith(", fml")
+
+
 def test_each_setting_is_parsed_once_and_read_back_through_the_same_dataclass(tmp_path: Path) -> None:
     """--set values are parsed by the plan; the aggregator's file carries that typed config, read back equal."""
     from hetfed.aggregator.config import DEFAULT_ROUNDS, load_aggregator_config

@@ -20,7 +20,7 @@ DIGITS = DataConfig(dataset="digits", partition="iid", num_clients=2, client_ind
 
 def test_every_config_has_the_field_with_its_algorithms_default_and_the_loader_checks_it() -> None:
     kept = {name for name, spec in SPECS.items() if spec.config().keep_optimizer_state}
-    assert kept == {"fedcma", "fedcma_paper", "fedh2l", "fedsr", "fedl2r", "fedcmi", "simfed", "fedmd"}
+    assert kept == {"fedcma", "fedcma_paper", "fedh2l", "fedsr", "fedl2r", "fedcmi", "simfed", "fedmd", "fml"}
     with pytest.raises(ConfigError, match=r"^config.keep_optimizer_state: expected true or false, got 'yes'$"):
         get_spec("local").parse({"keep_optimizer_state": "yes"})
 

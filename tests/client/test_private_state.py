@@ -47,6 +47,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
               {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2, "client_index": 0}),
     # φ, the model before the last training: round 2 weighs the trained model against it.
     "fedfomo": ({**SGD}, DIGITS),
+    # The private model's kept SGD and the meme model (the meme's optimiser is rebuilt every round).
+    "fml": ({**SGD, "momentum": 0.9, "meme_model": "mlp"}, DIGITS),
 }
 
 

@@ -17,9 +17,10 @@ from hetfed.client.algorithms import (
     fedprox,
     fedrep,
     fedsr,
+    fml,
     local,
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep", "fedsr",
-           "local", "simfed"]
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep",
+           "fedsr", "fml", "local", "simfed"]

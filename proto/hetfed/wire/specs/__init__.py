@@ -28,6 +28,7 @@ from hetfed.wire.specs import (
     fedprox,
     fedrep,
     fedsr,
+    fml,
     local,
     simfed,
 )
@@ -59,6 +60,7 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedproto.SPEC,
     fedmd.SPEC,
     fedfomo.SPEC,
+    fml.SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

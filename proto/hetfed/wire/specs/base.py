@@ -152,6 +152,10 @@ class AlgorithmSpec(Generic[C]):
     repeated_download: frozenset[PayloadKind] = frozenset()
     # True when no encoder weights may ever leave an organization.
     model_private: bool = False
+    # True when organizations may bring different architectures although weights cross the wire: the model the
+    # server averages is one of the algorithm's own, of one architecture for the run, kept beside each
+    # organization's model (FML's meme model). A model-private algorithm allows them anyway.
+    own_architectures: bool = False
     # True when encoders must end in a sigmoid so z lies in [0, 1]^d_e, unless the config's own
     # ``bounded_latent`` field says otherwise (``latent_bounded`` reads both).
     bounded_latent: bool = False
@@ -198,6 +202,12 @@ class AlgorithmSpec(Generic[C]):
         if phase is Phase.EVALUATE:
             return _METRICS, _METRICS
         return frozenset(), frozenset()
+
+    @property
+    def mixed_architectures(self) -> bool:
+        """Whether the organizations of a run may bring different architectures (``model``): none of them sends
+        its model's weights (``model_private``), or what is averaged is a model of the algorithm's own."""
+        return self.model_private or self.own_architectures
 
     def latent_bounded(self, config: TrainConfig | None = None) -> bool:
         """Whether this run's encoders end in a sigmoid: the config's ``bounded_latent`` field where the

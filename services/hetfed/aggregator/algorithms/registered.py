@@ -11,8 +11,12 @@ from hetfed.aggregator.algorithms import (
     fedh2l,
     fedmd,
     fedproto,
+    fedh2l,
+    fedmd,
+    fedproto,
+    fml,
     local,
     simfed,
 )
 
-__all__ = ["fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "local", "simfed"]
+__all__ = ["fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fml", "local", "simfed"]

@@ -17,6 +17,7 @@ from hetfed.cli.experiments import (
     fedproto,
     fedrep,
     fedsr,
+    fml,
     simfed,
 )
 from hetfed.cli.experiments.base import Experiment
@@ -29,7 +30,7 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo)
+                                                       fedproto, fedmd, fedfomo, fml)
 }
 
 

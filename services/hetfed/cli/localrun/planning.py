@@ -253,8 +253,8 @@ def _models_of(opts: LocalRunOptions, spec: AlgorithmSpec, defaults: LocalDefaul
     if unknown:
         raise ConfigError(f"unknown model {unknown[0]!r}; available: {', '.join(MODELS)}, or an own builder "
                           "'package.module:function'")
-    if not spec.model_private and len(set(models)) > 1:
-        private = ", ".join(s.name for s in SPECS.values() if s.model_private)
+    if not spec.mixed_architectures and len(set(models)) > 1:
+        private = ", ".join(s.name for s in SPECS.values() if s.mixed_architectures)
         raise ConfigError(f"{spec.name} averages one model, so its organizations need one architecture, got "
                           f"{', '.join(dict.fromkeys(models))}; organizations with different architectures "
                           f"federate with {private}")
