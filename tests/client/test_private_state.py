@@ -40,6 +40,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedcma": ({**SGD, "latent_dim": 64, "num_classes": 10, "momentum": 0.0}, DIGITS),
     "simfed": ({**SGD, "mask_init": "sparse"}, DIGITS),
     "fedproto": ({**SGD, "latent_dim": 64, "num_classes": 10}, DIGITS),
+    "fedgen": ({**SGD, "latent_dim": 64, "num_classes": 10, "hidden_dim": 16}, DIGITS),
+    "fedgen_head": ({**SGD, "latent_dim": 64, "num_classes": 10, "hidden_dim": 16}, DIGITS),
     "fedh2l": ({"batch_size": 16, "lr": 0.05}, {"dataset": "mnist5k", "partition": "rotated", "num_clients": 2,
                                                   "client_index": 0}),
     # Two kept Adam optimisers, the digest's and the revisit's.

@@ -360,8 +360,8 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--latent-dim", type=_positive(int, "--latent-dim"), default=None,
                    help="latent width d_e (default: the algorithm's or the architecture's)")
     r.add_argument("--test-split", type=_choice("test split", list(TEST_SPLITS)), default=DataConfig.test_split,
-                   help="own test sets of label-skewed partitions: proportional to the train labels, or FedGen's "
-                   "equal share per label held (default %(default)s)")
+                   help="own test sets of label-skewed partitions: proportional to the train labels, or an "
+                   "equal share per label held, as one paper's code splits them (default %(default)s)")
     r.add_argument("--set", action="append", metavar="[ALGO.]FIELD=VALUE",
                    help="override an algorithm config field (VALUE is JSON); repeatable. privacy.FIELD=VALUE sets "
                    "a field of every organization's [privacy] table instead, for example privacy.epsilon_budget=3 "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -102,7 +102,7 @@ class ModelAveragingClient(ClientHalf[C], Generic[C]):
     """Load the global model, evaluate it, train it on the local objective, upload it."""
 
     # Under DP the model trains with DP-SGD; the weights it uploads are post-processing.
-    privacy_mechanism = "dp-sgd"
+    privacy_mechanism: ClassVar[str | None] = "dp-sgd"
 
     def optimized(self) -> dict[str, list[torch.nn.Parameter]]:
         """One optimiser over ``parameters()``."""

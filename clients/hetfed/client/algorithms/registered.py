@@ -11,6 +11,7 @@ from hetfed.client.algorithms import (
     fedavg_head,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -22,5 +23,5 @@ from hetfed.client.algorithms import (
     simfed,
 )
 
-__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fedprox", "fedrep",
-           "fedsr", "fml", "local", "simfed"]
+__all__ = ["ditto", "fedavg", "fedavg_body", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l", "fedmd", "fedproto", "fedprox",
+           "fedrep", "fedsr", "fml", "local", "simfed"]

@@ -22,6 +22,7 @@ from hetfed.wire.specs import (
     fedavg_head,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -61,6 +62,8 @@ REGISTERED: tuple[AlgorithmSpec, ...] = (
     fedmd.SPEC,
     fedfomo.SPEC,
     fml.SPEC,
+    fedgen.SPEC,
+    fedgen.HEAD_SPEC,
 )
 # Further specs from outside hetfed, as "module:NAME", comma-separated.
 ENVIRONMENT = "HETFED_ALGORITHMS"

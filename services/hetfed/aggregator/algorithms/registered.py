@@ -8,9 +8,7 @@ from hetfed.aggregator.algorithms import (
     fedavg_head,
     fedcma,
     fedfomo,
-    fedh2l,
-    fedmd,
-    fedproto,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -19,4 +17,5 @@ from hetfed.aggregator.algorithms import (
     simfed,
 )
 
-__all__ = ["fedavg", "fedavg_head", "fedcma", "fedfomo", "fedh2l", "fedmd", "fedproto", "fml", "local", "simfed"]
+__all__ = ["fedavg", "fedavg_head", "fedcma", "fedfomo", "fedgen", "fedh2l", "fedmd", "fedproto", "fml", "local",
+           "simfed"]

@@ -12,6 +12,7 @@ from hetfed.cli.experiments import (
     fedavg_body,
     fedcma,
     fedfomo,
+    fedgen,
     fedh2l,
     fedmd,
     fedproto,
@@ -30,8 +31,9 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo, fml)
+                                                       fedproto, fedmd, fedfomo, fml, fedgen)
 }
+EXPERIMENTS[fedgen.HEAD_SPEC.name] = fedgen.HEAD_EXPERIMENT
 
 
 def experiment(spec: AlgorithmSpec) -> Experiment:
