@@ -13,6 +13,7 @@ from hetfed.cli.experiments import (
     fedcma,
     fedfomo,
     fedgen,
+    fedgen_head,
     fedh2l,
     fedmd,
     fedproto,
@@ -31,9 +32,8 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("fedavg", "local")
 # imports its spec; FedAvg comes first, as the reference that reports compare bytes with.
 EXPERIMENTS: dict[str, Experiment] = {
     module.SPEC.name: module.EXPERIMENT for module in (fedavg, fedcma, fedh2l, fedsr, simfed, ditto, fedavg_body, fedrep,
-                                                       fedproto, fedmd, fedfomo, fml, fedgen)
+                                                       fedproto, fedmd, fedfomo, fml, fedgen, fedgen_head)
 }
-EXPERIMENTS[fedgen.HEAD_SPEC.name] = fedgen.HEAD_EXPERIMENT
 
 
 def experiment(spec: AlgorithmSpec) -> Experiment:

@@ -7,27 +7,15 @@ code's MNIST settings).
 from __future__ import annotations
 
 from hetfed.cli.experiments.base import ANY_DATASET, Experiment, LocalDefaults
-from hetfed.wire.specs.fedgen import HEAD_SPEC, SPEC
+from hetfed.wire.specs.fedgen import SPEC
 
-__all__ = ["EXPERIMENT", "HEAD_EXPERIMENT", "HEAD_SPEC", "SPEC"]
+__all__ = ["EXPERIMENT", "SPEC"]
 
 EXPERIMENT = Experiment(
     defaults={
         # FedGen averages the encoder, so every organization runs one architecture: the reference code's MNIST
         # CNN, whose latent (the generator's output) has 32 values (utils/model_config.py:9, 20).
         ANY_DATASET: LocalDefaults(models=("fedgen_cnn",), latent_dim=32),
-        "synthetic": LocalDefaults(models=("mlp",)),
-        "gauss4": LocalDefaults(models=("mlp",), latent_dim=2),
-    },
-    docs="algorithms/fedgen.md",
-)
-
-HEAD_EXPERIMENT = Experiment(
-    defaults={
-        # Sharing the head alone, organizations may differ: they alternate the reference code's CNN and an MLP,
-        # both ending in the generator's 32-wide latent (hetfed's own choice; Fed-CMA's Table 2 gives every
-        # client FedGen's CNN, which --models fedgen_cnn sets).
-        ANY_DATASET: LocalDefaults(models=("fedgen_cnn", "mlp"), latent_dim=32),
         "synthetic": LocalDefaults(models=("mlp",)),
         "gauss4": LocalDefaults(models=("mlp",), latent_dim=2),
     },
