@@ -7,8 +7,8 @@ p_private), the meme model on β·CE + (1 − β)·KL(p_private ‖ p_meme), eac
 The server averages the meme models exactly as FedAvg averages its model, so the wire contract is FedAvg's:
 the meme model's ModelWeights and the metrics go up, the averaged meme model comes down.
 
-Defaults: the paper's where this session could read it and the authors' code's (github:ZJU-DAI/
-Federated-Mutual-Learning) elsewhere, labelled in docs/algorithms/fml.md.
+Defaults: the authors' code's (github:ZJU-DAI/Federated-Mutual-Learning) and hetfed's own, each labelled with
+its source in docs/algorithms/fml.md.
 """
 
 from __future__ import annotations
