@@ -14,6 +14,7 @@ import argparse
 import inspect
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +123,24 @@ def render() -> str:
             ", ".join(_link(g, g.name) for g in grids[spec.family]),
             _link(page, page.name) if page.exists() else "",
         ]) + " |")
+    owned = {g for paths in grids.values() for g in paths}
+    comparisons = [g for g in sorted(EXPERIMENTS.glob("*.bench.toml")) if g not in owned]
+    if comparisons:
+        lines += [
+            "",
+            "## Comparisons across algorithms",
+            "",
+            "Grids named after no algorithm: each runs several algorithms on one setting (`hetfed bench NAME`).",
+            "",
+            "| grid | compares | results |",
+            "|---|---|---|",
+        ]
+        for grid in comparisons:
+            declared = tomllib.loads(grid.read_text())
+            algorithms = sorted({m["algorithm"] for m in declared.get("methods", [])})
+            results = REPO / declared["results"]
+            lines.append(f"| {_link(grid, grid.name)} | {', '.join(f'`{a}`' for a in algorithms)} | "
+                         f"{_link(results, results.name)} |")
     return "\n".join(lines) + "\n"
 
 
