@@ -237,6 +237,30 @@ class PushUpdateResponse(_message.Message):
     round: int
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
+class SecureStageRequest(_message.Message):
+    __slots__ = ("run_id", "round", "organization_id", "payload", "wait_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    organization_id: str
+    payload: _payloads_pb2.Payload
+    wait_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., payload: _Optional[_Union[_payloads_pb2.Payload, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class SecureStageResponse(_message.Message):
+    __slots__ = ("payload", "stage", "abandoned")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    payload: _payloads_pb2.Payload
+    stage: str
+    abandoned: str
+    def __init__(self, payload: _Optional[_Union[_payloads_pb2.Payload, _Mapping]] = ..., stage: _Optional[str] = ..., abandoned: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -36,6 +36,7 @@ from hetfed.aggregator.run.intake import Intake
 from hetfed.aggregator.run.notifier import ChangeNotifier
 from hetfed.aggregator.run.open_round import OpenRound
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.secure_stages import SecureStages
 from hetfed.aggregator.run.state import (
     Close,
     Duplicate,
@@ -68,9 +69,10 @@ from hetfed.wire.messages import (
     PushReply,
     RunStatus,
 )
-from hetfed.wire.payloads import EvalMetrics, Received
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
+from hetfed.wire.rpc import SecureStageReply
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -123,6 +125,8 @@ class Run:
                              lambda: self.state)
         self.state = RunState.start(self.rules)
         dtype = self.train_config.wire_dtype
+        # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
+        self.secure = SecureStages(self.spec, self.rules, cfg.seed)
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
         self.notifier = ChangeNotifier()
         self.history: list[RoundRecord] = []
@@ -217,6 +221,17 @@ class Run:
     def wait_reply(self) -> Pulled:
         """The WAIT instructions of the open round (lock-free: the event loop answers an expired long-poll)."""
         return self.instructions.wait(self.round)
+
+    def secure_stage(self, organization: str, round_: int, payload: Payload | None) -> SecureStageReply:
+        """Take ``organization``'s stage message of secure aggregation for the open round (None: none) and say
+        what it gets now (``hetfed.aggregator.run.secure_stages``); a close wakes the waiting callers."""
+        with self._lock:
+            check_member(self.state, self.rules, organization)
+            check_round(self.state, self.rules, round_)
+            sr = self.secure.current(self.state, lambda: self.aggregation.current(self.state))
+            if payload is not None and self.secure.take(sr, organization, payload):
+                self.notifier.notify()
+            return self.secure.reply(sr, organization)
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
                        in_round: bool = True) -> None:

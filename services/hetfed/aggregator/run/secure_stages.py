@@ -1,0 +1,102 @@
+"""A run's secure aggregation between the round's training and its close: stages 1, 2 and 4 of the open round
+(the SecureStage RPC), each bound to the caller's identity.
+
+``SecureStages`` keeps the open round's coordinator (``hetfed.aggregator.run.secure.SecureRound``), built on the
+first stage call of a training round: its roster is every member of the run that is not given up (one that has
+not joined yet, or does not advertise, is a dropout before masking: nobody masks with it), its shapes are the
+spec's summed kinds as the run's tensor schema declares them. A stage closes as soon as every organization the
+previous stage's close addressed (every roster member, for the first) has sent its message; the close's
+messages then wait for their organizations. A message sent again, byte for byte, is a retry and changes
+nothing; a different one for a stage already answered is refused (``replayed``).
+
+Algorithm-agnostic: the spec says which kinds are summed, the server half whether and how it takes their sum.
+
+Not done yet (docs/security.md): nothing makes a run secure (no config field; tests set ``params``); the
+setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); the mask stage (its input on
+PushUpdate), a stage's deadline, ``finish`` into the round's close and the Status record of an abandoned round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.aggregator.run.secure import SecureParams, SecureRound
+from hetfed.aggregator.run.state import Rules, RunState
+from hetfed.wire import codec
+from hetfed.wire.contract import Schema
+from hetfed.wire.errors import WireError
+from hetfed.wire.payloads import Payload, PayloadKind
+from hetfed.wire.phases import Phase
+from hetfed.wire.rpc import SecureStageReply
+from hetfed.wire.specs import AlgorithmSpec
+from hetfed.wire.summation import WEIGHT
+
+
+def schema_shapes(schema: Schema, kinds: frozenset[PayloadKind]) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the summed form (``hetfed.wire.summation.shapes``) of ``kinds`` as ``schema``
+    declares them: each declared tensor, and the kind's weight (one per class for class mean embeddings)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for kind in sorted(kinds, key=lambda k: k.value):
+        declared = schema.get(kind)
+        if not declared:
+            raise WireError("missing_payload", f"secure aggregation sums {kind.value}, which no organization declared")
+        for name, decl in declared.items():
+            out[f"{kind.value}/{name}"] = tuple(decl.shape)
+        means = declared.get("means")
+        per_class = kind is PayloadKind.CLASS_MEAN_EMBEDDINGS and means is not None
+        out[kind.value + WEIGHT] = (means.shape[0],) if per_class and means is not None else ()
+    return out
+
+
+def _bytes(payload: Payload) -> bytes:
+    return codec.payload_to_proto(payload).SerializeToString()
+
+
+class SecureStages:
+    """The open round's stages 1, 2 and 4 (module docstring); call under the run's lock."""
+
+    def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, params: SecureParams | None = None) -> None:
+        self.spec, self.rules, self.run_seed = spec, rules, run_seed
+        self.params = params  # None: the run does not aggregate securely
+        self.round: SecureRound | None = None
+        self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
+
+    def current(self, state: RunState, half: Callable[[], ServerHalf]) -> SecureRound:
+        """The open round's coordinator, built on first use (WireError when the run or the phase has none)."""
+        if self.params is None:
+            raise WireError("payload_kind_not_allowed", f"run {self.rules.run_id!r} does not aggregate securely")
+        if state.phase is not Phase.TRAIN:
+            raise WireError("unexpected_stage", f"no secure aggregation in the {state.phase.value} phase")
+        if self.round is None or self.round.config.round != state.round:
+            roster = tuple(o for o in self.rules.organizations if not state.given_up(o, self.rules))
+            self.round = SecureRound(self.spec, half(), self.rules.run_id, state.round, roster, self.run_seed,
+                                     schema_shapes(state.schema, self.spec.summed_upload), self.params)
+            self._sent = {}
+        return self.round
+
+    def take(self, sr: SecureRound, organization: str, payload: Payload) -> bool:
+        """Receive one stage message from ``organization`` (the caller); True when it closed the stage."""
+        raw = _bytes(payload)
+        if raw in (b for (_, o), b in self._sent.items() if o == organization):
+            return False  # a retry of a message already taken
+        if (sr.stage, organization) in self._sent:
+            raise WireError("replayed", f"organization {organization!r} already sent another message for the "
+                                        f"{sr.stage} stage of round {sr.config.round}")
+        stage = sr.stage
+        sr.receive(organization, payload)
+        self._sent[(stage, organization)] = raw
+        expected = set(sr.config.roster) if stage == "advertise" else set(sr.outbox)
+        if stage in ("advertise", "share_keys") and expected <= {o for s, o in self._sent if s == stage}:
+            sr.close_stage()
+            return True
+        return False
+
+    def reply(self, sr: SecureRound, organization: str) -> SecureStageReply:
+        """What the organization gets now: the round's setup while it has not advertised, then the last close's
+        message for it until it answers that (None: nothing for it now)."""
+        answered = (sr.stage, organization) in self._sent
+        payload: Payload | None = None
+        if not answered:
+            payload = sr.setup() if sr.stage == "advertise" else sr.outbox.get(organization)
+        return SecureStageReply(payload, sr.stage, sr.abandoned)
