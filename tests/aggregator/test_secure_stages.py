@@ -1,8 +1,8 @@
-"""Secure aggregation's stages 1, 2 and 4 over the SecureStage RPC of a real aggregator (gRPC, in process): the
-setup, keys and shares reach each organization, a stage closes when everyone it addressed answered, messages
-are bound to the caller, retries change nothing, and the traffic is counted per payload kind.
-
-Stage 3 (the masked input) is fed to the run's coordinator directly: its PushUpdate path is not built yet."""
+"""A FedAvg round under secure aggregation through a real aggregator (gRPC, in process), its clients driven by
+hand with ``SecureClient``: stages 1, 2 and 4 over the SecureStage RPC, stage 3 on PushUpdate. The setup, keys
+and shares reach each organization, a stage closes when everyone it addressed answered, messages are bound to
+the caller, retries change nothing, the round waits for the unmasking and closes with FedAvg's weighted mean
+within the quantization, and the traffic is counted per payload kind."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hetfed.aggregator.run.secure import SecureParams
 from hetfed.client.secure import SecureClient
 from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import (
+    EvalMetrics,
     ModelWeights,
     Payload,
     PayloadKind,
@@ -107,29 +108,32 @@ def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggre
             clients["a"].secure_stage(1, SecureClient(setup, "a", secagg.SeededEntropy("x")).advertise(), 0)
         assert err.value.reason == "unexpected_stage"
 
-        # Stage 3, fed directly (its PushUpdate path is not built yet).
+        # Stage 3: the masked input rides on PushUpdate in place of the weights; the half never sees it.
         uploads: dict[str, Sequence[Payload]] = {o: [ModelWeights({"w": w[o]}, EXAMPLES[o])] for o in ORGS}
-        with run._lock:
-            sr = run.secure.round
-            assert sr is not None
-            for i, o in enumerate(ORGS):
-                sr.receive(o, secure[o].mask(shares[o], uploads[o], fedavg.SPEC.summed_upload,
-                                             np.random.default_rng([3, i])))
-            sr.close_stage()
+        masked = {o: secure[o].mask(shares[o], uploads[o], fedavg.SPEC.summed_upload, np.random.default_rng([3, i]))
+                  for i, o in enumerate(ORGS)}
+        with pytest.raises(RemoteError) as err:  # the plain weights are refused in a secure round
+            clients["a"].push(1, [*uploads["a"], EvalMetrics(0.5, EXAMPLES["a"], 0.5)])
+        assert err.value.reason == "payload_kind_not_allowed"
+        for o in ORGS:
+            assert clients[o].push(1, [masked[o], EvalMetrics(0.5, EXAMPLES[o], 0.5)]).accepted
+        sr = run.secure.round
+        assert sr is not None and sr.stage == "unmask" and run.round == 1  # due, but not closed: unmasking
 
-        # Stage 4: the unmask request comes over the RPC, the reply goes back over it.
+        # Stage 4: the unmask request comes over the RPC, the reply goes back over it; the last one closes.
         requests = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggUnmask)
         for o, c in clients.items():
             done = c.secure_stage(1, secure[o].unmask(requests[o]), 0)
-            assert done.payload is None and done.stage == "unmask"
-        with run._lock:
-            result = sr.finish()
-        assert result is not None and result.survivors == ORGS
-        plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in ORGS)
+            assert done.payload is None
+        assert sr.stage == "done" and sr.result is not None and sr.result.survivors == ORGS
+        assert run.round == 2 and len(run.history) == 1  # the round closed with the unmasked sum
+
+        # The new model is FedAvg's weighted mean, within the encoding's quantization.
         enc = setup.config.encoding
         step = max(f.bound for f in enc.fields) / enc.level
-        assert result.values["model_weights#weight"] == pytest.approx(60.0, abs=len(ORGS) * step)
-        assert np.abs(result.values["model_weights/w"] - plain).max() <= len(ORGS) * step
+        plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in ORGS) / 60.0
+        model = run.aggregation.half.state()["w"]
+        assert np.abs(model - plain).max() <= len(ORGS) * step / 60.0 + 1e-6
 
         # Counted per payload kind, both ways, on the aggregator's side.
         for o in ORGS:

@@ -399,14 +399,15 @@ class ParsedUpdate:
             self.privacy.check()
 
     def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
-              run_id: str, round_: int, organization: str, scan: bool = True) -> Received:
+              run_id: str, round_: int, organization: str, scan: bool = True, secure: bool = False) -> Received:
         """The envelope against the stream's addressing, the privacy declaration against its domain
-        (``invalid_privacy``), the payloads against the contract; decoded (``scan``: see
+        (``invalid_privacy``), the payloads against the contract; decoded (``scan``, ``secure``: see
         ``contract.check_update``)."""
         self.check_envelope(run_id, round_, organization)
         msg = self._msg
         assert msg is not None
-        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted, scan)
+        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted, scan,
+                                           secure)
         self._msg, self._lifted = None, []  # the decoded arrays view the received bytes themselves
         return received
 

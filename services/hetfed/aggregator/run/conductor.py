@@ -121,12 +121,12 @@ class Run:
         self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
-        self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
-                             lambda: self.state)
-        self.state = RunState.start(self.rules)
-        dtype = self.train_config.wire_dtype
         # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
         self.secure = SecureStages(self.spec, self.rules, cfg.seed)
+        self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
+                             lambda: self.state, lambda: self.secure.active(self.state))
+        self.state = RunState.start(self.rules)
+        dtype = self.train_config.wire_dtype
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
         self.notifier = ChangeNotifier()
         self.history: list[RoundRecord] = []
@@ -231,6 +231,7 @@ class Run:
             sr = self.secure.current(self.state, lambda: self.aggregation.current(self.state))
             if payload is not None and self.secure.take(sr, organization, payload):
                 self.notifier.notify()
+            self._try_close_locked()  # the last unmask reply ends the round
             return self.secure.reply(sr, organization)
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
@@ -285,7 +286,11 @@ class Run:
                 self.state = step.state
             elif isinstance(effect, Fold):
                 assert received is not None
-                self.aggregation.fold(self.state, effect.organization, received)
+                if self.secure.active(self.state):  # the masked input goes to the round's coordinator
+                    self.secure.fold(self.state, effect.organization, received,
+                                     lambda: self.aggregation.current(self.state))
+                else:
+                    self.aggregation.fold(self.state, effect.organization, received)
                 self.ledger.pushed(effect.organization, self.round, privacy)
                 m = received.maybe(EvalMetrics)
                 if m is not None:
@@ -327,7 +332,9 @@ class Run:
     def _try_close_locked(self) -> None:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
         try:
-            if due(self.state, self.rules, self.open_round.overdue(self.cfg.round_deadline_seconds)):
+            overdue = self.open_round.overdue(self.cfg.round_deadline_seconds)
+            if due(self.state, self.rules, overdue) and self.secure.ready(
+                    self.state, overdue, lambda: self.aggregation.current(self.state), self.notifier.notify):
                 self._apply_locked(close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:

@@ -15,8 +15,8 @@ and the half is not touched (``abandoned`` says why).
 Resumption: ``events`` lists every accepted stage message and every close; ``replay`` feeds them to a fresh round
 of the same setup, which ends at the same stage with the same outbox. Nothing writes them to the journal yet.
 
-Reached from the SecureStage RPC (stages 1, 2 and 4: ``hetfed.aggregator.run.secure_stages``); not yet from the
-round's close, the push path (stage 3) or the CLI.
+Driven by ``hetfed.aggregator.run.secure_stages`` (the SecureStage RPC, the push path and the round's close);
+no run option turns it on yet.
 """
 
 from __future__ import annotations

@@ -11,9 +11,15 @@ nothing; a different one for a stage already answered is refused (``replayed``).
 
 Algorithm-agnostic: the spec says which kinds are summed, the server half whether and how it takes their sum.
 
+Stage 3 rides on PushUpdate: a secure run's training update carries its masked input instead of the summed
+kinds (``AlgorithmSpec.uploads``), and ``fold`` hands it to the coordinator. When the round is due (``ready``)
+the mask stage closes and the unmask requests go out; the last survivor's answer (or the deadline) unmasks the
+sum into the server half (``finish``), and the round closes as any other.
+
 Not done yet (docs/security.md): nothing makes a run secure (no config field; tests set ``params``); the
-setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); the mask stage (its input on
-PushUpdate), a stage's deadline, ``finish`` into the round's close and the Status record of an abandoned round.
+setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); a
+deadline for stages 1 and 2; the Status record and metric of an abandoned round; a restart mid-round (the
+log's masked inputs are not replayed into a coordinator).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from hetfed.aggregator.run.state import Rules, RunState
 from hetfed.wire import codec
 from hetfed.wire.contract import Schema
 from hetfed.wire.errors import WireError
-from hetfed.wire.payloads import Payload, PayloadKind
+from hetfed.wire.payloads import Payload, PayloadKind, Received, SecAggMaskedInput
 from hetfed.wire.phases import Phase
 from hetfed.wire.rpc import SecureStageReply
 from hetfed.wire.specs import AlgorithmSpec
@@ -75,6 +81,38 @@ class SecureStages:
             self._sent = {}
         return self.round
 
+    def active(self, state: RunState) -> bool:
+        """Whether the open round aggregates securely (a training round of a secure run)."""
+        return self.params is not None and state.phase is Phase.TRAIN
+
+    def fold(self, state: RunState, organization: str, received: Received, half: Callable[[], ServerHalf]) -> None:
+        """Stage 3: an accepted update's masked input goes to the round's coordinator (the half never sees it)."""
+        self.current(state, half).receive(organization, received.get(SecAggMaskedInput))
+
+    def ready(self, state: RunState, overdue: bool, half: Callable[[], ServerHalf],
+              notify: Callable[[], None]) -> bool:
+        """A round that is due (everyone expected pushed, or its deadline passed with the quorum): whether it
+        closes now. Not secure: yes. At the mask stage, the stage closes (its unmask requests go out, ``notify``
+        wakes the callers waiting for them) and the round waits. At the unmask stage, once every survivor
+        answered, or the round is overdue, the sum is unmasked into the half (``finish``, with the half as the
+        run holds it now) and the round closes; an abandoned round closes with the half untouched."""
+        if not self.active(state):
+            return True
+        sr = self.current(state, half)
+        if sr.stage == "mask":
+            sr.close_stage()
+            notify()
+            return bool(sr.abandoned)
+        if sr.stage == "unmask":
+            answered = {o for s, o in self._sent if s == "unmask"}
+            if not (overdue or set(sr.outbox) <= answered):
+                return False
+            sr.half = half()
+            sr.finish()
+            notify()
+            return True
+        return sr.stage in ("done", "abandoned")
+
     def take(self, sr: SecureRound, organization: str, payload: Payload) -> bool:
         """Receive one stage message from ``organization`` (the caller); True when it closed the stage."""
         raw = _bytes(payload)
@@ -97,6 +135,6 @@ class SecureStages:
         message for it until it answers that (None: nothing for it now)."""
         answered = (sr.stage, organization) in self._sent
         payload: Payload | None = None
-        if not answered:
+        if not answered and sr.stage not in ("done", "abandoned"):
             payload = sr.setup() if sr.stage == "advertise" else sr.outbox.get(organization)
         return SecureStageReply(payload, sr.stage, sr.abandoned)
