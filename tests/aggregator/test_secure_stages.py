@@ -112,6 +112,9 @@ def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggre
         uploads: dict[str, Sequence[Payload]] = {o: [ModelWeights({"w": w[o]}, EXAMPLES[o])] for o in ORGS}
         masked = {o: secure[o].mask(shares[o], uploads[o], fedavg.SPEC.summed_upload, np.random.default_rng([3, i]))
                   for i, o in enumerate(ORGS)}
+        with pytest.raises(RemoteError) as err:  # stage 3 does not ride on SecureStage
+            clients["a"].secure_stage(1, masked["a"], 0)
+        assert err.value.reason == "payload_kind_not_allowed"
         with pytest.raises(RemoteError) as err:  # the plain weights are refused in a secure round
             clients["a"].push(1, [*uploads["a"], EvalMetrics(0.5, EXAMPLES["a"], 0.5)])
         assert err.value.reason == "payload_kind_not_allowed"
@@ -155,3 +158,48 @@ def test_a_run_that_is_not_secure_refuses_stage_messages(aggregator: Callable[..
         with pytest.raises(RemoteError) as err:
             client.secure_stage(1, None, 0)
         assert err.value.reason == "payload_kind_not_allowed"
+
+
+def test_a_client_that_drops_after_masking_is_recovered(aggregator: Callable[..., Any]) -> None:
+    orgs = ("a", "b", "c", "d")  # complete graph: k = 3, t = 2; d shares its keys, then never pushes
+    examples = {"a": 10, "b": 20, "c": 30, "d": 40}
+    agg = aggregator(run_config(organizations=list(orgs), rounds=1, min_clients=3, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(8)
+    w = {o: rng.normal(0, 0.5, (2, 3)).astype(np.float32) for o in orgs}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
+    try:
+        for o, c in clients.items():
+            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+        assert setup.config.threshold == 2
+        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
+        adverts = {o: secure[o].advertise() for o in orgs}
+        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
+                        SecAggPeerKeys)
+        shared = {o: secure[o].share(keys[o]) for o in orgs}
+        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
+                          SecAggPeerShares)
+        survivors = orgs[:3]
+        for i, o in enumerate(survivors):
+            masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, examples[o])], fedavg.SPEC.summed_upload,
+                                    np.random.default_rng([4, i]))
+            assert clients[o].push(1, [masked, EvalMetrics(0.5, examples[o], 0.5)]).accepted
+        # At the deadline (3 of 4 pushed: the quorum) the mask stage closes; the requests name d as dropped.
+        requests = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, None, 30)) for o in survivors}),
+                            SecAggUnmask)
+        assert all(r.message.dropped == ("d",) for r in requests.values())
+        for o in survivors:
+            clients[o].secure_stage(1, secure[o].unmask(requests[o]), 0)
+        sr = run.secure.round
+        assert sr is not None and sr.result is not None and sr.result.survivors == survivors
+        assert run.round == 2
+        enc = setup.config.encoding
+        step = max(f.bound for f in enc.fields) / enc.level
+        total = sum(examples[o] for o in survivors)
+        plain = sum(np.float64(examples[o]) * w[o].astype(np.float64) for o in survivors) / total
+        assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= len(survivors) * step / total + 1e-6
+    finally:
+        for c in clients.values():
+            c.close()

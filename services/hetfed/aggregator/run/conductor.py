@@ -122,7 +122,7 @@ class Run:
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
         # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
-        self.secure = SecureStages(self.spec, self.rules, cfg.seed)
+        self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
                              lambda: self.state, lambda: self.secure.active(self.state))
         self.state = RunState.start(self.rules)
@@ -334,7 +334,7 @@ class Run:
         try:
             overdue = self.open_round.overdue(self.cfg.round_deadline_seconds)
             if due(self.state, self.rules, overdue) and self.secure.ready(
-                    self.state, overdue, lambda: self.aggregation.current(self.state), self.notifier.notify):
+                    self.state, lambda: self.aggregation.current(self.state), self.notifier.notify):
                 self._apply_locked(close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:

@@ -24,6 +24,7 @@ log's masked inputs are not replayed into a coordinator).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hetfed.aggregator.algorithms.base import ServerHalf
@@ -62,8 +63,10 @@ def _bytes(payload: Payload) -> bytes:
 class SecureStages:
     """The open round's stages 1, 2 and 4 (module docstring); call under the run's lock."""
 
-    def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, params: SecureParams | None = None) -> None:
-        self.spec, self.rules, self.run_seed = spec, rules, run_seed
+    def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, deadline_seconds: float,
+                 params: SecureParams | None = None) -> None:
+        self.spec, self.rules, self.run_seed, self.deadline_seconds = spec, rules, run_seed, deadline_seconds
+        self._unmasking_since = 0.0  # when the mask stage closed (time.monotonic)
         self.params = params  # None: the run does not aggregate securely
         self.round: SecureRound | None = None
         self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
@@ -87,25 +90,28 @@ class SecureStages:
 
     def fold(self, state: RunState, organization: str, received: Received, half: Callable[[], ServerHalf]) -> None:
         """Stage 3: an accepted update's masked input goes to the round's coordinator (the half never sees it)."""
-        self.current(state, half).receive(organization, received.get(SecAggMaskedInput))
+        masked = received.get(SecAggMaskedInput)
+        self.current(state, half).receive(organization, masked)
+        self._sent[("mask", organization)] = _bytes(masked)  # answered: it waits for its unmask request
 
-    def ready(self, state: RunState, overdue: bool, half: Callable[[], ServerHalf],
-              notify: Callable[[], None]) -> bool:
+    def ready(self, state: RunState, half: Callable[[], ServerHalf], notify: Callable[[], None]) -> bool:
         """A round that is due (everyone expected pushed, or its deadline passed with the quorum): whether it
         closes now. Not secure: yes. At the mask stage, the stage closes (its unmask requests go out, ``notify``
         wakes the callers waiting for them) and the round waits. At the unmask stage, once every survivor
-        answered, or the round is overdue, the sum is unmasked into the half (``finish``, with the half as the
+        answered, or one more round deadline has passed since the mask stage closed, the sum is unmasked into the half (``finish``, with the half as the
         run holds it now) and the round closes; an abandoned round closes with the half untouched."""
         if not self.active(state):
             return True
         sr = self.current(state, half)
         if sr.stage == "mask":
             sr.close_stage()
+            self._unmasking_since = time.monotonic()
             notify()
             return bool(sr.abandoned)
         if sr.stage == "unmask":
             answered = {o for s, o in self._sent if s == "unmask"}
-            if not (overdue or set(sr.outbox) <= answered):
+            late = time.monotonic() - self._unmasking_since >= self.deadline_seconds
+            if not (late or set(sr.outbox) <= answered):
                 return False
             sr.half = half()
             sr.finish()
@@ -115,6 +121,8 @@ class SecureStages:
 
     def take(self, sr: SecureRound, organization: str, payload: Payload) -> bool:
         """Receive one stage message from ``organization`` (the caller); True when it closed the stage."""
+        if isinstance(payload, SecAggMaskedInput):
+            raise WireError("payload_kind_not_allowed", "a masked input rides on PushUpdate, not SecureStage")
         raw = _bytes(payload)
         if raw in (b for (_, o), b in self._sent.items() if o == organization):
             return False  # a retry of a message already taken
