@@ -10,7 +10,8 @@ Distributed differential privacy's seam: ``mask`` takes ``noise``, a function of
 integers (a vector of the ring's dtype, one per element) to add to the encoded input. Masking is addition mod
 2^b, so the noise is added to the masked vector, which is the same ring element as noising before masking.
 
-Not wired into the client's round loop yet: nothing in the runtime reaches this module.
+``SecureExchange`` runs these stages over the SecureStage RPC (the masked input rides on the push). Not wired
+into the client's round loop yet: nothing in the runtime reaches this module.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hetfed.wire.payloads import (
     SecAggSharedKeys,
     SecAggUnmask,
 )
+from hetfed.wire.rpc import AggregatorClient
 from hetfed.wire.summation import WEIGHT, fields
 
 Noise = Callable[[secagg.Encoding], np.ndarray]
@@ -118,3 +120,46 @@ class SecureClient:
             return step(*args, **kwargs)
         except secagg.SecAggError as exc:
             raise from_secagg(exc) from None
+
+
+class SecureExchange:
+    """One organization's secure aggregation of one round over the SecureStage RPC (``client``: its
+    ``AggregatorClient``): ``masked_upload`` before the push (setup, advertise, share, mask), ``unmask`` after
+    it. Each wait is a long-poll of ``wait_seconds``, asked again until the stage closes."""
+
+    def __init__(self, client: AggregatorClient, organization: str, round_: int, wait_seconds: float,
+                 entropy: Entropy = system_entropy) -> None:
+        self.client, self.round, self.wait = client, round_, wait_seconds
+        setup = self._next(None)
+        if not isinstance(setup, SecAggSetup):
+            raise WireError("unexpected_stage", f"round {round_} gave no secure aggregation setup")
+        self.secure = SecureClient(setup, organization, entropy)
+
+    def _next(self, payload: Payload | None) -> Payload | None:
+        """Send ``payload`` (or nothing) and wait for this organization's next stage message; None when the
+        round's secure aggregate ended without one (done or abandoned)."""
+        reply = self.client.secure_stage(self.round, payload, self.wait)
+        while reply.payload is None and not reply.abandoned and reply.stage not in ("done", "abandoned"):
+            reply = self.client.secure_stage(self.round, None, self.wait)
+        return reply.payload
+
+    def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,
+                      noise: Noise | None = None) -> list[Payload]:
+        """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is)."""
+        upload = list(upload)
+        keys = self._next(self.secure.advertise())
+        if not isinstance(keys, SecAggPeerKeys):
+            raise WireError("unexpected_stage", f"round {self.round}: no peer keys came (excluded or abandoned)")
+        shares = self._next(self.secure.share(keys))
+        if not isinstance(shares, SecAggPeerShares):
+            raise WireError("unexpected_stage", f"round {self.round}: no peer shares came (excluded or abandoned)")
+        masked = self.secure.mask(shares, upload, kinds, rng, noise)
+        return [masked, *(p for p in upload if p.kind not in kinds)]
+
+    def unmask(self) -> bool:
+        """Answer the round's unmask request; False when the round ended without asking this organization."""
+        request = self._next(None)
+        if not isinstance(request, SecAggUnmask):
+            return False
+        self.client.secure_stage(self.round, self.secure.unmask(request), 0)
+        return True
