@@ -10,8 +10,8 @@ Distributed differential privacy's seam: ``mask`` takes ``noise``, a function of
 integers (a vector of the ring's dtype, one per element) to add to the encoded input. Masking is addition mod
 2^b, so the noise is added to the masked vector, which is the same ring element as noising before masking.
 
-``SecureExchange`` runs these stages over the SecureStage RPC (the masked input rides on the push). Not wired
-into the client's round loop yet: nothing in the runtime reaches this module.
+``SecureExchange`` runs these stages over the SecureStage RPC (the masked input rides on the push); the round
+loop (``hetfed.client.rounds``) calls it in a secure run.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., declared_tensors: _Optional[_Iterable[_Union[DeclaredTensor, _Mapping]]] = ..., seed_set: _Optional[_Union[DatasetFingerprint, _Mapping]] = ..., num_train_examples: _Optional[int] = ..., num_classes: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required", "push_admission_headers")
+    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required", "push_admission_headers", "secure_aggregation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class JoinResponse(_message.Message):
     ORGANIZATIONS_FIELD_NUMBER: _ClassVar[int]
     DECLARE_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ADMISSION_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     algorithm_config_json: str
@@ -125,7 +126,8 @@ class JoinResponse(_message.Message):
     organizations: _containers.RepeatedScalarFieldContainer[str]
     declare_required: bool
     push_admission_headers: bool
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., declare_required: _Optional[bool] = ..., push_admission_headers: _Optional[bool] = ...) -> None: ...
+    secure_aggregation: bool
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., declare_required: _Optional[bool] = ..., push_admission_headers: _Optional[bool] = ..., secure_aggregation: _Optional[bool] = ...) -> None: ...
 
 class PullInstructionsRequest(_message.Message):
     __slots__ = ("run_id", "organization_id", "completed_round", "wait_seconds")

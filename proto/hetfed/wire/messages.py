@@ -107,6 +107,8 @@ class JoinReply:
     declare_required: bool = False
     # The aggregator answers a push's headers once it is admitted (``rpc.PUSH_ADMITTED_METADATA_KEY``).
     push_admission_headers: bool = False
+    # The run sums its uploads under secure aggregation (its rounds use the SecureStage RPC).
+    secure_aggregation: bool = False
 
     @functools.cached_property
     def config(self) -> TrainConfig:
@@ -150,7 +152,7 @@ def join_reply_to_proto(reply: JoinReply) -> apb.JoinResponse:
         run_id=reply.run_id, algorithm=reply.algorithm, algorithm_config_json=reply.config_json,
         current_round=reply.current_round, total_rounds=reply.total_rounds, seed=reply.seed,
         organizations=list(reply.organizations), declare_required=reply.declare_required,
-        push_admission_headers=reply.push_admission_headers,
+        push_admission_headers=reply.push_admission_headers, secure_aggregation=reply.secure_aggregation,
     )
 
 
@@ -158,7 +160,7 @@ def join_reply_from_proto(msg: apb.JoinResponse) -> JoinReply:
     """Decode a JoinResponse."""
     return JoinReply(msg.run_id, msg.algorithm, msg.algorithm_config_json, int(msg.current_round),
                      int(msg.total_rounds), int(msg.seed), tuple(msg.organizations), bool(msg.declare_required),
-                     bool(msg.push_admission_headers))
+                     bool(msg.push_admission_headers), bool(msg.secure_aggregation))
 
 
 # ---------------------------------------------------------------------------------------------- Pull

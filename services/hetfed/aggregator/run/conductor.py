@@ -36,6 +36,7 @@ from hetfed.aggregator.run.intake import Intake
 from hetfed.aggregator.run.notifier import ChangeNotifier
 from hetfed.aggregator.run.open_round import OpenRound
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.secure import SecureParams
 from hetfed.aggregator.run.secure_stages import SecureStages
 from hetfed.aggregator.run.state import (
     Close,
@@ -122,7 +123,8 @@ class Run:
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
         # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
-        self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds)
+        self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds,
+                                   SecureParams() if cfg.secure_aggregation else None)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
                              lambda: self.state, lambda: self.secure.active(self.state))
         self.state = RunState.start(self.rules)
@@ -204,7 +206,8 @@ class Run:
             return JoinReply(run_id=self.cfg.id, algorithm=self.cfg.algorithm, config_json=self._config_json,
                              current_round=self.round, total_rounds=self.cfg.rounds, seed=self.cfg.seed,
                              organizations=tuple(self.cfg.organizations),
-                             declare_required=bool(self.spec.shared_schema) and organization not in self.declared)
+                             declare_required=bool(self.spec.shared_schema) and organization not in self.declared,
+                             secure_aggregation=self.secure.params is not None)
 
     def poll(self, organization: str, request: PullRequest) -> Pulled | None:
         """The organization's next instructions if there are any now, else None (it waits on ``notifier``). One

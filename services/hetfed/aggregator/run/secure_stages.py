@@ -16,7 +16,7 @@ kinds (``AlgorithmSpec.uploads``), and ``fold`` hands it to the coordinator. Whe
 the mask stage closes and the unmask requests go out; the last survivor's answer (or the deadline) unmasks the
 sum into the server half (``finish``), and the round closes as any other.
 
-Not done yet (docs/security.md): nothing makes a run secure (no config field; tests set ``params``); the
+Not done yet (docs/security.md): the
 setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); a
 deadline for stages 1 and 2; the Status record and metric of an abandoned round; a restart mid-round (the
 log's masked inputs are not replayed into a coordinator).
