@@ -203,3 +203,40 @@ def test_a_client_that_drops_after_masking_is_recovered(aggregator: Callable[...
     finally:
         for c in clients.values():
             c.close()
+
+
+def test_too_few_survivors_abandon_the_aggregate_shown_in_status_and_metrics(aggregator: Callable[..., Any]) -> None:
+    orgs = ("a", "b", "c", "d")  # k = 3, t = 2: two dropouts after masking leave each survivor one live neighbour
+    agg = aggregator(run_config(organizations=list(orgs), rounds=2, min_clients=2, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(10)
+    w = {o: rng.normal(0, 0.5, (3,)).astype(np.float32) for o in orgs}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
+    try:
+        for o, c in clients.items():
+            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
+        adverts = {o: secure[o].advertise() for o in orgs}
+        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
+                        SecAggPeerKeys)
+        shared = {o: secure[o].share(keys[o]) for o in orgs}
+        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
+                          SecAggPeerShares)
+        for i, o in enumerate(("a", "b")):
+            masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, 10)], fedavg.SPEC.summed_upload,
+                                    np.random.default_rng([6, i]))
+            assert clients[o].push(1, [masked, EvalMetrics(0.5, 10, 0.5)]).accepted
+        # At the deadline the mask stage closes, finds too few survivors, and the round closes unmasked.
+        with pytest.raises(RemoteError) as err:  # a survivor waiting for its unmask request learns the round closed
+            clients["a"].secure_stage(1, None, 30)
+        assert err.value.reason == "late"
+        assert run.round == 2 and run.aggregation.half.state() == {}  # the half never got a sum
+        summary = clients["a"].status()[0].history[0]
+        assert summary.round == 1 and summary.secure_abandoned.startswith("below_threshold: abandoned at mask")
+        labels = {"run": "r"}
+        assert agg.service.metrics.registry.get_sample_value("hetfed_secure_rounds_abandoned_total", labels) == 1
+    finally:
+        for c in clients.values():
+            c.close()

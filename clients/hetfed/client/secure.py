@@ -36,7 +36,7 @@ from hetfed.wire.payloads import (
     SecAggSharedKeys,
     SecAggUnmask,
 )
-from hetfed.wire.rpc import AggregatorClient
+from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.summation import WEIGHT, fields
 
 Noise = Callable[[secagg.Encoding], np.ndarray]
@@ -137,10 +137,15 @@ class SecureExchange:
 
     def _next(self, payload: Payload | None) -> Payload | None:
         """Send ``payload`` (or nothing) and wait for this organization's next stage message; None when the
-        round's secure aggregate ended without one (done or abandoned)."""
-        reply = self.client.secure_stage(self.round, payload, self.wait)
-        while reply.payload is None and not reply.abandoned and reply.stage not in ("done", "abandoned"):
-            reply = self.client.secure_stage(self.round, None, self.wait)
+        round's secure aggregate ended without one (done or abandoned, or the round closed: ``late``)."""
+        try:
+            reply = self.client.secure_stage(self.round, payload, self.wait)
+            while reply.payload is None and not reply.abandoned and reply.stage not in ("done", "abandoned"):
+                reply = self.client.secure_stage(self.round, None, self.wait)
+        except RemoteError as err:
+            if err.reason != "late":
+                raise
+            return None
         return reply.payload
 
     def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,

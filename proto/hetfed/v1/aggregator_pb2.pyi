@@ -292,18 +292,20 @@ class ClientReport(_message.Message):
     def __init__(self, organization_id: _Optional[str] = ..., metrics: _Optional[_Union[_payloads_pb2.EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "clients", "duration_seconds", "traffic", "reports")
+    __slots__ = ("round", "clients", "duration_seconds", "traffic", "reports", "secure_abandoned")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_ABANDONED_FIELD_NUMBER: _ClassVar[int]
     round: int
     clients: int
     duration_seconds: float
     traffic: _containers.RepeatedCompositeFieldContainer[TrafficCount]
     reports: _containers.RepeatedCompositeFieldContainer[ClientReport]
-    def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ...) -> None: ...
+    secure_abandoned: str
+    def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ..., secure_abandoned: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history", "organization_status", "refused", "refused_reason")

@@ -461,6 +461,8 @@ class RoundSummary:
     duration_seconds: float
     traffic: tuple[TrafficCount, ...] = ()
     reports: dict[str, EvalMetrics] = field(default_factory=dict)
+    # Why the round's secure aggregate was abandoned ("" when it was not).
+    secure_abandoned: str = ""
 
     def bytes(self, direction: Direction) -> dict[str, int]:
         """Bytes per payload kind in one direction."""
@@ -566,6 +568,7 @@ def encode_round_summary(s: RoundSummary, out: apb.RoundSummary | None = None) -
         msg.MergeFromString(cached)
         return msg
     msg.round, msg.clients, msg.duration_seconds = s.round, s.clients, s.duration_seconds
+    msg.secure_abandoned = s.secure_abandoned
     for t in s.traffic:
         msg.traffic.add(direction=t.direction, payload_kind=t.payload_kind, bytes=t.bytes,
                         messages=t.messages, elements=t.elements)
@@ -583,6 +586,7 @@ def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
             tuple(TrafficCount(t.direction, t.payload_kind, int(t.bytes), int(t.messages), int(t.elements))
                   for t in h.traffic),
             {r.organization_id: _metrics_from_proto(r.metrics) for r in h.reports},
+            h.secure_abandoned,
         )
         for h in msg.history
     )

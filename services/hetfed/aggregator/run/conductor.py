@@ -350,6 +350,7 @@ class Run:
     def _close_locked(self, effect: Close, nxt: RunState) -> None:
         """Carry out a Close: aggregate, commit (history line, then checkpoint), then move on in memory."""
         rec = self.open_round.end(len(self.pushed))
+        rec.abandoned = self.secure.abandoned(self.state)
         arrays = self.aggregation.close_round(self.state, effect, self.instructions.drop)  # ahead until durable()
         self.journal.append_history(self.open_round.line())
         # The history line is durable; the checkpoint that counts it (the commit point) is written by

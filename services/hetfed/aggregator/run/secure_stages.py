@@ -18,7 +18,7 @@ sum into the server half (``finish``), and the round closes as any other.
 
 Not done yet (docs/security.md): the
 setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); a
-deadline for stages 1 and 2; the Status record and metric of an abandoned round; a restart mid-round (the
+deadline for stages 1 and 2; a restart mid-round (the
 log's masked inputs are not replayed into a coordinator).
 """
 
@@ -118,6 +118,13 @@ class SecureStages:
             notify()
             return True
         return sr.stage in ("done", "abandoned")
+
+    def abandoned(self, state: RunState) -> str:
+        """Why the open round's secure aggregate was abandoned ("" when it was not, or the round is not secure)."""
+        sr = self.round
+        if not self.active(state) or sr is None or sr.config.round != state.round:
+            return ""
+        return sr.abandoned
 
     def take(self, sr: SecureRound, organization: str, payload: Payload) -> bool:
         """Receive one stage message from ``organization`` (the caller); True when it closed the stage."""
