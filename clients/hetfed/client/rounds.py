@@ -215,6 +215,7 @@ class RoundLoop:
         exchange = SecureExchange(self.client, cfg.organization, ins.round, cfg.pull_wait_seconds)
         rng = np.random.default_rng([int(ins.round_seed), zlib.crc32(cfg.organization.encode())])
         masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng)
+        crash_point("secure.masked")
         self._send(self.client.prepare_push(ins.round, masked, self.member.wire_dtype, privacy=declaration))
         if not exchange.unmask():
             log.warning("%s: round %d ended without asking this organization to unmask", cfg.organization, ins.round)
