@@ -240,3 +240,42 @@ def test_too_few_survivors_abandon_the_aggregate_shown_in_status_and_metrics(agg
     finally:
         for c in clients.values():
             c.close()
+
+
+def test_a_member_that_never_comes_is_left_out_at_the_stage_deadline(aggregator: Callable[..., Any]) -> None:
+    orgs, absent = ("a", "b", "c"), "d"  # d is in the run but never joins: stage 1 closes without it at its deadline
+    agg = aggregator(run_config(organizations=[*orgs, absent], rounds=1, min_clients=3, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(11)
+    w = {o: rng.normal(0, 0.5, (3,)).astype(np.float32) for o in orgs}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
+    try:
+        for o, c in clients.items():
+            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+        assert setup.config.roster == (*orgs, absent)
+        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
+        adverts = {o: secure[o].advertise() for o in orgs}
+        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
+                        SecAggPeerKeys)
+        assert all(absent not in {a.sender for a in k.message.peers} for k in keys.values())
+        shared = {o: secure[o].share(keys[o]) for o in orgs}
+        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
+                          SecAggPeerShares)
+        for i, o in enumerate(orgs):
+            masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, 10)], fedavg.SPEC.summed_upload,
+                                    np.random.default_rng([7, i]))
+            assert clients[o].push(1, [masked, EvalMetrics(0.5, 10, 0.5)]).accepted
+        requests = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, None, 30)) for o in orgs}),
+                            SecAggUnmask)
+        for o in orgs:
+            clients[o].secure_stage(1, secure[o].unmask(requests[o]), 0)
+        assert run.round == 2
+        enc = setup.config.encoding
+        step = max(f.bound for f in enc.fields) / enc.level
+        plain = sum(w[o].astype(np.float64) for o in orgs) / 3
+        assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 30 + 1e-6
+    finally:
+        for c in clients.values():
+            c.close()

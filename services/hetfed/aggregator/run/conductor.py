@@ -335,6 +335,7 @@ class Run:
     def _try_close_locked(self) -> None:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
         try:
+            self.secure.expire(self.state, self.notifier.notify)  # a secure round's stage 1 or 2 past its deadline
             overdue = self.open_round.overdue(self.cfg.round_deadline_seconds)
             if due(self.state, self.rules, overdue) and self.secure.ready(
                     self.state, lambda: self.aggregation.current(self.state), self.notifier.notify):

@@ -5,7 +5,8 @@
 first stage call of a training round: its roster is every member of the run that is not given up (one that has
 not joined yet, or does not advertise, is a dropout before masking: nobody masks with it), its shapes are the
 spec's summed kinds as the run's tensor schema declares them. A stage closes as soon as every organization the
-previous stage's close addressed (every roster member, for the first) has sent its message; the close's
+previous stage's close addressed (every roster member, for the first) has sent its message, or once a round
+deadline has passed since it opened with at least the run's quorum sent (``expire``); the close's
 messages then wait for their organizations. A message sent again, byte for byte, is a retry and changes
 nothing; a different one for a stage already answered is refused (``replayed``).
 
@@ -16,10 +17,9 @@ kinds (``AlgorithmSpec.uploads``), and ``fold`` hands it to the coordinator. Whe
 the mask stage closes and the unmask requests go out; the last survivor's answer (or the deadline) unmasks the
 sum into the server half (``finish``), and the round closes as any other.
 
-Not done yet (docs/security.md): the
-setup does not ride on the TRAIN instructions (a stage call answers it until the organization advertises); a
-deadline for stages 1 and 2; a restart mid-round (the
-log's masked inputs are not replayed into a coordinator).
+Not done yet (docs/security.md): the setup does not ride on the TRAIN instructions (a stage call answers it
+until the organization advertises); a restart mid-round (the log's masked inputs are not replayed into a
+coordinator); a round abandoned before masking does not close by itself.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class SecureStages:
                  params: SecureParams | None = None) -> None:
         self.spec, self.rules, self.run_seed, self.deadline_seconds = spec, rules, run_seed, deadline_seconds
         self._unmasking_since = 0.0  # when the mask stage closed (time.monotonic)
+        self._stage_since = 0.0  # when the open stage (advertise or share_keys) opened
         self.params = params  # None: the run does not aggregate securely
         self.round: SecureRound | None = None
         self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
@@ -82,6 +83,7 @@ class SecureStages:
             self.round = SecureRound(self.spec, half(), self.rules.run_id, state.round, roster, self.run_seed,
                                      schema_shapes(state.schema, self.spec.summed_upload), self.params)
             self._sent = {}
+            self._stage_since = time.monotonic()
         return self.round
 
     def active(self, state: RunState) -> bool:
@@ -119,6 +121,20 @@ class SecureStages:
             return True
         return sr.stage in ("done", "abandoned")
 
+    def expire(self, state: RunState, notify: Callable[[], None]) -> None:
+        """Close stage 1 or 2 once a round deadline has passed since it opened, when at least the run's quorum
+        sent (the others are dropouts before masking: nobody masks with them); ``notify`` wakes the callers."""
+        sr = self.round
+        if not self.active(state) or sr is None or sr.config.round != state.round or \
+                sr.stage not in ("advertise", "share_keys"):
+            return
+        if time.monotonic() - self._stage_since < self.deadline_seconds:
+            return
+        if len({o for s, o in self._sent if s == sr.stage}) >= max(self.rules.quorum, 1):
+            sr.close_stage()
+            self._stage_since = time.monotonic()
+            notify()
+
     def abandoned(self, state: RunState) -> str:
         """Why the open round's secure aggregate was abandoned ("" when it was not, or the round is not secure)."""
         sr = self.round
@@ -142,6 +158,7 @@ class SecureStages:
         expected = set(sr.config.roster) if stage == "advertise" else set(sr.outbox)
         if stage in ("advertise", "share_keys") and expected <= {o for s, o in self._sent if s == stage}:
             sr.close_stage()
+            self._stage_since = time.monotonic()
             return True
         return False
 
