@@ -18,7 +18,7 @@ from hetfed.wire.contract import DeclaredTensor
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
 from hetfed.wire.rpc import AggregatorClient
 from hetfed.wire.specs import fedavg
-from tests.conftest import run_config
+from tests.conftest import run_config, wait_until
 
 ORGS = ("a", "b", "c", "d")  # complete graph: k = 3, t = 2
 EXAMPLES = {"a": 10, "b": 20, "c": 30, "d": 40}
@@ -58,3 +58,36 @@ def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(a
     step = max(f.bound for f in enc.fields) / enc.level
     plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in "abc") / 60.0
     assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 60.0 + 1e-6
+
+
+def test_an_organization_that_comes_after_stage_1_sits_the_round_out(aggregator: Callable[..., Any]) -> None:
+    agg = aggregator(run_config(organizations=list(ORGS), rounds=1, min_clients=3, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(12)
+    w = {o: rng.normal(0, 0.5, (4,)).astype(np.float32) for o in ORGS}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in ORGS}
+    for o, c in clients.items():
+        c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+
+    def organization(i: int, o: str) -> bool:
+        if o == "d":  # comes once stage 1 has closed without it (at its deadline, with the quorum of 3)
+            wait_until(lambda: run.secure.round is not None and run.secure.round.stage != "advertise", timeout=30)
+        ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
+        upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
+                                  fedavg.SPEC.summed_upload, np.random.default_rng([6, i]))
+        if upload is None:
+            return False
+        clients[o].push(1, upload)
+        return ex.unmask()
+
+    try:
+        with ThreadPoolExecutor(len(ORGS)) as pool:
+            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
+    finally:
+        for c in clients.values():
+            c.close()
+    assert done == {"a": True, "b": True, "c": True, "d": False}
+    sr = run.secure.round
+    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
+    assert run.round == 2

@@ -215,6 +215,11 @@ class RoundLoop:
         exchange = SecureExchange(self.client, cfg.organization, ins.round, cfg.pull_wait_seconds)
         rng = np.random.default_rng([int(ins.round_seed), zlib.crc32(cfg.organization.encode())])
         masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng)
+        if masked is None:
+            log.warning("%s: left out of round %d's secure aggregation (it came after its keys were exchanged, or "
+                        "the round's aggregate ended); the round closed without its update", cfg.organization,
+                        ins.round)
+            return
         crash_point("secure.masked")
         self._send(self.client.prepare_push(ins.round, masked, self.member.wire_dtype, privacy=declaration))
         if not exchange.unmask():

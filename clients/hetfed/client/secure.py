@@ -125,15 +125,15 @@ class SecureClient:
 class SecureExchange:
     """One organization's secure aggregation of one round over the SecureStage RPC (``client``: its
     ``AggregatorClient``): ``masked_upload`` before the push (setup, advertise, share, mask), ``unmask`` after
-    it. Each wait is a long-poll of ``wait_seconds``, asked again until the stage closes."""
+    it. Each wait is a long-poll of ``wait_seconds``, asked again until the stage closes. An organization left out
+    of the round (it came after stage 1 closed, or the round's aggregate ended before it masked) waits for the
+    round to end and sends nothing: ``masked_upload`` then gives None."""
 
     def __init__(self, client: AggregatorClient, organization: str, round_: int, wait_seconds: float,
                  entropy: Entropy = system_entropy) -> None:
         self.client, self.round, self.wait = client, round_, wait_seconds
-        setup = self._next(None)
-        if not isinstance(setup, SecAggSetup):
-            raise WireError("unexpected_stage", f"round {round_} gave no secure aggregation setup")
-        self.secure = SecureClient(setup, organization, entropy)
+        setup = self._next(None)  # past stage 1 it waits here for the round to end
+        self.secure = SecureClient(setup, organization, entropy) if isinstance(setup, SecAggSetup) else None
 
     def _next(self, payload: Payload | None) -> Payload | None:
         """Send ``payload`` (or nothing) and wait for this organization's next stage message; None when the
@@ -149,22 +149,29 @@ class SecureExchange:
         return reply.payload
 
     def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,
-                      noise: Noise | None = None) -> list[Payload]:
-        """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is)."""
+                      noise: Noise | None = None) -> list[Payload] | None:
+        """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is); None when
+        the organization is left out of the round (class docstring), once the round has ended."""
         upload = list(upload)
-        keys = self._next(self.secure.advertise())
-        if not isinstance(keys, SecAggPeerKeys):
-            raise WireError("unexpected_stage", f"round {self.round}: no peer keys came (excluded or abandoned)")
-        shares = self._next(self.secure.share(keys))
+        if self.secure is None:
+            return None
+        try:
+            keys = self._next(self.secure.advertise())
+        except RemoteError as err:
+            if err.reason != "unexpected_stage":  # stage 1 closed before its advert arrived
+                raise
+            keys = None
+        shares = self._next(self.secure.share(keys)) if isinstance(keys, SecAggPeerKeys) else None
         if not isinstance(shares, SecAggPeerShares):
-            raise WireError("unexpected_stage", f"round {self.round}: no peer shares came (excluded or abandoned)")
+            self._next(None)  # left out: wait for the round to end
+            return None
         masked = self.secure.mask(shares, upload, kinds, rng, noise)
         return [masked, *(p for p in upload if p.kind not in kinds)]
 
     def unmask(self) -> bool:
         """Answer the round's unmask request; False when the round ended without asking this organization."""
         request = self._next(None)
-        if not isinstance(request, SecAggUnmask):
+        if self.secure is None or not isinstance(request, SecAggUnmask):
             return False
         self.client.secure_stage(self.round, self.secure.unmask(request), 0)
         return True
