@@ -15,6 +15,7 @@ CRASH_POINTS: tuple[str, ...] = (
     "privacy.ledger_written",  # the round's releases and released values are on disk; the upload has not left
     "pending.update_written",  # the kept push's update is written and fsynced, its record not yet
     "push.half_sent",  # the push stream takes its middle chunk: about half the update is sent (a multi-chunk push)
+    "secure.masked",  # secure aggregation: the keys are shared and the input masked; the masked input has not left
 )
 
 

@@ -14,9 +14,11 @@ import contextlib
 import dataclasses
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import Gauge
 
 from hetfed.client import crashpoints
@@ -128,7 +130,10 @@ class RoundLoop:
                 upload = self._work(ins, Received(ins.payloads, spec.repeated_download))
                 exact = [p for p in upload if isinstance(p, EvalMetrics)]  # the organization's own figures
                 upload, exact, declaration = self._protect(ins.round, upload, exact)
-                self._push(ins, upload, declaration, exact)
+                if self.member.joined.secure_aggregation and ins.action is Action.TRAIN:
+                    self._push_secure(ins, upload, declaration)
+                else:
+                    self._push(ins, upload, declaration, exact)
             self._keep(ins, exact)
             if self.pending is not None:  # after the state is saved: a restart now resumes after this round
                 self.pending.remove()
@@ -198,6 +203,27 @@ class RoundLoop:
                 with contextlib.suppress(OSError):
                     self.pending.remove()
         self._send(outgoing)
+
+    def _push_secure(self, ins: Instructions, upload: list[Payload], declaration: PrivacyDeclaration | None) -> None:
+        """Under secure aggregation (docs/security.md): the round's stages around the push
+        (``hetfed.client.secure.SecureExchange``), the summed kinds masked. The push is not kept: a restarted
+        process could not answer the unmask request (this round's keys live only in this one). The stochastic
+        rounding draws from the round seed and the organization's name."""
+        from hetfed.client.secure import SecureExchange
+
+        cfg = self.config
+        exchange = SecureExchange(self.client, cfg.organization, ins.round, cfg.pull_wait_seconds)
+        rng = np.random.default_rng([int(ins.round_seed), zlib.crc32(cfg.organization.encode())])
+        masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng)
+        if masked is None:
+            log.warning("%s: left out of round %d's secure aggregation (it came after its keys were exchanged, or "
+                        "the round's aggregate ended); the round closed without its update", cfg.organization,
+                        ins.round)
+            return
+        crash_point("secure.masked")
+        self._send(self.client.prepare_push(ins.round, masked, self.member.wire_dtype, privacy=declaration))
+        if not exchange.unmask():
+            log.warning("%s: round %d ended without asking this organization to unmask", cfg.organization, ins.round)
 
     def _send(self, outgoing: OutgoingPush, resume: bool = False) -> None:
         sending = _half_sent if crashpoints.armed("push.half_sent") else None

@@ -10,7 +10,8 @@ Distributed differential privacy's seam: ``mask`` takes ``noise``, a function of
 integers (a vector of the ring's dtype, one per element) to add to the encoded input. Masking is addition mod
 2^b, so the noise is added to the masked vector, which is the same ring element as noising before masking.
 
-Not wired into the client's round loop yet: nothing in the runtime reaches this module.
+``SecureExchange`` runs these stages over the SecureStage RPC (the masked input rides on the push); the round
+loop (``hetfed.client.rounds``) calls it in a secure run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hetfed.wire.payloads import (
     SecAggSharedKeys,
     SecAggUnmask,
 )
+from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.summation import WEIGHT, fields
 
 Noise = Callable[[secagg.Encoding], np.ndarray]
@@ -118,3 +120,58 @@ class SecureClient:
             return step(*args, **kwargs)
         except secagg.SecAggError as exc:
             raise from_secagg(exc) from None
+
+
+class SecureExchange:
+    """One organization's secure aggregation of one round over the SecureStage RPC (``client``: its
+    ``AggregatorClient``): ``masked_upload`` before the push (setup, advertise, share, mask), ``unmask`` after
+    it. Each wait is a long-poll of ``wait_seconds``, asked again until the stage closes. An organization left out
+    of the round (it came after stage 1 closed, or the round's aggregate ended before it masked) waits for the
+    round to end and sends nothing: ``masked_upload`` then gives None."""
+
+    def __init__(self, client: AggregatorClient, organization: str, round_: int, wait_seconds: float,
+                 entropy: Entropy = system_entropy) -> None:
+        self.client, self.round, self.wait = client, round_, wait_seconds
+        setup = self._next(None)  # past stage 1 it waits here for the round to end
+        self.secure = SecureClient(setup, organization, entropy) if isinstance(setup, SecAggSetup) else None
+
+    def _next(self, payload: Payload | None) -> Payload | None:
+        """Send ``payload`` (or nothing) and wait for this organization's next stage message; None when the
+        round's secure aggregate ended without one (done or abandoned, or the round closed: ``late``)."""
+        try:
+            reply = self.client.secure_stage(self.round, payload, self.wait)
+            while reply.payload is None and not reply.abandoned and reply.stage not in ("done", "abandoned"):
+                reply = self.client.secure_stage(self.round, None, self.wait)
+        except RemoteError as err:
+            if err.reason != "late":
+                raise
+            return None
+        return reply.payload
+
+    def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,
+                      noise: Noise | None = None) -> list[Payload] | None:
+        """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is); None when
+        the organization is left out of the round (class docstring), once the round has ended."""
+        upload = list(upload)
+        if self.secure is None:
+            return None
+        try:
+            keys = self._next(self.secure.advertise())
+        except RemoteError as err:
+            if err.reason != "unexpected_stage":  # stage 1 closed before its advert arrived
+                raise
+            keys = None
+        shares = self._next(self.secure.share(keys)) if isinstance(keys, SecAggPeerKeys) else None
+        if not isinstance(shares, SecAggPeerShares):
+            self._next(None)  # left out: wait for the round to end
+            return None
+        masked = self.secure.mask(shares, upload, kinds, rng, noise)
+        return [masked, *(p for p in upload if p.kind not in kinds)]
+
+    def unmask(self) -> bool:
+        """Answer the round's unmask request; False when the round ended without asking this organization."""
+        request = self._next(None)
+        if self.secure is None or not isinstance(request, SecAggUnmask):
+            return False
+        self.client.secure_stage(self.round, self.secure.unmask(request), 0)
+        return True

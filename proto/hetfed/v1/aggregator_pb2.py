@@ -26,7 +26,7 @@ from hetfed.v1 import payloads_pb2 as hetfed_dot_v1_dot_payloads__pb2
 from hetfed.v1 import tensor_pb2 as hetfed_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetfed/v1/aggregator.proto\x12\thetfed.v1\x1a\x18hetfed/v1/payloads.proto\x1a\x16hetfed/v1/tensor.proto\"q\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12-\n\rpayload_kinds\x18\x04 \x03(\x0e\x32\x16.hetfed.v1.PayloadKind\"l\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\x06sha256\x18\x05 \x01(\x0c\x42\x02\x18\x01\x12\x0e\n\x06\x62lake3\x18\x06 \x01(\x0c\"|\n\x0e\x44\x65\x63laredTensor\x12,\n\x0cpayload_kind\x18\x01 \x01(\x0e\x32\x16.hetfed.v1.PayloadKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.hetfed.v1.Dtype\x12\r\n\x05shape\x18\x04 \x03(\x03\"0\n\x12\x44\x61tasetFingerprint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xe2\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x33\n\x10\x64\x65\x63lared_tensors\x18\x03 \x03(\x0b\x32\x19.hetfed.v1.DeclaredTensor\x12/\n\x08seed_set\x18\x04 \x01(\x0b\x32\x1d.hetfed.v1.DatasetFingerprint\x12\x1a\n\x12num_train_examples\x18\x05 \x01(\x03\x12\x13\n\x0bnum_classes\x18\x06 \x01(\x03\x12\x13\n\x0binput_shape\x18\x07 \x03(\x03\"\xdc\x01\n\x0cJoinResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x1d\n\x15\x61lgorithm_config_json\x18\x03 \x01(\t\x12\x15\n\rcurrent_round\x18\x04 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\rorganizations\x18\x07 \x03(\t\x12\x18\n\x10\x64\x65\x63lare_required\x18\x08 \x01(\x08\x12\x1e\n\x16push_admission_headers\x18\t \x01(\x08\"q\n\x17PullInstructionsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompleted_round\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\";\n\x18PullInstructionsResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.hetfed.v1.Chunk\"\xa8\x01\n\x0cInstructions\x12%\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x13.hetfed.v1.Envelope\x12!\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x11.hetfed.v1.Action\x12\x12\n\nround_seed\x18\x03 \x01(\x04\x12$\n\x08payloads\x18\x04 \x03(\x0b\x32\x12.hetfed.v1.Payload\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\"\xb8\x01\n\x12PrivacyDeclaration\x12\x11\n\tmechanism\x18\x01 \x01(\t\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x11\n\tclip_norm\x18\x03 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\x12\x14\n\x0c\x62udget_spent\x18\x07 \x01(\x08\x12\x18\n\x10\x65phemeral_ledger\x18\x08 \x01(\x08\"\x9b\x01\n\x06Update\x12%\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x13.hetfed.v1.Envelope\x12$\n\x08payloads\x18\x02 \x03(\x0b\x32\x12.hetfed.v1.Payload\x12.\n\x07privacy\x18\x03 \x01(\x0b\x32\x1d.hetfed.v1.PrivacyDeclaration\x12\x14\n\x0cleave_reason\x18\x04 \x01(\t\"\x83\x01\n\x11PushUpdateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12\x1f\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x10.hetfed.v1.Chunk\x12\x15\n\rupdate_blake3\x18\x05 \x01(\x0c\"y\n\x13PushProgressRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12\x15\n\rupdate_blake3\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\"?\n\x14PushProgressResponse\x12\x13\n\x0b\x63hunks_held\x18\x01 \x01(\x03\x12\x12\n\nbytes_held\x18\x02 \x01(\x03\"H\n\x12PushUpdateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\"\x1f\n\rStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"j\n\x0cTrafficCount\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x14\n\x0cpayload_kind\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\x10\n\x08\x65lements\x18\x05 \x01(\x03\"P\n\x0c\x43lientReport\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\'\n\x07metrics\x18\x02 \x01(\x0b\x32\x16.hetfed.v1.EvalMetrics\"\x9c\x01\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x02 \x01(\x05\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12(\n\x07traffic\x18\x04 \x03(\x0b\x32\x17.hetfed.v1.TrafficCount\x12(\n\x07reports\x18\x05 \x03(\x0b\x32\x17.hetfed.v1.ClientReport\"\xd8\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.hetfed.v1.RunState\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\x12\x15\n\rorganizations\x18\x06 \x03(\t\x12\x19\n\x11pushed_this_round\x18\x07 \x03(\t\x12(\n\x07history\x18\x08 \x03(\x0b\x32\x17.hetfed.v1.RoundSummary\x12:\n\x13organization_status\x18\t \x03(\x0b\x32\x1d.hetfed.v1.OrganizationStatus\x12/\n\x07refused\x18\n \x03(\x0b\x32\x1e.hetfed.v1.RefusedOrganization\x12\x16\n\x0erefused_reason\x18\x0b \x01(\t\"O\n\x13RefusedOrganization\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb1\x01\n\x12OrganizationStatus\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06joined\x18\x02 \x01(\x08\x12\x19\n\x11last_round_pushed\x18\x03 \x01(\x03\x12\x10\n\x08\x62ytes_up\x18\x04 \x01(\x03\x12\x12\n\nbytes_down\x18\x05 \x01(\x03\x12\x18\n\x10privacy_declared\x18\x06 \x01(\x08\x12\x17\n\x0fprivacy_epsilon\x18\x07 \x01(\x01\"4\n\x0eStatusResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.hetfed.v1.RunStatus*}\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_WAIT\x10\x01\x12\x10\n\x0c\x41\x43TION_TRAIN\x10\x02\x12\x13\n\x0f\x41\x43TION_EVALUATE\x10\x03\x12\x11\n\rACTION_FINISH\x10\x04\x12\x10\n\x0c\x41\x43TION_SETUP\x10\x05*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_WAITING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x18\n\x14RUN_STATE_EVALUATING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x13\n\x0fRUN_STATE_SETUP\x10\x05\x32\x81\x03\n\nAggregator\x12\x37\n\x04Join\x12\x16.hetfed.v1.JoinRequest\x1a\x17.hetfed.v1.JoinResponse\x12]\n\x10PullInstructions\x12\".hetfed.v1.PullInstructionsRequest\x1a#.hetfed.v1.PullInstructionsResponse0\x01\x12K\n\nPushUpdate\x12\x1c.hetfed.v1.PushUpdateRequest\x1a\x1d.hetfed.v1.PushUpdateResponse(\x01\x12O\n\x0cPushProgress\x12\x1e.hetfed.v1.PushProgressRequest\x1a\x1f.hetfed.v1.PushProgressResponse\x12=\n\x06Status\x12\x18.hetfed.v1.StatusRequest\x1a\x19.hetfed.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetfed/v1/aggregator.proto\x12\thetfed.v1\x1a\x18hetfed/v1/payloads.proto\x1a\x16hetfed/v1/tensor.proto\"q\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12-\n\rpayload_kinds\x18\x04 \x03(\x0e\x32\x16.hetfed.v1.PayloadKind\"l\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\x06sha256\x18\x05 \x01(\x0c\x42\x02\x18\x01\x12\x0e\n\x06\x62lake3\x18\x06 \x01(\x0c\"|\n\x0e\x44\x65\x63laredTensor\x12,\n\x0cpayload_kind\x18\x01 \x01(\x0e\x32\x16.hetfed.v1.PayloadKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.hetfed.v1.Dtype\x12\r\n\x05shape\x18\x04 \x03(\x03\"0\n\x12\x44\x61tasetFingerprint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xe2\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x33\n\x10\x64\x65\x63lared_tensors\x18\x03 \x03(\x0b\x32\x19.hetfed.v1.DeclaredTensor\x12/\n\x08seed_set\x18\x04 \x01(\x0b\x32\x1d.hetfed.v1.DatasetFingerprint\x12\x1a\n\x12num_train_examples\x18\x05 \x01(\x03\x12\x13\n\x0bnum_classes\x18\x06 \x01(\x03\x12\x13\n\x0binput_shape\x18\x07 \x03(\x03\"\xf8\x01\n\x0cJoinResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x1d\n\x15\x61lgorithm_config_json\x18\x03 \x01(\t\x12\x15\n\rcurrent_round\x18\x04 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\rorganizations\x18\x07 \x03(\t\x12\x18\n\x10\x64\x65\x63lare_required\x18\x08 \x01(\x08\x12\x1e\n\x16push_admission_headers\x18\t \x01(\x08\x12\x1a\n\x12secure_aggregation\x18\n \x01(\x08\"q\n\x17PullInstructionsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompleted_round\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\";\n\x18PullInstructionsResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.hetfed.v1.Chunk\"\xa8\x01\n\x0cInstructions\x12%\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x13.hetfed.v1.Envelope\x12!\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x11.hetfed.v1.Action\x12\x12\n\nround_seed\x18\x03 \x01(\x04\x12$\n\x08payloads\x18\x04 \x03(\x0b\x32\x12.hetfed.v1.Payload\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\"\xb8\x01\n\x12PrivacyDeclaration\x12\x11\n\tmechanism\x18\x01 \x01(\t\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x11\n\tclip_norm\x18\x03 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\x12\x14\n\x0c\x62udget_spent\x18\x07 \x01(\x08\x12\x18\n\x10\x65phemeral_ledger\x18\x08 \x01(\x08\"\x9b\x01\n\x06Update\x12%\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x13.hetfed.v1.Envelope\x12$\n\x08payloads\x18\x02 \x03(\x0b\x32\x12.hetfed.v1.Payload\x12.\n\x07privacy\x18\x03 \x01(\x0b\x32\x1d.hetfed.v1.PrivacyDeclaration\x12\x14\n\x0cleave_reason\x18\x04 \x01(\t\"\x83\x01\n\x11PushUpdateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12\x1f\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x10.hetfed.v1.Chunk\x12\x15\n\rupdate_blake3\x18\x05 \x01(\x0c\"y\n\x13PushProgressRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12\x15\n\rupdate_blake3\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\"?\n\x14PushProgressResponse\x12\x13\n\x0b\x63hunks_held\x18\x01 \x01(\x03\x12\x12\n\nbytes_held\x18\x02 \x01(\x03\"H\n\x12PushUpdateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\"\x87\x01\n\x12SecureStageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x17\n\x0forganization_id\x18\x03 \x01(\t\x12#\n\x07payload\x18\x04 \x01(\x0b\x32\x12.hetfed.v1.Payload\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\"\\\n\x13SecureStageResponse\x12#\n\x07payload\x18\x01 \x01(\x0b\x32\x12.hetfed.v1.Payload\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x11\n\tabandoned\x18\x03 \x01(\t\"\x1f\n\rStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"j\n\x0cTrafficCount\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x14\n\x0cpayload_kind\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\x10\n\x08\x65lements\x18\x05 \x01(\x03\"P\n\x0c\x43lientReport\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\'\n\x07metrics\x18\x02 \x01(\x0b\x32\x16.hetfed.v1.EvalMetrics\"\xb6\x01\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x02 \x01(\x05\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12(\n\x07traffic\x18\x04 \x03(\x0b\x32\x17.hetfed.v1.TrafficCount\x12(\n\x07reports\x18\x05 \x03(\x0b\x32\x17.hetfed.v1.ClientReport\x12\x18\n\x10secure_abandoned\x18\x06 \x01(\t\"\xd8\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.hetfed.v1.RunState\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x03\x12\x15\n\rorganizations\x18\x06 \x03(\t\x12\x19\n\x11pushed_this_round\x18\x07 \x03(\t\x12(\n\x07history\x18\x08 \x03(\x0b\x32\x17.hetfed.v1.RoundSummary\x12:\n\x13organization_status\x18\t \x03(\x0b\x32\x1d.hetfed.v1.OrganizationStatus\x12/\n\x07refused\x18\n \x03(\x0b\x32\x1e.hetfed.v1.RefusedOrganization\x12\x16\n\x0erefused_reason\x18\x0b \x01(\t\"O\n\x13RefusedOrganization\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb1\x01\n\x12OrganizationStatus\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06joined\x18\x02 \x01(\x08\x12\x19\n\x11last_round_pushed\x18\x03 \x01(\x03\x12\x10\n\x08\x62ytes_up\x18\x04 \x01(\x03\x12\x12\n\nbytes_down\x18\x05 \x01(\x03\x12\x18\n\x10privacy_declared\x18\x06 \x01(\x08\x12\x17\n\x0fprivacy_epsilon\x18\x07 \x01(\x01\"4\n\x0eStatusResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.hetfed.v1.RunStatus*}\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_WAIT\x10\x01\x12\x10\n\x0c\x41\x43TION_TRAIN\x10\x02\x12\x13\n\x0f\x41\x43TION_EVALUATE\x10\x03\x12\x11\n\rACTION_FINISH\x10\x04\x12\x10\n\x0c\x41\x43TION_SETUP\x10\x05*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_WAITING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x18\n\x14RUN_STATE_EVALUATING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x13\n\x0fRUN_STATE_SETUP\x10\x05\x32\xcf\x03\n\nAggregator\x12\x37\n\x04Join\x12\x16.hetfed.v1.JoinRequest\x1a\x17.hetfed.v1.JoinResponse\x12]\n\x10PullInstructions\x12\".hetfed.v1.PullInstructionsRequest\x1a#.hetfed.v1.PullInstructionsResponse0\x01\x12K\n\nPushUpdate\x12\x1c.hetfed.v1.PushUpdateRequest\x1a\x1d.hetfed.v1.PushUpdateResponse(\x01\x12O\n\x0cPushProgress\x12\x1e.hetfed.v1.PushProgressRequest\x1a\x1f.hetfed.v1.PushProgressResponse\x12L\n\x0bSecureStage\x12\x1d.hetfed.v1.SecureStageRequest\x1a\x1e.hetfed.v1.SecureStageResponse\x12=\n\x06Status\x12\x18.hetfed.v1.StatusRequest\x1a\x19.hetfed.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHUNK'].fields_by_name['sha256']._loaded_options = None
   _globals['_CHUNK'].fields_by_name['sha256']._serialized_options = b'\030\001'
-  _globals['_ACTION']._serialized_start=3076
-  _globals['_ACTION']._serialized_end=3201
-  _globals['_RUNSTATE']._serialized_start=3204
-  _globals['_RUNSTATE']._serialized_end=3358
+  _globals['_ACTION']._serialized_start=3362
+  _globals['_ACTION']._serialized_end=3487
+  _globals['_RUNSTATE']._serialized_start=3490
+  _globals['_RUNSTATE']._serialized_end=3644
   _globals['_ENVELOPE']._serialized_start=91
   _globals['_ENVELOPE']._serialized_end=204
   _globals['_CHUNK']._serialized_start=206
@@ -50,41 +50,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=493
   _globals['_JOINREQUEST']._serialized_end=719
   _globals['_JOINRESPONSE']._serialized_start=722
-  _globals['_JOINRESPONSE']._serialized_end=942
-  _globals['_PULLINSTRUCTIONSREQUEST']._serialized_start=944
-  _globals['_PULLINSTRUCTIONSREQUEST']._serialized_end=1057
-  _globals['_PULLINSTRUCTIONSRESPONSE']._serialized_start=1059
-  _globals['_PULLINSTRUCTIONSRESPONSE']._serialized_end=1118
-  _globals['_INSTRUCTIONS']._serialized_start=1121
-  _globals['_INSTRUCTIONS']._serialized_end=1289
-  _globals['_PRIVACYDECLARATION']._serialized_start=1292
-  _globals['_PRIVACYDECLARATION']._serialized_end=1476
-  _globals['_UPDATE']._serialized_start=1479
-  _globals['_UPDATE']._serialized_end=1634
-  _globals['_PUSHUPDATEREQUEST']._serialized_start=1637
-  _globals['_PUSHUPDATEREQUEST']._serialized_end=1768
-  _globals['_PUSHPROGRESSREQUEST']._serialized_start=1770
-  _globals['_PUSHPROGRESSREQUEST']._serialized_end=1891
-  _globals['_PUSHPROGRESSRESPONSE']._serialized_start=1893
-  _globals['_PUSHPROGRESSRESPONSE']._serialized_end=1956
-  _globals['_PUSHUPDATERESPONSE']._serialized_start=1958
-  _globals['_PUSHUPDATERESPONSE']._serialized_end=2030
-  _globals['_STATUSREQUEST']._serialized_start=2032
-  _globals['_STATUSREQUEST']._serialized_end=2063
-  _globals['_TRAFFICCOUNT']._serialized_start=2065
-  _globals['_TRAFFICCOUNT']._serialized_end=2171
-  _globals['_CLIENTREPORT']._serialized_start=2173
-  _globals['_CLIENTREPORT']._serialized_end=2253
-  _globals['_ROUNDSUMMARY']._serialized_start=2256
-  _globals['_ROUNDSUMMARY']._serialized_end=2412
-  _globals['_RUNSTATUS']._serialized_start=2415
-  _globals['_RUNSTATUS']._serialized_end=2759
-  _globals['_REFUSEDORGANIZATION']._serialized_start=2761
-  _globals['_REFUSEDORGANIZATION']._serialized_end=2840
-  _globals['_ORGANIZATIONSTATUS']._serialized_start=2843
-  _globals['_ORGANIZATIONSTATUS']._serialized_end=3020
-  _globals['_STATUSRESPONSE']._serialized_start=3022
-  _globals['_STATUSRESPONSE']._serialized_end=3074
-  _globals['_AGGREGATOR']._serialized_start=3361
-  _globals['_AGGREGATOR']._serialized_end=3746
+  _globals['_JOINRESPONSE']._serialized_end=970
+  _globals['_PULLINSTRUCTIONSREQUEST']._serialized_start=972
+  _globals['_PULLINSTRUCTIONSREQUEST']._serialized_end=1085
+  _globals['_PULLINSTRUCTIONSRESPONSE']._serialized_start=1087
+  _globals['_PULLINSTRUCTIONSRESPONSE']._serialized_end=1146
+  _globals['_INSTRUCTIONS']._serialized_start=1149
+  _globals['_INSTRUCTIONS']._serialized_end=1317
+  _globals['_PRIVACYDECLARATION']._serialized_start=1320
+  _globals['_PRIVACYDECLARATION']._serialized_end=1504
+  _globals['_UPDATE']._serialized_start=1507
+  _globals['_UPDATE']._serialized_end=1662
+  _globals['_PUSHUPDATEREQUEST']._serialized_start=1665
+  _globals['_PUSHUPDATEREQUEST']._serialized_end=1796
+  _globals['_PUSHPROGRESSREQUEST']._serialized_start=1798
+  _globals['_PUSHPROGRESSREQUEST']._serialized_end=1919
+  _globals['_PUSHPROGRESSRESPONSE']._serialized_start=1921
+  _globals['_PUSHPROGRESSRESPONSE']._serialized_end=1984
+  _globals['_PUSHUPDATERESPONSE']._serialized_start=1986
+  _globals['_PUSHUPDATERESPONSE']._serialized_end=2058
+  _globals['_SECURESTAGEREQUEST']._serialized_start=2061
+  _globals['_SECURESTAGEREQUEST']._serialized_end=2196
+  _globals['_SECURESTAGERESPONSE']._serialized_start=2198
+  _globals['_SECURESTAGERESPONSE']._serialized_end=2290
+  _globals['_STATUSREQUEST']._serialized_start=2292
+  _globals['_STATUSREQUEST']._serialized_end=2323
+  _globals['_TRAFFICCOUNT']._serialized_start=2325
+  _globals['_TRAFFICCOUNT']._serialized_end=2431
+  _globals['_CLIENTREPORT']._serialized_start=2433
+  _globals['_CLIENTREPORT']._serialized_end=2513
+  _globals['_ROUNDSUMMARY']._serialized_start=2516
+  _globals['_ROUNDSUMMARY']._serialized_end=2698
+  _globals['_RUNSTATUS']._serialized_start=2701
+  _globals['_RUNSTATUS']._serialized_end=3045
+  _globals['_REFUSEDORGANIZATION']._serialized_start=3047
+  _globals['_REFUSEDORGANIZATION']._serialized_end=3126
+  _globals['_ORGANIZATIONSTATUS']._serialized_start=3129
+  _globals['_ORGANIZATIONSTATUS']._serialized_end=3306
+  _globals['_STATUSRESPONSE']._serialized_start=3308
+  _globals['_STATUSRESPONSE']._serialized_end=3360
+  _globals['_AGGREGATOR']._serialized_start=3647
+  _globals['_AGGREGATOR']._serialized_end=4110
 # @@protoc_insertion_point(module_scope)

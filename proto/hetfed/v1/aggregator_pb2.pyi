@@ -106,7 +106,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., declared_tensors: _Optional[_Iterable[_Union[DeclaredTensor, _Mapping]]] = ..., seed_set: _Optional[_Union[DatasetFingerprint, _Mapping]] = ..., num_train_examples: _Optional[int] = ..., num_classes: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required", "push_admission_headers")
+    __slots__ = ("run_id", "algorithm", "algorithm_config_json", "current_round", "total_rounds", "seed", "organizations", "declare_required", "push_admission_headers", "secure_aggregation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class JoinResponse(_message.Message):
     ORGANIZATIONS_FIELD_NUMBER: _ClassVar[int]
     DECLARE_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ADMISSION_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     algorithm_config_json: str
@@ -125,7 +126,8 @@ class JoinResponse(_message.Message):
     organizations: _containers.RepeatedScalarFieldContainer[str]
     declare_required: bool
     push_admission_headers: bool
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., declare_required: _Optional[bool] = ..., push_admission_headers: _Optional[bool] = ...) -> None: ...
+    secure_aggregation: bool
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., algorithm_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., seed: _Optional[int] = ..., organizations: _Optional[_Iterable[str]] = ..., declare_required: _Optional[bool] = ..., push_admission_headers: _Optional[bool] = ..., secure_aggregation: _Optional[bool] = ...) -> None: ...
 
 class PullInstructionsRequest(_message.Message):
     __slots__ = ("run_id", "organization_id", "completed_round", "wait_seconds")
@@ -237,6 +239,30 @@ class PushUpdateResponse(_message.Message):
     round: int
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
+class SecureStageRequest(_message.Message):
+    __slots__ = ("run_id", "round", "organization_id", "payload", "wait_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    organization_id: str
+    payload: _payloads_pb2.Payload
+    wait_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., organization_id: _Optional[str] = ..., payload: _Optional[_Union[_payloads_pb2.Payload, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class SecureStageResponse(_message.Message):
+    __slots__ = ("payload", "stage", "abandoned")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    payload: _payloads_pb2.Payload
+    stage: str
+    abandoned: str
+    def __init__(self, payload: _Optional[_Union[_payloads_pb2.Payload, _Mapping]] = ..., stage: _Optional[str] = ..., abandoned: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -266,18 +292,20 @@ class ClientReport(_message.Message):
     def __init__(self, organization_id: _Optional[str] = ..., metrics: _Optional[_Union[_payloads_pb2.EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "clients", "duration_seconds", "traffic", "reports")
+    __slots__ = ("round", "clients", "duration_seconds", "traffic", "reports", "secure_abandoned")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_ABANDONED_FIELD_NUMBER: _ClassVar[int]
     round: int
     clients: int
     duration_seconds: float
     traffic: _containers.RepeatedCompositeFieldContainer[TrafficCount]
     reports: _containers.RepeatedCompositeFieldContainer[ClientReport]
-    def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ...) -> None: ...
+    secure_abandoned: str
+    def __init__(self, round: _Optional[int] = ..., clients: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[TrafficCount, _Mapping]]] = ..., reports: _Optional[_Iterable[_Union[ClientReport, _Mapping]]] = ..., secure_abandoned: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "algorithm", "state", "round", "total_rounds", "organizations", "pushed_this_round", "history", "organization_status", "refused", "refused_reason")

@@ -56,6 +56,11 @@ class AggregatorStub:
                 request_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.SerializeToString,
                 response_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.FromString,
                 _registered_method=True)
+        self.SecureStage = channel.unary_unary(
+                '/hetfed.v1.Aggregator/SecureStage',
+                request_serializer=hetfed_dot_v1_dot_aggregator__pb2.SecureStageRequest.SerializeToString,
+                response_deserializer=hetfed_dot_v1_dot_aggregator__pb2.SecureStageResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/hetfed.v1.Aggregator/Status',
                 request_serializer=hetfed_dot_v1_dot_aggregator__pb2.StatusRequest.SerializeToString,
@@ -99,6 +104,14 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecureStage(self, request, context):
+        """Secure aggregation's stages 1, 2 and 4 (docs/security.md): sends this organization's stage message, or
+        none, and long-polls for what the stage's close gives it. Stage 3 (the masked input) rides on PushUpdate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Reports the state and history of one run or of all runs.
         """
@@ -128,6 +141,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.PushProgress,
                     request_deserializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.FromString,
                     response_serializer=hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.SerializeToString,
+            ),
+            'SecureStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecureStage,
+                    request_deserializer=hetfed_dot_v1_dot_aggregator__pb2.SecureStageRequest.FromString,
+                    response_serializer=hetfed_dot_v1_dot_aggregator__pb2.SecureStageResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -245,6 +263,33 @@ class Aggregator:
             '/hetfed.v1.Aggregator/PushProgress',
             hetfed_dot_v1_dot_aggregator__pb2.PushProgressRequest.SerializeToString,
             hetfed_dot_v1_dot_aggregator__pb2.PushProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecureStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetfed.v1.Aggregator/SecureStage',
+            hetfed_dot_v1_dot_aggregator__pb2.SecureStageRequest.SerializeToString,
+            hetfed_dot_v1_dot_aggregator__pb2.SecureStageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -184,13 +184,15 @@ def check_update(
     max_elements: int,
     lifted: list[memoryview] | None = None,
     scan: bool = True,
+    secure: bool = False,
 ) -> Received:
-    """Check an update's payloads against the contract and decode them; raises WireError.
+    """Check an update's payloads against the contract and decode them; raises WireError. ``secure``: the run
+    aggregates securely (``AlgorithmSpec.uploads``).
 
     ``lifted``: the update was parsed with its tensors' data lifted out (``codec.tensor_from_proto``).
     ``scan=False`` skips the one check that reads every value (finiteness): for bytes that passed it already,
     such as the logged copy of an accepted update, read again without paging all of it in."""
-    allowed, required = spec.uploads(phase)
+    allowed, required = spec.uploads(phase, secure)
     kinds: list[PayloadKind] = []
     for m in messages:
         kind = codec.payload_kind_of(m)

@@ -107,6 +107,8 @@ class JoinReply:
     declare_required: bool = False
     # The aggregator answers a push's headers once it is admitted (``rpc.PUSH_ADMITTED_METADATA_KEY``).
     push_admission_headers: bool = False
+    # The run sums its uploads under secure aggregation (its rounds use the SecureStage RPC).
+    secure_aggregation: bool = False
 
     @functools.cached_property
     def config(self) -> TrainConfig:
@@ -150,7 +152,7 @@ def join_reply_to_proto(reply: JoinReply) -> apb.JoinResponse:
         run_id=reply.run_id, algorithm=reply.algorithm, algorithm_config_json=reply.config_json,
         current_round=reply.current_round, total_rounds=reply.total_rounds, seed=reply.seed,
         organizations=list(reply.organizations), declare_required=reply.declare_required,
-        push_admission_headers=reply.push_admission_headers,
+        push_admission_headers=reply.push_admission_headers, secure_aggregation=reply.secure_aggregation,
     )
 
 
@@ -158,7 +160,7 @@ def join_reply_from_proto(msg: apb.JoinResponse) -> JoinReply:
     """Decode a JoinResponse."""
     return JoinReply(msg.run_id, msg.algorithm, msg.algorithm_config_json, int(msg.current_round),
                      int(msg.total_rounds), int(msg.seed), tuple(msg.organizations), bool(msg.declare_required),
-                     bool(msg.push_admission_headers))
+                     bool(msg.push_admission_headers), bool(msg.secure_aggregation))
 
 
 # ---------------------------------------------------------------------------------------------- Pull
@@ -399,14 +401,15 @@ class ParsedUpdate:
             self.privacy.check()
 
     def check(self, spec: AlgorithmSpec, phase: Phase, schema: contract.Schema, max_elements: int,
-              run_id: str, round_: int, organization: str, scan: bool = True) -> Received:
+              run_id: str, round_: int, organization: str, scan: bool = True, secure: bool = False) -> Received:
         """The envelope against the stream's addressing, the privacy declaration against its domain
-        (``invalid_privacy``), the payloads against the contract; decoded (``scan``: see
+        (``invalid_privacy``), the payloads against the contract; decoded (``scan``, ``secure``: see
         ``contract.check_update``)."""
         self.check_envelope(run_id, round_, organization)
         msg = self._msg
         assert msg is not None
-        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted, scan)
+        received = contract.check_update(spec, phase, msg.payloads, schema, max_elements, self._lifted, scan,
+                                           secure)
         self._msg, self._lifted = None, []  # the decoded arrays view the received bytes themselves
         return received
 
@@ -458,6 +461,8 @@ class RoundSummary:
     duration_seconds: float
     traffic: tuple[TrafficCount, ...] = ()
     reports: dict[str, EvalMetrics] = field(default_factory=dict)
+    # Why the round's secure aggregate was abandoned ("" when it was not).
+    secure_abandoned: str = ""
 
     def bytes(self, direction: Direction) -> dict[str, int]:
         """Bytes per payload kind in one direction."""
@@ -563,6 +568,7 @@ def encode_round_summary(s: RoundSummary, out: apb.RoundSummary | None = None) -
         msg.MergeFromString(cached)
         return msg
     msg.round, msg.clients, msg.duration_seconds = s.round, s.clients, s.duration_seconds
+    msg.secure_abandoned = s.secure_abandoned
     for t in s.traffic:
         msg.traffic.add(direction=t.direction, payload_kind=t.payload_kind, bytes=t.bytes,
                         messages=t.messages, elements=t.elements)
@@ -580,6 +586,7 @@ def run_status_from_proto(msg: apb.RunStatus) -> RunStatus:
             tuple(TrafficCount(t.direction, t.payload_kind, int(t.bytes), int(t.messages), int(t.elements))
                   for t in h.traffic),
             {r.organization_id: _metrics_from_proto(r.metrics) for r in h.reports},
+            h.secure_abandoned,
         )
         for h in msg.history
     )

@@ -27,7 +27,8 @@ from grpc_status import rpc_status
 
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.v1 import aggregator_pb2_grpc as agrpc
-from hetfed.wire import chunks, messages
+from hetfed.v1 import payloads_pb2 as pb
+from hetfed.wire import chunks, codec, messages
 from hetfed.wire.chunks import Bytes
 from hetfed.wire.errors import ERROR_DOMAIN, REASONS, WireError, clip
 from hetfed.wire.messages import (
@@ -43,7 +44,7 @@ from hetfed.wire.messages import (
 from hetfed.wire.payloads import Payload
 from hetfed.wire.privacy import PrivacyDeclaration
 from hetfed.wire.specs import AlgorithmSpec
-from hetfed.wire.traffic import Direction, TrafficBreakdown, TrafficMetrics, with_envelope
+from hetfed.wire.traffic import Direction, TrafficBreakdown, TrafficMetrics, breakdown, with_envelope
 from hetfed.wire.transport import ORGANIZATION_METADATA_KEY, TlsConfig, make_channel, peer_identity
 
 log = logging.getLogger("hetfed.wire")
@@ -106,6 +107,16 @@ class AdmittedPush(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SecureStageReply:
+    """A SecureStage call's answer: what the closed stage gives the organization (None: nothing yet), the
+    round's open stage, and why the round's secure aggregate was abandoned ("" while it was not)."""
+
+    payload: Payload | None
+    stage: str
+    abandoned: str = ""
+
+
 class AggregatorHandler(Protocol):
     """What the aggregator's service provides to the gRPC adapter; every argument and result is typed.
 
@@ -148,6 +159,12 @@ class AggregatorHandler(Protocol):
 
     async def status(self, caller: Caller, run_id: str) -> list[RunStatus]:
         """The runs the caller may see."""
+        ...
+
+    async def secure_stage(self, organization: str, run_id: str, round_: int, payload: Payload | None,
+                           wait_seconds: float) -> SecureStageReply:
+        """Take the organization's stage message of secure aggregation (None: none), then long-poll up to
+        ``wait_seconds`` for what the stage's close gives it."""
         ...
 
     async def blocking(self, fn: Callable[[], T]) -> T:
@@ -268,6 +285,9 @@ class _Answer:
 
     response: bytes
     counted: tuple[str, int] | None = None
+    # The payloads the request and the response carry, counted per kind (the rest is envelope).
+    up: Sequence[pb.Payload] = ()
+    down: Sequence[pb.Payload] = ()
 
 
 class AggregatorServicer:
@@ -312,9 +332,8 @@ class AggregatorServicer:
         else:
             if done.counted is not None:
                 org, round_ = done.counted
-                self.handler.count(run_id, org, round_, Direction.UP, with_envelope(TrafficBreakdown(), len(request)))
-                self.handler.count(run_id, org, round_, Direction.DOWN,
-                                   with_envelope(TrafficBreakdown(), len(done.response)))
+                self.handler.count(run_id, org, round_, Direction.UP, breakdown(done.up, len(request)))
+                self.handler.count(run_id, org, round_, Direction.DOWN, breakdown(done.down, len(done.response)))
             return done.response
         return await self._fail(context, run_id, failure)
 
@@ -461,6 +480,24 @@ class AggregatorServicer:
 
         return await self._unary("Status", apb.StatusRequest, request, context, answer)
 
+    async def secure_stage(self, request: bytes,
+                           context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
+        """SecureStage: take a stage message of secure aggregation, long-poll for the next one; both payloads are
+        counted per kind."""
+
+        async def answer(msg: apb.SecureStageRequest, caller: Caller) -> _Answer:
+            org = self.handler.identify(caller, msg.organization_id)
+            sent = msg.HasField("payload")
+            payload = codec.payload_from_proto(msg.payload) if sent else None
+            reply = await self.handler.secure_stage(org, msg.run_id, msg.round, payload, msg.wait_seconds)
+            resp = apb.SecureStageResponse(stage=reply.stage, abandoned=reply.abandoned)
+            if reply.payload is not None:
+                codec.fill_payload(resp.payload, reply.payload)
+            return _Answer(resp.SerializeToString(), (org, msg.round), [msg.payload] if sent else [],
+                           [resp.payload] if reply.payload is not None else [])
+
+        return await self._unary("SecureStage", apb.SecureStageRequest, request, context, answer)
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, with raw-bytes requests and responses (no gRPC (de)serializer)."""
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -469,6 +506,7 @@ class AggregatorServicer:
             "PushUpdate": grpc.stream_unary_rpc_method_handler(self.push),
             "PushProgress": grpc.unary_unary_rpc_method_handler(self.progress),
             "Status": grpc.unary_unary_rpc_method_handler(self.status),
+            "SecureStage": grpc.unary_unary_rpc_method_handler(self.secure_stage),
         })
 
 
@@ -682,6 +720,7 @@ class AggregatorClient:
         self._pull_raw = channel.unary_stream(f"/{SERVICE_NAME}/PullInstructions")
         self._push_raw = channel.stream_unary(f"/{SERVICE_NAME}/PushUpdate")
         self._progress_raw = channel.unary_unary(f"/{SERVICE_NAME}/PushProgress")
+        self._secure_raw = channel.unary_unary(f"/{SERVICE_NAME}/SecureStage")
 
     def close(self) -> None:
         """Close the channel."""
@@ -744,6 +783,22 @@ class AggregatorClient:
         self._count(Direction.UP, with_envelope(TrafficBreakdown(), len(raw_req)))
         self._count(Direction.DOWN, with_envelope(payloads, wire, n))
         return ins
+
+    def secure_stage(self, round_: int, payload: Payload | None, wait_seconds: float) -> SecureStageReply:
+        """Send this organization's stage message of secure aggregation for ``round_`` (None: none) and wait up to
+        ``wait_seconds`` for what the stage's close gives it (a reply without a payload: nothing yet)."""
+        req = apb.SecureStageRequest(run_id=self.run_id, round=round_, organization_id=self.organization,
+                                     wait_seconds=wait_seconds)
+        if payload is not None:
+            codec.fill_payload(req.payload, payload)
+        raw_req = req.SerializeToString()
+        raw = self._call("SecureStage", lambda: self._secure_raw(raw_req, metadata=self._metadata,
+                                                                 timeout=wait_seconds + 60))
+        resp = parse(apb.SecureStageResponse, raw, "response")
+        got = codec.payload_from_proto(resp.payload) if resp.HasField("payload") else None
+        self._count(Direction.UP, breakdown([req.payload] if payload is not None else [], len(raw_req)))
+        self._count(Direction.DOWN, breakdown([resp.payload] if got is not None else [], len(raw)))
+        return SecureStageReply(got, resp.stage, resp.abandoned)
 
     def push(self, round_: int, payloads: Sequence[Payload], wire_dtype: str | None = None,
              privacy: PrivacyDeclaration | None = None, leave_reason: str = "") -> PushReply:

@@ -96,6 +96,9 @@ class RunConfig:
     refuse_ephemeral_ledgers: bool = False
     # The largest ε an update may declare (privacy_epsilon_exceeded, and the organization stops); None: no limit.
     max_epsilon: float | None = None
+    # Sum the uploads under secure aggregation (SecAgg+, docs/security.md): the aggregator learns only the sum of
+    # the summed kinds (AlgorithmSpec.summed_upload). Refused for an algorithm that needs each organization's own.
+    secure_aggregation: bool = False
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
@@ -115,6 +118,9 @@ class RunConfig:
         check(self.max_epsilon is None or (math.isfinite(self.max_epsilon) and self.max_epsilon > 0),
               f"max_epsilon must be a number > 0 (leave it out for no limit), got {self.max_epsilon!r}")
         spec = self.spec
+        refusal = spec.secure_aggregation_refusal()
+        check(not (self.secure_aggregation and refusal),
+              f"secure_aggregation: {refusal}")
         check(type(self.algorithm_config) is spec.config_type,
               f"algorithm_config must be a {spec.config_type.__name__} (algorithm {self.algorithm!r}'s config), "
               f"got {type(self.algorithm_config).__name__}")

@@ -201,10 +201,14 @@ class AlgorithmSpec(Generic[C]):
                 raise ValueError(f"{self.name}: {side} must name its half as 'module:Class', got {ref!r}")
         self.config()  # the presets are fields of the config type, with valid values
 
-    def uploads(self, phase: Phase) -> tuple[frozenset[PayloadKind], frozenset[PayloadKind]]:
-        """(allowed, required) upload kinds in ``phase``."""
+    def uploads(self, phase: Phase, secure: bool = False) -> tuple[frozenset[PayloadKind], frozenset[PayloadKind]]:
+        """(allowed, required) upload kinds in ``phase``; under secure aggregation (``secure``) a training update
+        carries its masked input instead of the summed kinds (``summed_upload``)."""
         if phase is Phase.SETUP:
             return self.setup_upload, self.setup_upload
+        if phase is Phase.TRAIN and secure:
+            masked = frozenset({PayloadKind.SECAGG_MASKED_INPUT})
+            return (self.upload - self.summed_upload) | masked, (self.required_upload - self.summed_upload) | masked
         if phase is Phase.TRAIN:
             return self.upload, self.required_upload
         if phase is Phase.EVALUATE:

@@ -60,6 +60,8 @@ class RoundRecord:
     up: TrafficBreakdown = field(default_factory=TrafficBreakdown)
     down: TrafficBreakdown = field(default_factory=TrafficBreakdown)
     reports: dict[str, EvalMetrics] = field(default_factory=dict)
+    # Why the round's secure aggregate was abandoned (it closed with the model unchanged); "" when it was not.
+    abandoned: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form with named fields (for the history file)."""
@@ -71,6 +73,7 @@ class RoundRecord:
             "up": _traffic_json(self.up),
             "down": _traffic_json(self.down),
             "reports": {org: _metrics_json(m) for org, m in sorted(self.reports.items())},
+            **({"abandoned": self.abandoned} if self.abandoned else {}),
         }
 
     @classmethod
@@ -79,13 +82,15 @@ class RoundRecord:
         rec = cls(d["round"], Phase(d["phase"]), 0.0, d["duration"], d["clients"], _traffic_from_json(d["up"]),
                   _traffic_from_json(d["down"]))
         rec.reports = {org: _metrics_from_json(v) for org, v in d["reports"].items()}
+        rec.abandoned = str(d.get("abandoned", ""))
         return rec
 
     def summary(self, clients: int | None = None) -> RoundSummary:
         """The typed summary Status reports, its reports by organization name: a mean over them is then the
         same float whatever order the organizations pushed in."""
         return RoundSummary(self.round, self.clients if clients is None else clients, self.duration,
-                            messages.summary_traffic(self.up, self.down), dict(sorted(self.reports.items())))
+                            messages.summary_traffic(self.up, self.down), dict(sorted(self.reports.items())),
+                            self.abandoned)
 
 
 # Each history line carries the CRC-32 of the rest of its JSON object (lines written before it have none).

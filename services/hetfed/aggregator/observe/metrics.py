@@ -30,6 +30,10 @@ class AggregatorMetrics:
             "hetfed_storage_errors", "Writes to the state directory that failed (a push answered storage_unavailable, "
             "a join or round close retried); nothing acknowledged was lost", ["run"], registry=r,
         )
+        self.secure_abandoned = Counter(
+            "hetfed_secure_rounds_abandoned", "Rounds whose secure aggregate was abandoned (too few survivors or "
+            "shares); they closed with the model unchanged", ["run"], registry=r,
+        )
         self.round_duration = Histogram(
             "hetfed_round_duration_seconds", "Wall time from a round's opening to its close",
             ["run", "algorithm"], registry=r,

@@ -83,6 +83,12 @@ class RunObserver:
             self._mean_names = names
         log.info("run %s closed %s round %d with %d clients in %.2fs", self.run_id, rec.phase.value, rec.round,
                  rec.clients, rec.duration)
+        if rec.abandoned:
+            self.metrics.secure_abandoned.labels(self.run_id).inc()
+            log.warning("run %s: the secure aggregate of round %d was abandoned (%s); the model is unchanged",
+                        self.run_id, rec.round, rec.abandoned)
+            k8s_events.emit("SecureAggregateAbandoned", f"run {self.run_id} round {rec.round}: {rec.abandoned}",
+                            warning=True)
         k8s_events.emit("RoundClosed", f"run {self.run_id} closed {rec.phase.value} round {rec.round} "
                         f"with {rec.clients} clients in {rec.duration:.2f}s")
 

@@ -176,19 +176,22 @@ def check_privacy(cfg: RunConfig, organization: str, declared: PrivacyDeclaratio
 
 
 def check_push(cfg: RunConfig, limits: Limits, max_examples: int, state: RunState, organization: str, round_: int,
-               update: ParsedUpdate, half: ServerHalf, last: PrivacyDeclaration | None) -> Received:  # type: ignore[type-arg]
+               update: ParsedUpdate, half: ServerHalf, last: PrivacyDeclaration | None,  # type: ignore[type-arg]
+               secure: bool = False) -> Received:
     """A pushed update checked against the run in ``state``, decoded: a leave notice is refused (``refuse_leave``);
     an update must keep the algorithm's payload contract (``ParsedUpdate.check``), the example counts and named
     figures (``check_update``), the privacy declaration (``check_privacy``, after ``last``, the organization's
-    last accepted one) and what only the server half can check (``validate``)."""
+    last accepted one) and what only the server half can check (``validate``; not under secure aggregation
+    (``secure``), where the half never sees one update: each client checks its own ranges)."""
     if update.leaving:  # a leave notice carries no payload: refused before the payload contract would refuse it
         update.check_leave(cfg.id, round_, organization)
         refuse_leave(cfg, organization, update.privacy, update.leave_reason)
     received = update.check(cfg.spec, state.phase, state.schema, limits.max_tensor_elements, cfg.id, round_,
-                            organization)
+                            organization, secure=secure)
     check_update(cfg, limits, max_examples, organization, state.examples.get(organization, 0), received)
     check_privacy(cfg, organization, update.privacy, last)
-    half.validate(state.phase, organization, received)
+    if not secure:
+        half.validate(state.phase, organization, received)
     return received
 
 

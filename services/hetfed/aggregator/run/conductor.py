@@ -36,6 +36,8 @@ from hetfed.aggregator.run.intake import Intake
 from hetfed.aggregator.run.notifier import ChangeNotifier
 from hetfed.aggregator.run.open_round import OpenRound
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
+from hetfed.aggregator.run.secure import SecureParams
+from hetfed.aggregator.run.secure_stages import SecureStages
 from hetfed.aggregator.run.state import (
     Close,
     Duplicate,
@@ -68,9 +70,10 @@ from hetfed.wire.messages import (
     PushReply,
     RunStatus,
 )
-from hetfed.wire.payloads import EvalMetrics, Received
+from hetfed.wire.payloads import EvalMetrics, Payload, Received
 from hetfed.wire.phases import Phase
 from hetfed.wire.privacy import PrivacyDeclaration
+from hetfed.wire.rpc import SecureStageReply
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -119,8 +122,11 @@ class Run:
         self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
+        # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
+        self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds,
+                                   SecureParams() if cfg.secure_aggregation else None)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
-                             lambda: self.state)
+                             lambda: self.state, lambda: self.secure.active(self.state))
         self.state = RunState.start(self.rules)
         dtype = self.train_config.wire_dtype
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
@@ -200,7 +206,8 @@ class Run:
             return JoinReply(run_id=self.cfg.id, algorithm=self.cfg.algorithm, config_json=self._config_json,
                              current_round=self.round, total_rounds=self.cfg.rounds, seed=self.cfg.seed,
                              organizations=tuple(self.cfg.organizations),
-                             declare_required=bool(self.spec.shared_schema) and organization not in self.declared)
+                             declare_required=bool(self.spec.shared_schema) and organization not in self.declared,
+                             secure_aggregation=self.secure.params is not None)
 
     def poll(self, organization: str, request: PullRequest) -> Pulled | None:
         """The organization's next instructions if there are any now, else None (it waits on ``notifier``). One
@@ -217,6 +224,18 @@ class Run:
     def wait_reply(self) -> Pulled:
         """The WAIT instructions of the open round (lock-free: the event loop answers an expired long-poll)."""
         return self.instructions.wait(self.round)
+
+    def secure_stage(self, organization: str, round_: int, payload: Payload | None) -> SecureStageReply:
+        """Take ``organization``'s stage message of secure aggregation for the open round (None: none) and say
+        what it gets now (``hetfed.aggregator.run.secure_stages``); a close wakes the waiting callers."""
+        with self._lock:
+            check_member(self.state, self.rules, organization)
+            check_round(self.state, self.rules, round_)
+            sr = self.secure.current(self.state, lambda: self.aggregation.current(self.state))
+            if payload is not None and self.secure.take(sr, organization, payload):
+                self.notifier.notify()
+            self._try_close_locked()  # the last unmask reply ends the round
+            return self.secure.reply(sr, organization)
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
                        in_round: bool = True) -> None:
@@ -270,7 +289,11 @@ class Run:
                 self.state = step.state
             elif isinstance(effect, Fold):
                 assert received is not None
-                self.aggregation.fold(self.state, effect.organization, received)
+                if self.secure.active(self.state):  # the masked input goes to the round's coordinator
+                    self.secure.fold(self.state, effect.organization, received,
+                                     lambda: self.aggregation.current(self.state))
+                else:
+                    self.aggregation.fold(self.state, effect.organization, received)
                 self.ledger.pushed(effect.organization, self.round, privacy)
                 m = received.maybe(EvalMetrics)
                 if m is not None:
@@ -312,7 +335,10 @@ class Run:
     def _try_close_locked(self) -> None:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
         try:
-            if due(self.state, self.rules, self.open_round.overdue(self.cfg.round_deadline_seconds)):
+            self.secure.expire(self.state, self.notifier.notify)  # a secure round's stage 1 or 2 past its deadline
+            overdue = self.open_round.overdue(self.cfg.round_deadline_seconds)
+            if due(self.state, self.rules, overdue) and self.secure.ready(
+                    self.state, lambda: self.aggregation.current(self.state), self.notifier.notify):
                 self._apply_locked(close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:
@@ -325,6 +351,7 @@ class Run:
     def _close_locked(self, effect: Close, nxt: RunState) -> None:
         """Carry out a Close: aggregate, commit (history line, then checkpoint), then move on in memory."""
         rec = self.open_round.end(len(self.pushed))
+        rec.abandoned = self.secure.abandoned(self.state)
         arrays = self.aggregation.close_round(self.state, effect, self.instructions.drop)  # ahead until durable()
         self.journal.append_history(self.open_round.line())
         # The history line is durable; the checkpoint that counts it (the commit point) is written by

@@ -40,8 +40,10 @@ class Intake:
     """Takes one run's updates in; ``lock`` is the run's lock, ``state`` reads the run's current state."""
 
     def __init__(self, cfg: RunConfig, limits: Limits, max_examples: int, rules: Rules, journal: Journal,
-                 aggregation: Aggregation, lock: threading.RLock, state: Callable[[], RunState]) -> None:
+                 aggregation: Aggregation, lock: threading.RLock, state: Callable[[], RunState],
+                 secure: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.limits, self.max_examples, self.rules = cfg, limits, max_examples, rules
+        self.secure = secure  # whether the run aggregates securely (its updates carry masked inputs)
         self.journal, self.aggregation, self._lock, self._state = journal, aggregation, lock, state
 
     def claim_locked(self, organization: str, round_: int, last: PrivacyDeclaration | None) -> Claim:
@@ -61,14 +63,15 @@ class Intake:
         org, round_ = claim.organization, claim.round
         try:
             received = admission.check_push(self.cfg, self.limits, self.max_examples, claim.state, org, round_,
-                                            update, claim.half, claim.last)
+                                            update, claim.half, claim.last, self.secure())
             with self._lock:
                 # The last close's checkpoint first: the log holds this round. Awaiting it releases the lock,
                 # so the state is read after it; the round may have closed meanwhile.
                 self.journal.await_commit_locked(self._state().round - 1)
                 state = self._state()
                 check_round(state, self.rules, round_)
-                self.aggregation.revalidate(state, org, received, claim.half)
+                if not self.secure():
+                    self.aggregation.revalidate(state, org, received, claim.half)
                 ticket = self.journal.log_locked(org, round_, update.data, digest)
         except BaseException:
             with self._lock:

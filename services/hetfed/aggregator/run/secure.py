@@ -15,7 +15,8 @@ and the half is not touched (``abandoned`` says why).
 Resumption: ``events`` lists every accepted stage message and every close; ``replay`` feeds them to a fresh round
 of the same setup, which ends at the same stage with the same outbox. Nothing writes them to the journal yet.
 
-Not wired into the round engine yet: nothing in the conductor, the servicer or the CLI reaches this module.
+Driven by ``hetfed.aggregator.run.secure_stages`` (the SecureStage RPC, the push path and the round's close);
+no run option turns it on yet.
 """
 
 from __future__ import annotations

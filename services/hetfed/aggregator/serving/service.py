@@ -44,7 +44,8 @@ from hetfed.wire.messages import (
     PushReply,
     RunStatus,
 )
-from hetfed.wire.rpc import Caller, Receiving
+from hetfed.wire.payloads import Payload
+from hetfed.wire.rpc import Caller, Receiving, SecureStageReply
 from hetfed.wire.traffic import Direction, TrafficBreakdown, with_envelope
 
 log = logging.getLogger("hetfed.aggregator")
@@ -297,6 +298,23 @@ class AggregatorService:
                 break
             await run.notifier.wait(seen, remaining)
         return run.wait_reply()
+
+    async def secure_stage(self, organization: str, run_id: str, round_: int, payload: Payload | None,
+                           wait_seconds: float) -> SecureStageReply:
+        """Take a stage message of secure aggregation (in the worker pool), then long-poll without a thread until
+        the stage's close gives the organization its next message, or the wait ends (a reply without one)."""
+        run = self._run(run_id)
+        run.check_member(organization)
+        deadline = time.monotonic() + min(wait_seconds, self.config.server.max_pull_wait_seconds)
+        sent: list[Payload | None] = [payload]
+        while True:
+            seen = run.notifier.version
+            reply = await self.blocking(lambda: run.secure_stage(organization, round_, sent[0]))
+            sent[0] = None
+            remaining = deadline - time.monotonic()
+            if reply.payload is not None or reply.abandoned or self._stopping or remaining <= 0:
+                return reply
+            await run.notifier.wait(seen, remaining)
 
     def admit_push(self, organization: str, run_id: str, round_: int, announced_bytes: int) -> PushReservation:
         """Refuse a push before its chunks are read (a stale or foreign push, or one over the push limits)."""

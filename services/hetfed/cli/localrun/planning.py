@@ -104,6 +104,8 @@ class LocalRunOptions:
     quiet: bool = False
     # Federate over mTLS with certificates generated into <workdir>/certs.
     tls: bool = False
+    # Sum the uploads under secure aggregation (docs/security.md); refused for an algorithm that cannot.
+    secure_aggregation: bool = False
     # Clients report their CPU and wall time of local work (benchmarks measure the overhead with it).
     timing: bool = False
     # > 0: set up for a Prometheus (client metrics, <workdir>/prometheus-targets.json, whole-model references).
@@ -337,7 +339,7 @@ def _run_plan(opts: LocalRunOptions, spec: AlgorithmSpec, own: LocalDefaults, pa
                         # Every organization trains under differential privacy: the aggregator refuses an update
                         # that does not declare it. One whose budget is spent sends a leave notice and exits
                         # PRIVACY_BUDGET_SPENT; the aggregator stops waiting for it at once.
-                        require_privacy=privacy.enabled)
+                        require_privacy=privacy.enabled, secure_aggregation=opts.secure_aggregation)
     except ConfigError as exc:
         raise ConfigError(f"run {run_id}: {exc}") from None
     orgs = tuple(_client_of(opts, run_id, data[i], models[i % len(models)], latent, privacy,

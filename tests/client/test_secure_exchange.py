@@ -1,0 +1,93 @@
+"""The client's side of a secure round over the SecureStage RPC (``SecureExchange``) against a real aggregator
+(gRPC, in process): four organizations, each in its own thread, mask their FedAvg weights, push, and answer the
+unmask request; one drops after masking. The round closes at its deadline with the survivors' weighted mean,
+within the encoding's quantization."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from hetfed import secagg
+from hetfed.aggregator.run.secure import SecureParams
+from hetfed.client.secure import SecureExchange
+from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
+from hetfed.wire.rpc import AggregatorClient
+from hetfed.wire.specs import fedavg
+from tests.conftest import run_config, wait_until
+
+ORGS = ("a", "b", "c", "d")  # complete graph: k = 3, t = 2
+EXAMPLES = {"a": 10, "b": 20, "c": 30, "d": 40}
+
+
+def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(aggregator: Callable[..., Any]) -> None:
+    agg = aggregator(run_config(organizations=list(ORGS), rounds=1, min_clients=3, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(9)
+    w = {o: rng.normal(0, 0.5, (4,)).astype(np.float32) for o in ORGS}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in ORGS}
+    for o, c in clients.items():
+        c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+
+    def organization(i: int, o: str) -> tuple[list[Any], bool]:
+        ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
+        upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
+                                  fedavg.SPEC.summed_upload, np.random.default_rng([5, i]))
+        if o == "d":  # drops after masking: never pushes, never answers
+            return upload, False
+        clients[o].push(1, upload)
+        return upload, ex.unmask()
+
+    try:
+        with ThreadPoolExecutor(len(ORGS)) as pool:
+            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
+    finally:
+        for c in clients.values():
+            c.close()
+    assert [p.kind.value for p in done["a"][0]] == ["secagg_masked_input", "eval_metrics"]
+    assert [done[o][1] for o in ORGS] == [True, True, True, False]
+    sr = run.secure.round
+    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
+    assert run.round == 2
+    enc = sr.config.encoding
+    step = max(f.bound for f in enc.fields) / enc.level
+    plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in "abc") / 60.0
+    assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 60.0 + 1e-6
+
+
+def test_an_organization_that_comes_after_stage_1_sits_the_round_out(aggregator: Callable[..., Any]) -> None:
+    agg = aggregator(run_config(organizations=list(ORGS), rounds=1, min_clients=3, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(12)
+    w = {o: rng.normal(0, 0.5, (4,)).astype(np.float32) for o in ORGS}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in ORGS}
+    for o, c in clients.items():
+        c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+
+    def organization(i: int, o: str) -> bool:
+        if o == "d":  # comes once stage 1 has closed without it (at its deadline, with the quorum of 3)
+            wait_until(lambda: run.secure.round is not None and run.secure.round.stage != "advertise", timeout=30)
+        ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
+        upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
+                                  fedavg.SPEC.summed_upload, np.random.default_rng([6, i]))
+        if upload is None:
+            return False
+        clients[o].push(1, upload)
+        return ex.unmask()
+
+    try:
+        with ThreadPoolExecutor(len(ORGS)) as pool:
+            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
+    finally:
+        for c in clients.values():
+            c.close()
+    assert done == {"a": True, "b": True, "c": True, "d": False}
+    sr = run.secure.round
+    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
+    assert run.round == 2
