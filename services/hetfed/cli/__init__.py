@@ -386,8 +386,9 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--tls", action="store_true",
                    help="generate a CA and certificates in the run directory and federate over mTLS")
     r.add_argument("--secure-aggregation", action="store_true",
-                   help="sum the uploads under secure aggregation (SecAgg+, docs/security.md): the aggregator "
-                   "learns only their sum; for algorithms that only sum what they receive")
+                   help="experimental: sum the uploads under secure aggregation (SecAgg+, docs/security.md): the "
+                   "aggregator learns only their sum; for algorithms that only sum what they receive; an aggregator "
+                   "restart during a secure round is not handled yet")
     r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                    help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
                    "lists every endpoint (file_sd), and processes keep serving SECONDS after the run "
