@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -91,6 +93,33 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+def aggregator_processes(tmp_path: Path, run: dict[str, Any]) -> Iterator[Callable[[], tuple[Any, int]]]:
+    """A fixture's body: start (and restart) a real ``hetfed aggregator`` process hosting ``run``, on one port and
+    one state directory; each start waits for its ready file. Every process still alive is killed at the end."""
+    port = free_port()
+    cfg = {"server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state")},
+           "runs": [run]}
+    (tmp_path / "agg.json").write_text(json.dumps(cfg))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> tuple[subprocess.Popen[bytes], int]:
+        ready = tmp_path / "ready"
+        ready.unlink(missing_ok=True)
+        log = open(tmp_path / f"agg{len(procs)}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
+                              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the aggregator to start")
+        assert p.poll() is None, (tmp_path / f"agg{len(procs) - 1}.log").read_text()
+        return p, port
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 class GatedDisk(FaultyDisk):

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,7 @@ import pytest
 from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, ModelWeights, PayloadKind
-from tests.conftest import RawClient, free_port, wait_until
+from tests.conftest import RawClient, aggregator_processes
 
 W = np.array([2.0, 4.0, 8.0], np.float32)
 DECL = [(PayloadKind.MODEL_WEIGHTS, "w", W)]
@@ -29,32 +26,9 @@ def upd(scale: float, n: int) -> list[Any]:
 
 
 @pytest.fixture
-def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], int]]]:
+def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[Any, int]]]:
     """Start (and restart) a real ``hetfed aggregator`` process on one port and one state directory."""
-    port = free_port()
-    cfg = {
-        "server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state")},
-        "runs": [{"id": "r", "algorithm": "fedavg", "organizations": ["a", "b", "c"], "rounds": 2}],
-    }
-    (tmp_path / "agg.json").write_text(json.dumps(cfg))
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> tuple[subprocess.Popen[bytes], int]:
-        ready = tmp_path / "ready"
-        ready.unlink(missing_ok=True)
-        log = open(tmp_path / f"agg{len(procs)}.log", "wb")  # noqa: SIM115
-        p = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
-                              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
-        procs.append(p)
-        wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the aggregator to start")
-        assert p.poll() is None, (tmp_path / f"agg{len(procs) - 1}.log").read_text()
-        return p, port
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    yield from aggregator_processes(tmp_path, {"id": "r", "algorithm": "fedavg", "organizations": ["a", "b", "c"], "rounds": 2})
 
 
 def test_kill_between_pushes_then_resume(aggregator_process: Callable[[], tuple[Any, int]],

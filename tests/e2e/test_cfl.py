@@ -22,7 +22,7 @@ from hetfed.v1 import aggregator_pb2 as apb
 from hetfed.wire import codec
 from hetfed.wire.payloads import EvalMetrics, HeadWeights, ModelWeights, Payload, PayloadKind
 from hetfed.wire.traffic import embedded_size
-from tests.conftest import RawClient, denied, free_port, wait_until
+from tests.conftest import RawClient, aggregator_processes, denied
 
 pytestmark = pytest.mark.e2e
 CLIENTS, ROUNDS = 4, 5
@@ -154,34 +154,11 @@ def test_a_run_under_privacy_is_refused_at_join() -> None:
 
 
 @pytest.fixture
-def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], int]]]:
-    """Start (and restart) a real ``hetfed aggregator`` process hosting a CFL run, on one port and one state
-    directory."""
-    port = free_port()
-    cfg = {
-        "server": {"listen": f"127.0.0.1:{port}", "metrics_port": -1, "state_dir": str(tmp_path / "state")},
-        "runs": [{"id": "r", "algorithm": "cfl", "organizations": ["a", "b", "c"], "rounds": 3,
-                  "algorithm_config": {"split_from_round": 1, "eps1": 1e9, "eps2": 0.0}}],
-    }
-    (tmp_path / "agg.json").write_text(json.dumps(cfg))
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> tuple[subprocess.Popen[bytes], int]:
-        ready = tmp_path / "ready"
-        ready.unlink(missing_ok=True)
-        log = open(tmp_path / f"agg{len(procs)}.log", "wb")  # noqa: SIM115
-        p = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "aggregator", "--config", str(tmp_path / "agg.json"),
-                              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
-        procs.append(p)
-        wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the aggregator to start")
-        assert p.poll() is None, (tmp_path / f"agg{len(procs) - 1}.log").read_text()
-        return p, port
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+def aggregator_process(tmp_path: Path) -> Iterator[Callable[[], tuple[Any, int]]]:
+    """Start (and restart) a real ``hetfed aggregator`` process on one port and one state directory."""
+    run = {"id": "r", "algorithm": "cfl", "organizations": ["a", "b", "c"], "rounds": 3,
+           "algorithm_config": {"split_from_round": 1, "eps1": 1e9, "eps2": 0.0}}
+    yield from aggregator_processes(tmp_path, run)
 
 
 def _pull_model(c: RawClient, completed: int, round_: int) -> list[float]:
