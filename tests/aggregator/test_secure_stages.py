@@ -60,6 +60,19 @@ def payloads(replies: dict[str, SecureStageReply], cls: type) -> dict[str, Any]:
     return out
 
 
+def share_keys(clients: dict[str, AggregatorClient], secure: dict[str, SecureClient],
+               orgs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stages 1 and 2 for ``orgs`` at once over the SecureStage RPC: each one's neighbours' keys, then the sealed
+    shares addressed to it."""
+    adverts = {o: secure[o].advertise() for o in orgs}
+    keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
+                    SecAggPeerKeys)
+    shared = {o: secure[o].share(keys[o]) for o in orgs}
+    shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
+                      SecAggPeerShares)
+    return keys, shares
+
+
 def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggregator: Callable[..., Any]) -> None:
     agg = aggregator(run_config(organizations=list(ORGS), rounds=1))
     run = agg.service.runs["r"]
@@ -175,12 +188,7 @@ def test_a_client_that_drops_after_masking_is_recovered(aggregator: Callable[...
         setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
         assert setup.config.threshold == 2
         secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
-        adverts = {o: secure[o].advertise() for o in orgs}
-        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
-                        SecAggPeerKeys)
-        shared = {o: secure[o].share(keys[o]) for o in orgs}
-        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
-                          SecAggPeerShares)
+        _, shares = share_keys(clients, secure, orgs)
         survivors = orgs[:3]
         for i, o in enumerate(survivors):
             masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, examples[o])], fedavg.SPEC.summed_upload,
@@ -218,12 +226,7 @@ def test_too_few_survivors_abandon_the_aggregate_shown_in_status_and_metrics(agg
             c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
         setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
         secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
-        adverts = {o: secure[o].advertise() for o in orgs}
-        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
-                        SecAggPeerKeys)
-        shared = {o: secure[o].share(keys[o]) for o in orgs}
-        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
-                          SecAggPeerShares)
+        _, shares = share_keys(clients, secure, orgs)
         for i, o in enumerate(("a", "b")):
             masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, 10)], fedavg.SPEC.summed_upload,
                                     np.random.default_rng([6, i]))
@@ -256,13 +259,8 @@ def test_a_member_that_never_comes_is_left_out_at_the_stage_deadline(aggregator:
         setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
         assert setup.config.roster == (*orgs, absent)
         secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
-        adverts = {o: secure[o].advertise() for o in orgs}
-        keys = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, adverts[o], 30)) for o in orgs}),
-                        SecAggPeerKeys)
+        keys, shares = share_keys(clients, secure, orgs)
         assert all(absent not in {a.sender for a in k.message.peers} for k in keys.values())
-        shared = {o: secure[o].share(keys[o]) for o in orgs}
-        shares = payloads(together({o: (lambda o=o: clients[o].secure_stage(1, shared[o], 30)) for o in orgs}),
-                          SecAggPeerShares)
         for i, o in enumerate(orgs):
             masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, 10)], fedavg.SPEC.summed_upload,
                                     np.random.default_rng([7, i]))
