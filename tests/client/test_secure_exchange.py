@@ -24,15 +24,22 @@ ORGS = ("a", "b", "c", "d")  # complete graph: k = 3, t = 2
 EXAMPLES = {"a": 10, "b": 20, "c": 30, "d": 40}
 
 
-def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(aggregator: Callable[..., Any]) -> None:
+def joined(aggregator: Callable[..., Any], seed: int) -> tuple[Any, dict[str, np.ndarray], dict[str, AggregatorClient]]:
+    """A secure one-round run of ORGS (quorum 3, 1 s deadline), every organization joined with a seeded weight
+    vector of its own: the run, the weights and each organization's client."""
     agg = aggregator(run_config(organizations=list(ORGS), rounds=1, min_clients=3, round_deadline_seconds=1.0))
     run = agg.service.runs["r"]
     run.secure.params = SecureParams()
-    rng = np.random.default_rng(9)
+    rng = np.random.default_rng(seed)
     w = {o: rng.normal(0, 0.5, (4,)).astype(np.float32) for o in ORGS}
     clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in ORGS}
     for o, c in clients.items():
         c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+    return run, w, clients
+
+
+def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(aggregator: Callable[..., Any]) -> None:
+    run, w, clients = joined(aggregator, seed=9)
 
     def organization(i: int, o: str) -> tuple[list[Any], bool]:
         ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
@@ -61,14 +68,7 @@ def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(a
 
 
 def test_an_organization_that_comes_after_stage_1_sits_the_round_out(aggregator: Callable[..., Any]) -> None:
-    agg = aggregator(run_config(organizations=list(ORGS), rounds=1, min_clients=3, round_deadline_seconds=1.0))
-    run = agg.service.runs["r"]
-    run.secure.params = SecureParams()
-    rng = np.random.default_rng(12)
-    w = {o: rng.normal(0, 0.5, (4,)).astype(np.float32) for o in ORGS}
-    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in ORGS}
-    for o, c in clients.items():
-        c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+    run, w, clients = joined(aggregator, seed=12)
 
     def organization(i: int, o: str) -> bool:
         if o == "d":  # comes once stage 1 has closed without it (at its deadline, with the quorum of 3)
