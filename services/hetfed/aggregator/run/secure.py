@@ -177,7 +177,7 @@ class SecureRound:
             return None
         summed = {kind: replace(total, values={n: total.values[n] for n in self._order[kind] if n in total.values})
                   for kind, total in sums(self.spec.summed_upload, result.values).items()}
-        try:  # the half's own checks of the sum (Fed-CMA: its weights against the setup counts)
+        try:  # the half's own checks of the sum (a half may refuse it: WireError)
             self.half.accumulate_sum(Phase.TRAIN, summed, result.survivors)
         except WireError as exc:
             self.abandoned = str(exc)
