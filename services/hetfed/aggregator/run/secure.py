@@ -166,8 +166,8 @@ class SecureRound:
     def finish(self) -> secagg.Aggregate | None:
         """Unmask and decode the sum, check it, and hand it to the server half (``accumulate_sum``); None when
         the round's aggregate is abandoned (too few parties) or refused (an element of the sum beyond the
-        survivors times its bound, which no honest inputs give, or by the half's own checks of the sum, which
-        leave it untouched): the half is not touched, ``abandoned`` says why."""
+        survivors times its bound, which no honest inputs give, or by the half's own checks of the sum): the half is
+        not touched, ``abandoned`` says why."""
         if self.stage != "unmask":
             raise WireError("unexpected_stage", f"finishing at {self.stage}")
         try:
