@@ -5,7 +5,7 @@ seed ends, within the quantization's error, and no summed kind goes up in the cl
 The secure sum differs from the plain one only by the encoding's quantization (``SecureParams``: 40 value bits
 for a bound of 100 times the weight bound): each averaged element is off by at most about 1e-7, which moves a
 prediction only at a near tie. Measured at seed 0 on digits, 3 organizations, 2 rounds: every final accuracy and
-figure equal to the plain run's to the last digit (2026-12-08); the tolerance below is one test example in a
+figure equal to the plain run's to the last digit; the tolerance below is one test example in a
 hundred, kept for a tie flipped by that 1e-7."""
 
 from __future__ import annotations
