@@ -139,6 +139,27 @@ def test_fedavg_refuses_secure_sums_where_it_needs_each_update(overrides: dict, 
 def test_a_spec_without_summed_uploads_is_refused(spec: AlgorithmSpec) -> None:
     assert "cannot run with secure_aggregation = true" in spec.secure_aggregation_refusal()
     assert spec.name in spec.secure_aggregation_refusal()
+    assert spec.unsummed_because in spec.secure_aggregation_refusal()
+
+
+_MW, _HW, _CME = PayloadKind.MODEL_WEIGHTS, PayloadKind.HEAD_WEIGHTS, PayloadKind.CLASS_MEAN_EMBEDDINGS
+# The audit of every registered algorithm: the kinds its server half only sums. The FedAvg family's halves are
+# FedAvg's weighted mean (``FedAvgServer``), of whole models, bodies, global, meme or meta-models.
+AUDITED = {
+    **dict.fromkeys(["fedavg", "fedprox", "fedsr", "fedl2r", "fedcmi", "fedavg_body", "fedper", "fedrep", "ditto",
+                     "ditto_cos", "ditto_mkmmd", "ditto_mmdd", "fedadg", "fml", "perfedavg", "perfedavg_hf"],
+                    frozenset({_MW})),
+    "fedavg_head": frozenset({_HW}),
+    "fedcma": frozenset({_CME, _HW}), "fedcma_paper": frozenset({_CME, _HW}),
+}
+
+
+def test_every_registered_algorithm_is_audited_for_secure_aggregation() -> None:
+    """A new algorithm, or a spec derived from FedAvg's that inherits its summed upload, lands here: it either
+    sums what this table says, or says why it cannot in its refusal (``unsummed_because``)."""
+    assert {s.name: s.summed_upload for s in REGISTERED if s.summed_upload} == AUDITED
+    for spec in REGISTERED:
+        assert bool(spec.summed_upload) != bool(spec.unsummed_because), spec.name
 
 
 def test_a_half_that_does_not_sum_refuses_sums() -> None:

@@ -69,7 +69,7 @@ def test_an_algorithm_that_needs_each_payload_is_refused(tmp_path: Path) -> None
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert "secure_aggregation: algorithm 'fedmd' needs each organization's own payloads" in proc.stderr
+    assert "secure_aggregation: algorithm 'fedmd' cannot run with secure_aggregation = true: its consensus" in proc.stderr
 
 
 def test_a_client_killed_after_masking_is_recovered(aggregator: Callable[..., Any], tmp_path: Path) -> None:

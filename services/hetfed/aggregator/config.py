@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
@@ -130,6 +131,11 @@ class RunConfig:
         if self.seed_set is not None:
             unknown = sorted(set(self.seed_set.parts) - set(self.organizations))
             check(not unknown, f"seed_set.parts names organizations not in the run: {unknown}")
+        if self.secure_aggregation:  # a config option under which the half needs each update (a median)
+            half = make_server_half(spec, self.algorithm_config, self.run_info())
+            why = half.secure_aggregation_refusal()
+            check(not why, f"secure_aggregation: algorithm {self.algorithm!r} cannot run with "
+                           f"secure_aggregation = true: {why}")
 
     @property
     def quorum(self) -> int:

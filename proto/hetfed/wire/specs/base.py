@@ -152,6 +152,9 @@ class AlgorithmSpec(Generic[C]):
     # Upload kinds the server half only sums, weighted (``hetfed.wire.summation``): what secure aggregation
     # carries in a training round. Empty: the algorithm needs individual payloads and cannot run under it.
     summed_upload: frozenset[PayloadKind] = frozenset()
+    # Why the algorithm cannot run under secure aggregation, where it declares no summed upload (one clause, the
+    # refusal's reason: "the server relays each organization's posteriors to its peers").
+    unsummed_because: str = ""
     # Download kinds the aggregator may send several of in one instructions message (relays).
     repeated_download: frozenset[PayloadKind] = frozenset()
     # True when no encoder weights may ever leave an organization.
@@ -191,6 +194,8 @@ class AlgorithmSpec(Generic[C]):
             raise ValueError(f"{self.name}: summed uploads must be allowed uploads other than EvalMetrics")
         if not self.summed_upload <= SUMMABLE:
             raise ValueError(f"{self.name}: {sorted(k.value for k in self.summed_upload - SUMMABLE)} have no summed form")
+        if self.summed_upload and self.unsummed_because:
+            raise ValueError(f"{self.name}: a spec with summed uploads gives no reason for needing each payload")
         if not self.repeated_download <= self.download:
             raise ValueError(f"{self.name}: repeated download kinds must be download kinds")
         if not dataclasses.is_dataclass(self.config_type) or not issubclass(self.config_type, TrainConfig):
@@ -231,8 +236,8 @@ class AlgorithmSpec(Generic[C]):
         """Why this algorithm cannot run with ``secure_aggregation = true`` (one line), or "" when it can."""
         if self.summed_upload:
             return ""
-        return (f"algorithm {self.name!r} needs each organization's own payloads (it declares no summed upload), "
-                "so it cannot run with secure_aggregation = true")
+        why = self.unsummed_because or "it needs each organization's own payloads (it declares no summed upload)"
+        return f"algorithm {self.name!r} cannot run with secure_aggregation = true: {why}"
 
     @property
     def first_phase(self) -> Phase:

@@ -86,4 +86,5 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.MODEL_WEIGHTS}),
     setup_upload=frozenset({K.MODEL_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
+    unsummed_because="the server clusters organizations by the cosine similarity of their own updates",
 )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -88,6 +89,7 @@ SPEC = fedavg.SPEC.derive(
     "averaged global model (Li et al. 2021; Ayromlou and Emerson); only the global model crosses the wire.",
     config_type=DittoConfig,
     figures=(Figure("global", "global_model_test_accuracy"),),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's weighted mean of the global models; personal models never leave
 )
 
 # The paper's Table 3 values for Synthetic(0.5, 0.5): λ = 0.01 and μ = 1 with each drift measure.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -86,4 +87,5 @@ SPEC = fedavg.SPEC.derive(
             "kept; domain generalisation.",
     config_type=FedADGConfig,
     figures=(Figure("target", "target_test_accuracy"), Figure("source_val", "test_accuracy")),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's uniform mean of extractor, classifier and generator
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
@@ -22,6 +23,7 @@ SPEC = fedavg.SPEC.derive(
     summary="FedAvg of the body: encoders averaged, classifier heads kept local (FedPer style).",
     config_type=FedAvgBodyConfig,
     shared_label_space=False,  # heads stay local: organizations may name and count their classes differently
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's weighted mean of the bodies; heads never leave
 )
 # FedPer (Arivazhagan et al. 2019) is this algorithm with one personalization layer, the head: base layers
 # trained with the head each round and averaged by example counts (docs/algorithms/fedavg_body.md).

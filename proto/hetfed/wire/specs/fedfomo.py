@@ -104,4 +104,5 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.MODEL_WEIGHTS, K.PEER_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS}),
     repeated_download=frozenset({K.MODEL_WEIGHTS}),
+    unsummed_because="the server sends each organization some of its peers' own models",
 )

@@ -96,6 +96,7 @@ SPEC = AlgorithmSpec(
     required_upload=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS, K.CLASS_COUNTS, K.EVAL_METRICS}),
     download=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS}),
     shared_schema=frozenset({K.MODEL_WEIGHTS, K.HEAD_WEIGHTS}),
+    unsummed_because="the server trains its generator against each organization's own head",
 )
 
 

@@ -64,4 +64,5 @@ SPEC = AlgorithmSpec(
     needs_seed_set=True,
     figures=(Figure("wdp", "test_accuracy"), Figure("cdp", "cross_test_accuracy"),
              Figure("acc", "global_test_accuracy")),
+    unsummed_because="the server relays each organization's posteriors to its peers",
 )

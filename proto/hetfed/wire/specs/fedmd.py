@@ -72,4 +72,5 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.SEED_POSTERIORS}),
     model_private=True,
     needs_seed_set=True,
+    unsummed_because="its consensus is a mean of the organizations' posteriors, a payload kind with no summed form yet",
 )

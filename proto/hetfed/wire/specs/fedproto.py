@@ -62,4 +62,6 @@ SPEC = AlgorithmSpec(
     download=frozenset({K.CLASS_MEAN_EMBEDDINGS}),
     model_private=True,
     figures=(Figure("prototype", "prototype_test_accuracy"),),
+    unsummed_because=("its server keeps each class's example total and (under the uniform and paper weightings) "
+                      "the number of organizations holding it: two weights per class where a secure sum carries one"),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
@@ -24,4 +25,5 @@ SPEC = fedavg.SPEC.derive(
     name="fedprox",
     summary="FedProx (Li et al. 2020): FedAvg with a proximal term in the local objective.",
     config_type=FedProxConfig,
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # the server half is FedAvg's: the weighted mean of the models
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg_body
 from hetfed.wire.specs.fedavg import FedAvgConfig
 
@@ -50,4 +51,5 @@ SPEC = fedavg_body.SPEC.derive(
     summary="FedRep (Collins et al. 2021): each round the head trains with the body frozen, then the body with "
             "the head frozen; only the body is averaged, the head is never sent.",
     config_type=FedRepConfig,
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's weighted mean of the bodies; heads never leave
 )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -69,6 +70,7 @@ SPEC = fedavg.SPEC.derive(
     "information regularisers, uniform FedAvg of the whole model; domain generalisation.",
     config_type=FedSRConfig,
     figures=(Figure("target", "target_test_accuracy"), Figure("source_val", "test_accuracy")),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's weighted mean of the whole model (uniform over organizations by default)
 )
 
 # FedL2R (paper §3.3.2): FedSR's L2R term alone, on the deterministic network.

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -54,4 +55,5 @@ SPEC = fedavg.SPEC.derive(
     config_type=FMLConfig,
     own_architectures=True,
     figures=(Figure("meme", "meme_model_test_accuracy"),),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's weighted mean of the meme models; private models never leave
 )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetfed.wire.config import check
+from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs import fedavg
 from hetfed.wire.specs.base import Figure
 from hetfed.wire.specs.fedavg import FedAvgConfig
@@ -74,6 +75,7 @@ SPEC = fedavg.SPEC.derive(
             "each organization evaluates the global model after one α-step on its own data.",
     config_type=PerFedAvgConfig,
     figures=(Figure("global", "global_model_test_accuracy"),),
+    summed_upload=frozenset({K.MODEL_WEIGHTS}),  # FedAvg's uniform mean of the meta-models
 )
 # The Hessian-free variant: the meta step corrected by α times a Hessian-vector product on a third batch.
 HF_SPEC = SPEC.preset("perfedavg_hf", "Per-FedAvg (HF): perfedavg with variant hf (Hessian-vector product by "

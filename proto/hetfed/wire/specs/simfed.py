@@ -110,6 +110,8 @@ SPEC = AlgorithmSpec(
     shared_label_space=False,  # heads stay local: organizations may count their classes differently
     figures=(Figure("mask_density", "mask_density"), Figure("trained_mask_density", "trained_mask_density"),
              Figure("kept_mask_density", "kept_mask_density")),
+    unsummed_because=("the server matches each organization's factors with its peers' by the similarity of their "
+                      "criteria embeddings"),
 )
 
 

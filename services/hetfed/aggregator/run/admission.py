@@ -24,6 +24,7 @@ from hetfed.wire.payloads import (
     HeadWeights,
     ModelWeights,
     Received,
+    SecAggMaskedInput,
     training_examples,
 )
 from hetfed.wire.phases import Phase
@@ -192,6 +193,11 @@ def check_push(cfg: RunConfig, limits: Limits, max_examples: int, state: RunStat
     check_privacy(cfg, organization, update.privacy, last)
     if not secure:
         half.validate(state.phase, organization, received)
+    else:  # a masked input is its sender's own: refused before it is logged, as the coordinator would refuse it
+        masked = received.maybe(SecAggMaskedInput)
+        if masked is not None and masked.message.sender != organization:
+            raise WireError("identity_mismatch", f"a masked input of {clip(masked.message.sender, 64)!r} pushed by "
+                                                 f"{organization!r}")
     return received
 
 
