@@ -159,6 +159,7 @@ def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggre
             assert sample(agg, o, "up", "secagg_shared_keys") > 0
             assert sample(agg, o, "down", "secagg_peer_shares") > 0
             assert sample(agg, o, "down", "secagg_unmask") > 0 and sample(agg, o, "up", "secagg_unmask") > 0
+            assert sample(agg, o, "up", "secagg_masked_input") > 0  # on PushUpdate, not SecureStage
     finally:
         for c in clients.values():
             c.close()
