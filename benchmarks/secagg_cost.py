@@ -224,20 +224,22 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.2f}"
 
 
-HEADER = ("| system | params | N | round s | MB up/org/round (masked input + stages) | MB down/org/round | "
-          "agg CPU s/round | clients CPU s/round | agg peak RSS MB | load |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| system | params | N | round s | MB up/org/round | of which weights or masked input MB | stages kB up / "
+          "down | MB down/org/round | agg CPU s/round | clients CPU s/round | agg peak RSS MB | load |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def report(r: dict[str, Any]) -> str:
     """One markdown row."""
     name = f"{r['system']} {r['arm']}"
-    load = f"{r['load_before']:.1f}-{r['load_after']:.1f}"
+    load = f"{r['load_before']:.0f}-{r['load_after']:.0f}"
     if r["system"] != "hetfed":
-        return (f"| {name} | {r['params']:,} | {r['clients']} | {r['round_s']:.2f} | {_mb(r['up_per_org'])} | "
-                f"{_mb(r['down_per_org'])} | {r['all_cpu_s']:.2f} (all processes) | | | {load} |")
-    up = f"{_mb(r['up_per_org'])} ({_mb(r['masked_up'])} + {_mb(r['stages_up'])})"
-    return (f"| {name} | {r['params']:,} | {r['clients']} | {r['round_s']:.2f} | {up} | {_mb(r['down_per_org'])} | "
-            f"{r['agg_cpu_s']:.2f} | {r['clients_cpu_s']:.2f} | {r['agg_peak_rss_mb']:.0f} | {load} |")
+        return (f"| {name} | {r['params']:,} | {r['clients']} | {r['round_s']:.2f} | {_mb(r['up_per_org'])} | | | "
+                f"{_mb(r['down_per_org'])} | {r['all_cpu_s']:.2f} (every process) | | | {load} |")
+    stages = f"{r['stages_up'] / 1e3:.1f} / {r['stages_down'] / 1e3:.1f}" if r["arm"] == "secure" else ""
+    return (f"| {name} | {r['params']:,} | {r['clients']} | {r['round_s']:.2f} | {_mb(r['up_per_org'])} | "
+            f"{_mb(r['masked_up'])} | {stages} | {_mb(r['down_per_org'])} | {r['agg_cpu_s']:.2f} | "
+            f"{r['clients_cpu_s']:.2f} | {r['agg_peak_rss_mb']:.0f} | {load} |")
 
 
 def machine() -> str:
@@ -273,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="N = 2, a 10k-parameter model, 3 rounds (a check)")
     ap.add_argument("--json", type=Path, help="also write the rows, the machine and the command here")
+    ap.add_argument("--table", type=Path, help="print the table of a JSON this script wrote, and nothing else")
     args = ap.parse_args(argv)
+    if args.table:
+        print(HEADER)
+        for r in json.loads(args.table.read_text())["rows"]:
+            print(report(r))
+        return 0
     if args.quick:
         args.params, args.clients, args.rounds = str(QUICK_PARAMS), "2", 3
     if args.rounds < 3:

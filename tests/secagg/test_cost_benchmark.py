@@ -64,7 +64,8 @@ def test_the_prometheus_counters_must_hold_every_rounds_record() -> None:
 
 def test_a_row_shows_the_masked_input_and_the_stages_apart() -> None:
     row = {"system": "hetfed", "arm": "secure", "params": 1_000_120, "clients": 4, "round_s": 1.234,
-           "up_per_org": 8_100_000, "masked_up": 8_000_000, "stages_up": 100_000, "down_per_org": 4_200_000,
-           "agg_cpu_s": 0.5, "clients_cpu_s": 1.25, "agg_peak_rss_mb": 300.2, "load_before": 1.0, "load_after": 2.0}
-    assert bench.report(row) == ("| hetfed secure | 1,000,120 | 4 | 1.23 | 8.10 (8.00 + 0.10) | 4.20 | 0.50 | 1.25 | "
-                                 "300 | 1.0-2.0 |")
+           "up_per_org": 8_101_234, "masked_up": 8_000_000, "stages_up": 1_234, "stages_down": 2_060,
+           "down_per_org": 4_200_000, "agg_cpu_s": 0.5, "clients_cpu_s": 1.25, "agg_peak_rss_mb": 300.2,
+           "load_before": 1.0, "load_after": 2.0}
+    assert bench.report(row) == ("| hetfed secure | 1,000,120 | 4 | 1.23 | 8.10 | 8.00 | 1.2 / 2.1 | 4.20 | 0.50 | "
+                                 "1.25 | 300 | 1-2 |")
