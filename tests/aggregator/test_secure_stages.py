@@ -135,6 +135,8 @@ def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggre
             assert clients[o].push(1, [masked[o], EvalMetrics(0.5, EXAMPLES[o], 0.5)]).accepted
         sr = run.secure.round
         assert sr is not None and sr.stage == "unmask" and run.round == 1  # due, but not closed: unmasking
+        # Each masked input went into the running sum; the stages keep only that it came, not a copy of it.
+        assert {o: raw for (stage, o), raw in run.secure._sent.items() if stage == "mask"} == dict.fromkeys(ORGS, b"")
 
         # Stage 4: the unmask request comes over the RPC, the reply goes back over it; the last one closes.
         requests = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggUnmask)
@@ -159,6 +161,7 @@ def test_stages_cross_the_rpc_bound_to_their_callers_and_unmask_to_the_sum(aggre
             assert sample(agg, o, "up", "secagg_shared_keys") > 0
             assert sample(agg, o, "down", "secagg_peer_shares") > 0
             assert sample(agg, o, "down", "secagg_unmask") > 0 and sample(agg, o, "up", "secagg_unmask") > 0
+            assert sample(agg, o, "up", "secagg_masked_input") > 0  # on PushUpdate, not SecureStage
     finally:
         for c in clients.values():
             c.close()

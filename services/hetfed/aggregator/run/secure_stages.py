@@ -97,7 +97,9 @@ class SecureStages:
         """Stage 3: an accepted update's masked input goes to the round's coordinator (the half never sees it)."""
         masked = received.get(SecAggMaskedInput)
         self.current(state, half).receive(organization, masked)
-        self._sent[("mask", organization)] = _bytes(masked)  # answered: it waits for its unmask request
+        # Answered: it waits for its unmask request. Only that it came is kept: the input is in the running sum,
+        # and a copy of each (8 bytes a parameter) would hold N times the model until the round ends.
+        self._sent[("mask", organization)] = b""
 
     def ready(self, state: RunState, half: Callable[[], ServerHalf], notify: Callable[[], None]) -> bool:
         """A round that is due (everyone expected pushed, or its deadline passed with the quorum): whether it
