@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable
 
 from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.aggregator.config import RunConfig
 from hetfed.aggregator.run.secure import SecureParams, SecureRound
-from hetfed.aggregator.run.state import Rules, RunState
+from hetfed.aggregator.run.state import Rules, RunState, check_member, check_round
 from hetfed.wire import codec
 from hetfed.wire.contract import Schema
 from hetfed.wire.errors import WireError
@@ -64,15 +65,24 @@ class SecureStages:
     """The open round's stages 1, 2 and 4 (module docstring); call under the run's lock."""
 
     def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, deadline_seconds: float,
-                 params: SecureParams | None = None) -> None:
+                 params: SecureParams | None, half: Callable[[RunState], ServerHalf],
+                 notify: Callable[[], None]) -> None:
         self.spec, self.rules, self.run_seed, self.deadline_seconds = spec, rules, run_seed, deadline_seconds
+        self.half, self.notify = half, notify  # the run's server half as the disk has it; wakes waiting callers
         self._unmasking_since = 0.0  # when the mask stage closed (time.monotonic)
         self._stage_since = 0.0  # when the open stage (advertise or share_keys) opened
         self.params = params  # None: the run does not aggregate securely
         self.round: SecureRound | None = None
         self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
 
-    def current(self, state: RunState, half: Callable[[], ServerHalf]) -> SecureRound:
+    @classmethod
+    def of(cls, cfg: RunConfig, rules: Rules, half: Callable[[RunState], ServerHalf],
+           notify: Callable[[], None]) -> SecureStages:
+        """A run's stages: ``SecureParams`` when the run aggregates securely, none (``params`` None) otherwise."""
+        return cls(cfg.spec, rules, cfg.seed, cfg.round_deadline_seconds,
+                   SecureParams() if cfg.secure_aggregation else None, half, notify)
+
+    def current(self, state: RunState) -> SecureRound:
         """The open round's coordinator, built on first use (WireError when the run or the phase has none)."""
         if self.params is None:
             raise WireError("payload_kind_not_allowed", f"run {self.rules.run_id!r} does not aggregate securely")
@@ -80,7 +90,7 @@ class SecureStages:
             raise WireError("unexpected_stage", f"no secure aggregation in the {state.phase.value} phase")
         if self.round is None or self.round.config.round != state.round:
             roster = tuple(o for o in self.rules.organizations if not state.given_up(o, self.rules))
-            self.round = SecureRound(self.spec, half(), self.rules.run_id, state.round, roster, self.run_seed,
+            self.round = SecureRound(self.spec, self.half(state), self.rules.run_id, state.round, roster, self.run_seed,
                                      schema_shapes(state.schema, self.spec.summed_upload), self.params)
             self._sent = {}
             self._stage_since = time.monotonic()
@@ -90,40 +100,59 @@ class SecureStages:
         """Whether the open round aggregates securely (a training round of a secure run)."""
         return self.params is not None and state.phase is Phase.TRAIN
 
-    def fold(self, state: RunState, organization: str, received: Received, half: Callable[[], ServerHalf]) -> None:
-        """Stage 3: an accepted update's masked input goes to the round's coordinator (the half never sees it)."""
-        masked = received.get(SecAggMaskedInput)
-        self.current(state, half).receive(organization, masked)
-        self._sent[("mask", organization)] = _bytes(masked)  # answered: it waits for its unmask request
-
-    def ready(self, state: RunState, half: Callable[[], ServerHalf], notify: Callable[[], None]) -> bool:
-        """A round that is due (everyone expected pushed, or its deadline passed with the quorum): whether it
-        closes now. Not secure: yes. At the mask stage, the stage closes (its unmask requests go out, ``notify``
-        wakes the callers waiting for them) and the round waits. At the unmask stage, once every survivor
-        answered, or one more round deadline has passed since the mask stage closed, the sum is unmasked into the half (``finish``, with the half as the
-        run holds it now) and the round closes; an abandoned round closes with the half untouched."""
+    def fold(self, state: RunState, organization: str, received: Received) -> bool:
+        """Stage 3: an accepted update's masked input goes to the round's coordinator (the half never sees it);
+        False when the open round is not secure (the caller folds the update into the half)."""
         if not self.active(state):
-            return True
-        sr = self.current(state, half)
+            return False
+        masked = received.get(SecAggMaskedInput)
+        self.current(state).receive(organization, masked)
+        self._sent[("mask", organization)] = _bytes(masked)  # answered: it waits for its unmask request
+        return True
+
+    def call(self, state: RunState, organization: str, round_: int, payload: Payload | None) -> SecureRound:
+        """A SecureStage call of ``organization`` (the caller) for ``round_``: refused unless it is a member and
+        the round is the open one; its stage message, if any, taken (a close wakes the waiting callers); the
+        open round's coordinator."""
+        check_member(state, self.rules, organization)
+        check_round(state, self.rules, round_)
+        sr = self.current(state)
+        if payload is not None and self.take(sr, organization, payload):
+            self.notify()
+        return sr
+
+    def ready(self, state: RunState, due: bool) -> bool:
+        """Whether the open round closes now; ``due``: everyone expected pushed, or its deadline passed with the
+        quorum. A secure round's stage 1 or 2 past its deadline closes first (``expire``). Not secure: when due.
+        Secure and due, at the mask stage: the stage closes (its unmask requests go out, the callers waiting for
+        them are woken) and the round waits. At the unmask stage: once every survivor answered, or one more round
+        deadline has passed since the mask stage closed, the sum is unmasked into the half (``finish``, with the
+        half as the run holds it now) and the round closes; an abandoned round closes with the half untouched."""
+        if not self.active(state):
+            return due
+        self.expire(state)
+        if not due:
+            return False
+        sr = self.current(state)
         if sr.stage == "mask":
             sr.close_stage()
             self._unmasking_since = time.monotonic()
-            notify()
+            self.notify()
             return bool(sr.abandoned)
         if sr.stage == "unmask":
             answered = {o for s, o in self._sent if s == "unmask"}
             late = time.monotonic() - self._unmasking_since >= self.deadline_seconds
             if not (late or set(sr.outbox) <= answered):
                 return False
-            sr.half = half()
+            sr.half = self.half(state)
             sr.finish()
-            notify()
+            self.notify()
             return True
         return sr.stage in ("done", "abandoned")
 
-    def expire(self, state: RunState, notify: Callable[[], None]) -> None:
+    def expire(self, state: RunState) -> None:
         """Close stage 1 or 2 once a round deadline has passed since it opened, when at least the run's quorum
-        sent (the others are dropouts before masking: nobody masks with them); ``notify`` wakes the callers."""
+        sent (the others are dropouts before masking: nobody masks with them); the waiting callers are woken."""
         sr = self.round
         if not self.active(state) or sr is None or sr.config.round != state.round or \
                 sr.stage not in ("advertise", "share_keys"):
@@ -133,7 +162,7 @@ class SecureStages:
         if len({o for s, o in self._sent if s == sr.stage}) >= max(self.rules.quorum, 1):
             sr.close_stage()
             self._stage_since = time.monotonic()
-            notify()
+            self.notify()
 
     def abandoned(self, state: RunState) -> str:
         """Why the open round's secure aggregate was abandoned ("" when it was not, or the round is not secure)."""
