@@ -123,9 +123,9 @@ class Run(RunView):
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
         self.notifier = ChangeNotifier()
-        self.secure = SecureStages.of(cfg, self.rules, self.aggregation.current, self.notifier.notify)
+        self.secure = SecureStages.of(cfg, self.rules, self.aggregation.current, self.notifier.notify, self.journal)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
-                             lambda: self.state, lambda: self.secure.active(self.state))
+                             lambda: self.state, self.secure)
         self.state = RunState.start(self.rules)
         dtype = self.train_config.wire_dtype
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
@@ -164,6 +164,7 @@ class Run(RunView):
             log.info("run %s resumed finished after %d rounds", self.cfg.id, len(self.history))
             return
         replayed = self.aggregation.logged(self.state)
+        self.secure.restore(self.state, [(u.organization, u.received) for u in replayed])  # a secure round's stages
         for u in replayed:  # their declarations bring the ledger's last ε up to date
             self._apply_locked(accept(self.state, self.rules, u.organization, self.round, u.digest), u.received,
                                u.privacy)
