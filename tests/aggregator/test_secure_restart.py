@@ -148,6 +148,29 @@ def test_a_restart_resumes_the_round_byte_for_byte(aggregator: Callable[..., Any
     assert np.abs(resumed - plain).max() < 1e-3  # FedAvg's weighted mean, within the quantization
 
 
+def test_a_close_cut_short_in_the_stage_log_is_made_again_alike(aggregator: Callable[..., Any],
+                                                                 tmp_path: Path) -> None:
+    # The advertise close's record is the log's last; cut short (the process died while appending it), it is cut
+    # off at start-up, and the stage, whose every advert is logged, closes again with the same keys for each.
+    fed = Federation(aggregator, tmp_path / "state")
+    try:
+        for i in range(3):
+            fed.step(i)
+        before = fed.seen()
+        assert {stage for stage, _, _ in before.values()} == {"share_keys"}
+        fed.agg.stop(grace=0.5)
+        log = tmp_path / "state" / "r" / "secure.log"
+        log.write_bytes(log.read_bytes()[:-5])
+        fed.restart()
+        assert fed.seen() == before
+        assert [r.kind for r in scan_stages(log.read_bytes()).records][-1] is StageKind.CLOSE
+        for i in range(3, 12):
+            fed.step(i)
+        assert fed.run.round == 2 and fed.run.status().history[0].secure_abandoned == ""
+    finally:
+        fed.close()
+
+
 def _flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
