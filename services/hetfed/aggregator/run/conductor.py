@@ -215,7 +215,9 @@ class Run(RunView):
         with self._lock:
             sr = self.secure.call(self.state, organization, round_, payload)
             self._try_close_locked()  # the last unmask reply ends the round
-            return self.secure.reply(sr, organization)
+            reply = self.secure.reply(sr, organization)
+        self.commit_pending()  # that close's checkpoint, which the next round's first write waits for
+        return reply
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
                        in_round: bool = True) -> None:
