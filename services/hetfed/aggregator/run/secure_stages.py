@@ -17,9 +17,11 @@ kinds (``AlgorithmSpec.uploads``), and ``fold`` hands it to the coordinator. Whe
 the mask stage closes and the unmask requests go out; the last survivor's answer (or the deadline) unmasks the
 sum into the server half (``finish``), and the round closes as any other.
 
-Not done yet (docs/security.md): the setup does not ride on the TRAIN instructions (a stage call answers it
-until the organization advertises); a restart mid-round (the log's masked inputs are not replayed into a
-coordinator); a round abandoned before masking does not close by itself.
+Durable (docs/security.md): each stage message is in the run's stage log (``hetfed.aggregator.journal.stages``)
+before the coordinator takes it, each close (with the digest of what it gives out) before any of it is given
+out; ``restore`` rebuilds the open round at start-up, or abandons its aggregate where the logs disagree. A round
+whose aggregate is abandoned, at any stage, closes by itself with the half untouched. Not done yet: the setup
+does not ride on the TRAIN instructions (a stage call answers it until the organization advertises).
 """
 
 from __future__ import annotations
@@ -280,8 +282,10 @@ class SecureStages:
             if sr.stage == "mask":
                 why = self._fold_logged(sr, pending)
             if not why and sr.stage in ("advertise", "share_keys", "mask"):
+                stage = sr.stage
                 sr.close_stage()
-                why = "" if outbox_digest(sr) == rec.data else f"the replayed close of {rec.round} gives out another"
+                why = "" if outbox_digest(sr) == rec.data else \
+                    f"the replayed close of the {stage} stage would give out other messages than the logged one"
             elif not why:
                 why = f"a close logged at the {sr.stage} stage"
         if not why and sr.stage == "mask":
