@@ -438,8 +438,9 @@ def killed_run(workdir: Path, reference: np.ndarray, *, point: str = "", visits:
 def campaign_kills(workdir: Path, reference: np.ndarray, quick: bool, rng: random.Random) -> dict[str, Any]:
     """Every named crash point (twice per run) and random SIGKILLs."""
     rows: dict[str, Outcome] = {}
-    # The spool's points are reached only by a cut push, which this federation never makes.
-    points = CRASH_POINTS[:3] if quick else tuple(p for p in CRASH_POINTS if not p.startswith("spool."))
+    # The spool's points are reached only by a cut push, the stage log's only by a secure round: this federation
+    # makes neither.
+    points = CRASH_POINTS[:3] if quick else tuple(p for p in CRASH_POINTS if not p.startswith(("spool.", "stages.")))
     for point in points:
         # The n-th visit: pushes visit the log points 3x a round; closes and joins visit the others.
         visits = 4 if point.startswith(("wal.", "push.")) else 2

@@ -49,10 +49,22 @@ def test_a_half_without_shapes_takes_them_from_the_declared_schema() -> None:
     half = make_server_half(fedavg.SPEC, fedavg.SPEC.config(), RunInfo(0, ("a", "b")))
     assert half.summed_shapes() == {}
     rules = Rules("r", ("a", "b"), 1, 2, True, Phase.TRAIN)
-    stages = SecureStages(fedavg.SPEC, rules, 0, 10.0, SecureParams())
+    stages = SecureStages(fedavg.SPEC, rules, 0, 10.0, SecureParams(), lambda state: half, lambda: None,
+                          _StageLogOpened())  # type: ignore[arg-type]
     with pytest.raises(WireError) as err:
-        stages.current(RunState.start(rules), lambda: half)
+        stages.current(RunState.start(rules))
     assert err.value.reason == "missing_payload" and "no organization declared" in str(err.value)
     declared = RunState(Phase.TRAIN, 1, schema={PayloadKind.MODEL_WEIGHTS: {"w": TensorDecl("float32", (2, 3))}})
-    fields = {f.name: f.shape for f in stages.current(declared, lambda: half).config.encoding.fields}
+    fields = {f.name: f.shape for f in stages.current(declared).config.encoding.fields}
     assert fields == {"model_weights/w": (2, 3), "model_weights#weight": ()}
+    assert stages.journal.rounds == [1]  # the round's stage log started once, when its coordinator was built
+
+
+class _StageLogOpened:
+    """The journal's one call a coordinator's construction makes: which rounds' stage logs were started."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def open_stages_locked(self, round_: int, roster: bytes) -> None:
+        self.rounds.append(round_)

@@ -91,3 +91,22 @@ def test_an_organization_that_comes_after_stage_1_sits_the_round_out(aggregator:
     sr = run.secure.round
     assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
     assert run.round == 2
+
+
+def test_an_organization_sits_out_a_round_abandoned_at_stage_1(aggregator: Callable[..., Any]) -> None:
+    # Only a comes (quorum 1): at stage 1's deadline nobody has t = 2 live neighbours, the round's aggregate is
+    # abandoned and the round closes by itself, the model unchanged. a's exchange gives nothing to push and
+    # raises nothing: its client goes on to the next round instead of leaving the run.
+    agg = aggregator(run_config(organizations=list(ORGS), rounds=2, min_clients=1, round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    w = np.ones(4, np.float32)
+    with AggregatorClient(f"127.0.0.1:{agg.port}", None, "a", "r") as client:
+        client.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w)])
+        ex = SecureExchange(client, "a", 1, 30.0, secagg.SeededEntropy("a"))
+        upload = ex.masked_upload([ModelWeights({"w": w}, 10), EvalMetrics(0.5, 10, 0.5)],
+                                  fedavg.SPEC.summed_upload, np.random.default_rng(1))
+        assert upload is None and not ex.unmask()
+        assert run.round == 2 and run.aggregation.half.state() == {}
+        assert run.status().history[0].secure_abandoned.startswith("below_threshold: abandoned at advertise")
+        assert client.pull(1, 5.0, None).round == 2  # the next round's instructions

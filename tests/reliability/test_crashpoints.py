@@ -38,7 +38,7 @@ def test_the_crash_point_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
         crashpoints._armed()
     monkeypatch.setenv("HETFED_CRASH_AT", "history.synced:3")
     assert crashpoints._armed() == ("history.synced", 3)
-    assert len(set(CRASH_POINTS)) == len(CRASH_POINTS) == 13
+    assert len(set(CRASH_POINTS)) == len(CRASH_POINTS) == 14
 
 
 @pytest.mark.e2e

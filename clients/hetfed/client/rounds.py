@@ -221,7 +221,14 @@ class RoundLoop:
                         ins.round)
             return
         crash_point("secure.masked")
-        self._send(self.client.prepare_push(ins.round, masked, self.member.wire_dtype, privacy=declaration))
+        try:
+            self._send(self.client.prepare_push(ins.round, masked, self.member.wire_dtype, privacy=declaration))
+        except RemoteError as err:  # the round's aggregate was abandoned before the masked input arrived
+            if err.reason != "unexpected_stage":
+                raise
+            log.warning("%s: round %d's secure aggregate ended before its masked input arrived (%s); it sits the "
+                        "round out", cfg.organization, ins.round, err.details)
+            return
         if not exchange.unmask():
             log.warning("%s: round %d ended without asking this organization to unmask", cfg.organization, ins.round)
 

@@ -40,6 +40,10 @@ from hetfed.wire.rpc import AggregatorClient, RemoteError
 from hetfed.wire.summation import WEIGHT, fields
 
 Noise = Callable[[secagg.Encoding], np.ndarray]
+# The aggregator's refusals after which an organization sits the round out (its update not aggregated) and goes
+# on to the next round: the round closed (``late``), or it is at another stage than this organization, as after
+# a restart that abandoned the round's aggregate (``unexpected_stage``).
+SIT_OUT = ("late", "unexpected_stage")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -127,7 +131,8 @@ class SecureExchange:
     ``AggregatorClient``): ``masked_upload`` before the push (setup, advertise, share, mask), ``unmask`` after
     it. Each wait is a long-poll of ``wait_seconds``, asked again until the stage closes. An organization left out
     of the round (it came after stage 1 closed, or the round's aggregate ended before it masked) waits for the
-    round to end and sends nothing: ``masked_upload`` then gives None."""
+    round to end and sends nothing: ``masked_upload`` then gives None. So does one refused ``unexpected_stage``
+    (the aggregator at another stage, as after a restart that abandoned the round's aggregate)."""
 
     def __init__(self, client: AggregatorClient, organization: str, round_: int, wait_seconds: float,
                  entropy: Entropy = system_entropy) -> None:
@@ -137,13 +142,14 @@ class SecureExchange:
 
     def _next(self, payload: Payload | None) -> Payload | None:
         """Send ``payload`` (or nothing) and wait for this organization's next stage message; None when the
-        round's secure aggregate ended without one (done or abandoned, or the round closed: ``late``)."""
+        round's secure aggregate ended without one (done or abandoned, or the round closed: ``late``), or when
+        the aggregator is at another stage than this organization (``unexpected_stage``: it sits the round out)."""
         try:
             reply = self.client.secure_stage(self.round, payload, self.wait)
             while reply.payload is None and not reply.abandoned and reply.stage not in ("done", "abandoned"):
                 reply = self.client.secure_stage(self.round, None, self.wait)
         except RemoteError as err:
-            if err.reason != "late":
+            if err.reason not in SIT_OUT:
                 raise
             return None
         return reply.payload
@@ -155,12 +161,7 @@ class SecureExchange:
         upload = list(upload)
         if self.secure is None:
             return None
-        try:
-            keys = self._next(self.secure.advertise())
-        except RemoteError as err:
-            if err.reason != "unexpected_stage":  # stage 1 closed before its advert arrived
-                raise
-            keys = None
+        keys = self._next(self.secure.advertise())  # None: stage 1 closed before its advert arrived
         shares = self._next(self.secure.share(keys)) if isinstance(keys, SecAggPeerKeys) else None
         if not isinstance(shares, SecAggPeerShares):
             self._next(None)  # left out: wait for the round to end
@@ -173,5 +174,10 @@ class SecureExchange:
         request = self._next(None)
         if self.secure is None or not isinstance(request, SecAggUnmask):
             return False
-        self.client.secure_stage(self.round, self.secure.unmask(request), 0)
+        try:
+            self.client.secure_stage(self.round, self.secure.unmask(request), 0)
+        except RemoteError as err:  # the round closed, or its aggregate was abandoned, meanwhile
+            if err.reason not in SIT_OUT:
+                raise
+            return False
         return True

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import EncodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from hetfed import secagg
 from hetfed.v1 import payloads_pb2 as pb
@@ -735,6 +735,22 @@ def payload_from_proto(message: pb.Payload, lifted: list[memoryview] | None = No
     """Decode a Payload message into its typed, numpy-backed dataclass (``lifted``: see ``tensor_from_proto``)."""
     field = payload_kind_of(message).value
     return _FROM_PROTO[field](getattr(message, field), lifted)
+
+
+def payload_to_bytes(payload: Payload) -> bytes:
+    """A payload as its serialized Payload message (what a journal keeps of a stage message)."""
+    return payload_to_proto(payload).SerializeToString()
+
+
+def payload_from_bytes(data: bytes) -> Payload:
+    """A payload read back from its serialized Payload message (``payload_to_bytes``); ``malformed`` when the
+    bytes are not one."""
+    message = pb.Payload()
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise WireError("malformed", f"not a serialized payload ({exc})") from None
+    return payload_from_proto(message)
 
 
 def tensor_elements(message: pb.Payload) -> int:

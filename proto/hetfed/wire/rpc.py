@@ -288,6 +288,7 @@ class _Answer:
     # The payloads the request and the response carry, counted per kind (the rest is envelope).
     up: Sequence[pb.Payload] = ()
     down: Sequence[pb.Payload] = ()
+    up_counted: bool = False  # the request was counted before it was answered
 
 
 class AggregatorServicer:
@@ -332,7 +333,8 @@ class AggregatorServicer:
         else:
             if done.counted is not None:
                 org, round_ = done.counted
-                self.handler.count(run_id, org, round_, Direction.UP, breakdown(done.up, len(request)))
+                if not done.up_counted:
+                    self.handler.count(run_id, org, round_, Direction.UP, breakdown(done.up, len(request)))
                 self.handler.count(run_id, org, round_, Direction.DOWN, breakdown(done.down, len(done.response)))
             return done.response
         return await self._fail(context, run_id, failure)
@@ -483,18 +485,20 @@ class AggregatorServicer:
     async def secure_stage(self, request: bytes,
                            context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[type-arg]
         """SecureStage: take a stage message of secure aggregation, long-poll for the next one; both payloads are
-        counted per kind."""
+        counted per kind, a stage message before it is taken (so also when it is then refused)."""
 
         async def answer(msg: apb.SecureStageRequest, caller: Caller) -> _Answer:
             org = self.handler.identify(caller, msg.organization_id)
             sent = msg.HasField("payload")
             payload = codec.payload_from_proto(msg.payload) if sent else None
+            if sent:  # counted in its round before taking it can close the round (as the last unmask reply does)
+                self.handler.count(msg.run_id, org, msg.round, Direction.UP, breakdown([msg.payload], len(request)))
             reply = await self.handler.secure_stage(org, msg.run_id, msg.round, payload, msg.wait_seconds)
             resp = apb.SecureStageResponse(stage=reply.stage, abandoned=reply.abandoned)
             if reply.payload is not None:
                 codec.fill_payload(resp.payload, reply.payload)
             return _Answer(resp.SerializeToString(), (org, msg.round), [msg.payload] if sent else [],
-                           [resp.payload] if reply.payload is not None else [])
+                           [resp.payload] if reply.payload is not None else [], up_counted=sent)
 
         return await self._unary("SecureStage", apb.SecureStageRequest, request, context, answer)
 

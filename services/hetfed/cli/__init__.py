@@ -388,7 +388,7 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--secure-aggregation", action="store_true",
                    help="experimental: sum the uploads under secure aggregation (SecAgg+, docs/security.md): the "
                    "aggregator learns only their sum; for algorithms that only sum what they receive; an aggregator "
-                   "restart during a secure round is not handled yet")
+                   "restarted during a secure round resumes it, or abandons its aggregate where that is not safe")
     r.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                    help="set the run up for a Prometheus: clients serve metrics too, <output>/prometheus-targets.json "
                    "lists every endpoint (file_sd), and processes keep serving SECONDS after the run "

@@ -4,7 +4,8 @@
 (``os._exit``: no cleanup, no flush, like SIGKILL) the ``n``-th time (default: the first) it reaches
 ``<point>``. Without the variable (always, outside the harness) a crash point costs one comparison.
 ``benchmarks/faults.py`` kills the aggregator at every point below but ``spool.*`` (only a cut push reaches
-those; ``tests/wire/test_durable_spool.py`` kills it there) and checks that every restart succeeds and that no
+those; ``tests/wire/test_durable_spool.py`` kills it there) and ``stages.*`` (only a secure round reaches those;
+``tests/e2e/test_secure_restart.py`` kills it there), and checks that every restart succeeds and that no
 acknowledged update is lost.
 
 ``HETFED_DELAY_AT=<point>:<seconds>`` makes every visit of ``<point>`` wait that long first, as a slow disk
@@ -32,6 +33,7 @@ CRASH_POINTS: tuple[str, ...] = (
     "checkpoint.tmp_synced",  # the temporary file is durable, not yet renamed over checkpoint.npz
     "checkpoint.replaced",  # checkpoint.npz is the new one; the directory is not yet fsync'd
     "wal.truncated",  # the closed round's records are cut from the log
+    "stages.appended",  # a secure round's stage message or close is durable in secure.log, not yet answered
     "spool.synced",  # a partial push's spool file is fsync'd, its new record not yet renamed over the old one
 )
 EXIT_CODE = 86

@@ -21,6 +21,7 @@ import numpy as np
 
 from hetfed.aggregator.journal.checkpoint import CheckpointMeta
 from hetfed.aggregator.journal.committer import CloseCommitter
+from hetfed.aggregator.journal.stages import StageKind, StageRecord
 from hetfed.aggregator.journal.store import Disk, Recovered, RunStore, StateError, StorageError, WalTicket
 from hetfed.wire.errors import WireError
 
@@ -148,6 +149,27 @@ class Journal:
         """Refuse an update that a failed fsync of another record cut back: ``storage_unavailable``."""
         self.unavailable(StorageError(self.store.failed_update(organization, round_, "it was cut back with the "
                                                                                      "records of a failed fsync")))
+
+    # ----------------------------------------------------------------- a secure round's stages
+    def stage_records(self, round_: int) -> tuple[list[StageRecord], str]:
+        """The stage log's records of ``round_`` read back at start-up, and why the log was damaged ("")."""
+        return self.store.stages.records(round_)
+
+    def open_stages_locked(self, round_: int, roster: bytes) -> None:
+        """Start the stage log of a secure round (after the last close's checkpoint: until it is on disk, a
+        restart closes that round again from its own stage log); ``storage_unavailable`` on failure."""
+        self.await_commit_locked(round_ - 1)
+        try:
+            self.store.stages.start(round_, roster)
+        except StorageError as exc:
+            self.unavailable(exc)
+
+    def log_stage(self, round_: int, kind: StageKind, organization: str, data: bytes) -> None:
+        """Append a record to the stage log durably; ``storage_unavailable`` on failure."""
+        try:
+            self.store.stages.append(round_, kind, organization, data)
+        except StorageError as exc:
+            self.unavailable(exc)
 
     # ----------------------------------------------------------------- a close's checkpoint
     def set_close_locked(self, meta: CheckpointMeta, arrays: Mapping[str, np.ndarray], keep_from: int) -> None:

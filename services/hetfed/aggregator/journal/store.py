@@ -6,6 +6,8 @@
   fsync'd before the checkpoint that counts it; the engine writes the line (``append_history``) before it wakes
   the round's clients, and the checkpoint that counts it (``commit_close``) after.
 - ``updates.wal`` (``hetfed.aggregator.journal.wal``): the open round's accepted updates, durable before acknowledged.
+- ``secure.log`` (``hetfed.aggregator.journal.stages``): a secure round's stage messages and closes, durable before
+  they are answered.
 
 What is acknowledged is on disk, what failed left no trace. A missing or unreadable checkpoint next to existing
 history or log records, or a history line the checkpoint counts that cannot be read or repaired, is refused with
@@ -26,6 +28,7 @@ import numpy as np
 from hetfed.aggregator.journal.checkpoint import CheckpointFile
 from hetfed.aggregator.journal.disk import DISK, Disk, RunConflictError, StateError, StorageError
 from hetfed.aggregator.journal.history import HistoryFile
+from hetfed.aggregator.journal.stages import StageLog
 from hetfed.aggregator.journal.wal import WalTicket, WriteAheadLog, scan_wal
 
 __all__ = ["DISK", "Disk", "Recovered", "RunConflictError", "RunStore", "StateError", "StorageError", "WalTicket",
@@ -72,6 +75,7 @@ class RunStore:
         self.checkpoint = CheckpointFile(self.dir / "checkpoint.npz", self.disk)
         self.history = HistoryFile(self.dir / "history.jsonl", self.disk)
         self.wal = WriteAheadLog(self.dir / "updates.wal", self.disk)
+        self.stages = StageLog(self.dir / "secure.log", self.disk)
         self.checkpoint_path, self.history_path, self.wal_path = self.checkpoint.path, self.history.path, self.wal.path
         self._lock_fd = -1
         # The write-ahead log's operations, as the engine calls them.
@@ -117,11 +121,13 @@ class RunStore:
                     f"{self.dir} aside to start run {self.dir.name!r} from its first round")
             self.history.open(0, None)
             self.wal.open()
+            self.stages.open()
             return None
         meta, arrays = self.checkpoint.read()
         history = self.history.open(int(meta.get("history_len", 0)), meta.get("last_record"))
         self.history.last = meta.get("last_record")
         self.wal.open()
+        self.stages.open()
         return Recovered(meta, arrays, history)
 
     def read_checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -155,6 +161,7 @@ class RunStore:
         """Close the files and release the directory's lock."""
         self.wal.close()
         self.history.close()
+        self.stages.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

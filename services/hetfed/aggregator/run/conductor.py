@@ -36,7 +36,6 @@ from hetfed.aggregator.run.intake import Intake
 from hetfed.aggregator.run.notifier import ChangeNotifier
 from hetfed.aggregator.run.open_round import OpenRound
 from hetfed.aggregator.run.org_ledger import OrganizationLedger
-from hetfed.aggregator.run.secure import SecureParams
 from hetfed.aggregator.run.secure_stages import SecureStages
 from hetfed.aggregator.run.state import (
     Close,
@@ -51,7 +50,6 @@ from hetfed.aggregator.run.state import (
     Stranger,
     accept,
     check_member,
-    check_round,
     close,
     due,
     join,
@@ -59,6 +57,7 @@ from hetfed.aggregator.run.state import (
     seen,
 )
 from hetfed.aggregator.run.status import StatusBoard
+from hetfed.aggregator.run.view import RunView
 from hetfed.wire import messages
 from hetfed.wire.errors import WireError, clip
 from hetfed.wire.messages import (
@@ -107,8 +106,9 @@ class Observer(Protocol):
         """Bytes exchanged with an organization."""
 
 
-class Run:
-    """One federated run hosted by the aggregator; thread-safe (see the module docstring)."""
+class Run(RunView):
+    """One federated run hosted by the aggregator; thread-safe (see the module docstring). Its lock-free reads
+    (the state's parts, the admission checks) are ``RunView``'s."""
 
     def __init__(self, cfg: RunConfig, state_dir: str, observer: Observer, limits: Limits,
                  disk: Disk | None = None) -> None:
@@ -122,15 +122,13 @@ class Run:
         self.max_examples = min(limits.max_examples, cfg.max_examples)  # the run's bound, within the server's
         self.rules = Rules(cfg.id, tuple(cfg.organizations), cfg.rounds, cfg.quorum, bool(self.spec.shared_schema),
                            self.spec.first_phase, str(self.journal.dir))
-        # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
-        self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds,
-                                   SecureParams() if cfg.secure_aggregation else None)
+        self.notifier = ChangeNotifier()
+        self.secure = SecureStages.of(cfg, self.rules, self.aggregation.current, self.notifier.notify, self.journal)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
-                             lambda: self.state, lambda: self.secure.active(self.state))
+                             lambda: self.state, self.secure)
         self.state = RunState.start(self.rules)
         dtype = self.train_config.wire_dtype
         self.instructions = InstructionCache(cfg.id, cfg.rounds, cfg.seed, None if dtype == "float32" else dtype)
-        self.notifier = ChangeNotifier()
         self.history: list[RoundRecord] = []
         self.ledger = OrganizationLedger()  # per organization: last accepted round, bytes up and down
         self.open_round = OpenRound(self.round, self.phase)
@@ -145,17 +143,6 @@ class Run:
             raise
         self.commit_pending()
         self.observer.round_opened(self.round)
-
-    # The state's parts, as the service, the metrics collector and tests read them.
-    phase = property(lambda self: self.state.phase)
-    round = property(lambda self: self.state.round)
-    schema = property(lambda self: self.state.schema)
-    joined = property(lambda self: self.state.joined)
-    declared = property(lambda self: self.state.declared)
-    examples = property(lambda self: self.state.examples)
-    pushed = property(lambda self: self.state.pushed)
-    refused = property(lambda self: self.state.refused)
-    current = property(lambda self: self.open_round.record)  # the open round's record
 
     def _meta(self, state: RunState | None = None) -> CheckpointMeta:
         return CheckpointMeta((state or self.state).to_json(), self.cfg.algorithm, self.ledger.to_json())
@@ -177,6 +164,7 @@ class Run:
             log.info("run %s resumed finished after %d rounds", self.cfg.id, len(self.history))
             return
         replayed = self.aggregation.logged(self.state)
+        self.secure.restore(self.state, [(u.organization, u.received) for u in replayed])  # a secure round's stages
         for u in replayed:  # their declarations bring the ledger's last ε up to date
             self._apply_locked(accept(self.state, self.rules, u.organization, self.round, u.digest), u.received,
                                u.privacy)
@@ -189,10 +177,6 @@ class Run:
         self.commit_pending()
         with self._lock:
             self.journal.close()
-
-    def check_member(self, organization: str) -> None:
-        """Refuse an organization that is not in the run, has not joined, or owes its declaration (lock-free)."""
-        check_member(self.state, self.rules, organization)
 
     def join(self, organization: str, request: JoinRequest) -> JoinReply:
         """Admit an organization of this run; the first declaration fixes the run's tensor schema, the first
@@ -229,13 +213,11 @@ class Run:
         """Take ``organization``'s stage message of secure aggregation for the open round (None: none) and say
         what it gets now (``hetfed.aggregator.run.secure_stages``); a close wakes the waiting callers."""
         with self._lock:
-            check_member(self.state, self.rules, organization)
-            check_round(self.state, self.rules, round_)
-            sr = self.secure.current(self.state, lambda: self.aggregation.current(self.state))
-            if payload is not None and self.secure.take(sr, organization, payload):
-                self.notifier.notify()
+            sr = self.secure.call(self.state, organization, round_, payload)
             self._try_close_locked()  # the last unmask reply ends the round
-            return self.secure.reply(sr, organization)
+            reply = self.secure.reply(sr, organization)
+        self.commit_pending()  # that close's checkpoint, which the next round's first write waits for
+        return reply
 
     def record_traffic(self, organization: str, round_: int, direction: Direction, b: TrafficBreakdown,
                        in_round: bool = True) -> None:
@@ -244,11 +226,6 @@ class Run:
         self.ledger.count(organization, direction, b)
         if in_round:
             self.open_round.count(round_, direction, b)
-
-    def admit_push(self, organization: str, round_: int) -> None:
-        """Refuse a push from a non-member or for another round before its chunks are read (lock-free)."""
-        check_member(self.state, self.rules, organization)
-        check_round(self.state, self.rules, round_)
 
     def push(self, organization: str, round_: int, update: ParsedUpdate, digest: bytes,
              up: TrafficBreakdown, defer_commit: bool = False) -> PushReply:
@@ -289,10 +266,7 @@ class Run:
                 self.state = step.state
             elif isinstance(effect, Fold):
                 assert received is not None
-                if self.secure.active(self.state):  # the masked input goes to the round's coordinator
-                    self.secure.fold(self.state, effect.organization, received,
-                                     lambda: self.aggregation.current(self.state))
-                else:
+                if not self.secure.fold(self.state, effect.organization, received):  # a masked input: secure
                     self.aggregation.fold(self.state, effect.organization, received)
                 self.ledger.pushed(effect.organization, self.round, privacy)
                 m = received.maybe(EvalMetrics)
@@ -335,10 +309,8 @@ class Run:
     def _try_close_locked(self) -> None:
         """Close the round if it is due; a failure to persist the close is logged (once) and retried later."""
         try:
-            self.secure.expire(self.state, self.notifier.notify)  # a secure round's stage 1 or 2 past its deadline
             overdue = self.open_round.overdue(self.cfg.round_deadline_seconds)
-            if due(self.state, self.rules, overdue) and self.secure.ready(
-                    self.state, lambda: self.aggregation.current(self.state), self.notifier.notify):
+            if self.secure.ready(self.state, due(self.state, self.rules, overdue)):
                 self._apply_locked(close(self.state, self.rules))
         except WireError as err:
             if str(err) != self._close_error:

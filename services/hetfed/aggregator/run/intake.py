@@ -17,6 +17,7 @@ from hetfed.aggregator.journal.journal import Journal
 from hetfed.aggregator.run import admission
 from hetfed.aggregator.run.admission import Limits
 from hetfed.aggregator.run.aggregation import Aggregation, Half
+from hetfed.aggregator.run.secure_stages import SecureStages
 from hetfed.aggregator.run.state import Rules, RunState, check_round
 from hetfed.wire.errors import WireError
 from hetfed.wire.messages import ParsedUpdate
@@ -41,9 +42,9 @@ class Intake:
 
     def __init__(self, cfg: RunConfig, limits: Limits, max_examples: int, rules: Rules, journal: Journal,
                  aggregation: Aggregation, lock: threading.RLock, state: Callable[[], RunState],
-                 secure: Callable[[], bool] = lambda: False) -> None:
+                 secure: SecureStages | None = None) -> None:
         self.cfg, self.limits, self.max_examples, self.rules = cfg, limits, max_examples, rules
-        self.secure = secure  # whether the run aggregates securely (its updates carry masked inputs)
+        self.stages = secure  # a secure round's stages (its updates carry masked inputs)
         self.journal, self.aggregation, self._lock, self._state = journal, aggregation, lock, state
 
     def claim_locked(self, organization: str, round_: int, last: PrivacyDeclaration | None) -> Claim:
@@ -56,6 +57,10 @@ class Intake:
             self.journal.settle_locked(organization)
             raise
 
+    def secure(self, state: RunState) -> bool:
+        """Whether the round of ``state`` aggregates securely (its updates carry masked inputs)."""
+        return self.stages is not None and self.stages.active(state)
+
     def take(self, claim: Claim, update: ParsedUpdate, digest: bytes) -> tuple[Received, bool]:
         """Check the claimed update, log it and make it durable: the decoded update, for the run to settle
         (``settle_locked``, with the second value) and fold. The claim is given up when the update is refused on
@@ -63,14 +68,16 @@ class Intake:
         org, round_ = claim.organization, claim.round
         try:
             received = admission.check_push(self.cfg, self.limits, self.max_examples, claim.state, org, round_,
-                                            update, claim.half, claim.last, self.secure())
+                                            update, claim.half, claim.last, self.secure(claim.state))
             with self._lock:
                 # The last close's checkpoint first: the log holds this round. Awaiting it releases the lock,
                 # so the state is read after it; the round may have closed meanwhile.
                 self.journal.await_commit_locked(self._state().round - 1)
                 state = self._state()
                 check_round(state, self.rules, round_)
-                if not self.secure():
+                if self.stages is not None and self.secure(state):  # one the round's coordinator would take
+                    self.stages.admit(state, org)
+                else:
                     self.aggregation.revalidate(state, org, received, claim.half)
                 ticket = self.journal.log_locked(org, round_, update.data, digest)
         except BaseException:

@@ -91,7 +91,9 @@ def parse_logged(org: str, data: bytes | memoryview, cfg: RunConfig, phase: Phas
         raise WireError("unknown_organization", f"{clip(org, 64)!r} is not part of the run")
     parsed = ParsedUpdate(data)
     try:
-        return parsed, parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org, scan)
+        # A secure run's training update carries its masked input in place of the summed kinds.
+        secure = cfg.secure_aggregation and phase is Phase.TRAIN
+        return parsed, parsed.check(cfg.spec, phase, schema, max_tensor_elements, cfg.id, round_, org, scan, secure)
     finally:
         drop_pages(np.frombuffer(data, np.uint8))
 

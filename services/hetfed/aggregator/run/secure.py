@@ -13,7 +13,8 @@ half; below the threshold it abandons the round's aggregate, with nothing asked 
 and the half is not touched (``abandoned`` says why).
 
 Resumption: ``events`` lists every accepted stage message and every close; ``replay`` feeds them to a fresh round
-of the same setup, which ends at the same stage with the same outbox. Nothing writes them to the journal yet.
+of the same setup, which ends at the same stage with the same outbox. ``hetfed.aggregator.run.secure_stages``
+journals them (the stage log) and replays them after a restart.
 
 Driven by ``hetfed.aggregator.run.secure_stages`` (the SecureStage RPC, the push path and the round's close);
 no run option turns it on yet.
@@ -119,7 +120,12 @@ class SecureRound:
     @property
     def stage(self) -> str:
         """The open stage: advertise, share_keys, mask, unmask, done or abandoned."""
-        return self.session.stage
+        return "abandoned" if self.abandoned and self.session.stage != "done" else self.session.stage
+
+    def abandon(self, why: str) -> None:
+        """Abandon the round's aggregate outside the protocol (a restart that cannot resume it): nothing more is
+        taken or given out, nothing is unmasked, the half is not touched."""
+        self.abandoned, self.outbox = why or "abandoned", {}
 
     def setup(self) -> SecAggSetup:
         """What every organization of the roster receives with the round's instructions."""
@@ -131,6 +137,8 @@ class SecureRound:
         handlers: dict[type, Callable[[Any], None]] = {
             SecAggKeyAdvert: self.session.receive_advert, SecAggSharedKeys: self.session.receive_shared_keys,
             SecAggMaskedInput: self.session.receive_masked, SecAggUnmask: self.session.receive_unmask}
+        if self.abandoned:
+            raise WireError("unexpected_stage", f"round {self.config.round}'s secure aggregate was abandoned")
         handler = handlers.get(type(payload))
         message = getattr(payload, "message", None)
         if handler is None or isinstance(message, secagg.UnmaskRequest):
