@@ -12,12 +12,13 @@ checks the sum (every element within survivors × its bound, else ``implausible_
 half; below the threshold it abandons the round's aggregate, with nothing asked that would reveal an input,
 and the half is not touched (``abandoned`` says why).
 
-Resumption: ``events`` lists every accepted stage message and every close; ``replay`` feeds them to a fresh round
-of the same setup, which ends at the same stage with the same outbox. ``hetfed.aggregator.run.secure_stages``
-journals them (the stage log) and replays them after a restart.
+Resumption: the round is a deterministic function of the stage messages it accepted and its closes, in order.
+``hetfed.aggregator.run.secure_stages`` journals them (the stage log, with the update log's masked inputs) and
+feeds them to a fresh round of the same setup after a restart: it ends at the same stage with the same outbox.
+The round itself keeps no copy of them (a masked input is 8 bytes a parameter).
 
-Driven by ``hetfed.aggregator.run.secure_stages`` (the SecureStage RPC, the push path and the round's close);
-no run option turns it on yet.
+Driven by ``hetfed.aggregator.run.secure_stages`` (the SecureStage RPC, the push path and the round's close),
+when a run sets ``secure_aggregation``.
 """
 
 from __future__ import annotations
@@ -101,21 +102,7 @@ class SecureRound:
                        for kind in spec.summed_upload}
         self.abandoned = ""  # why the round's aggregate was abandoned ("" while it was not)
         self.result: secagg.Aggregate | None = None
-        # Every accepted stage message as (organization, payload) and every close as ("", None), in order: the
-        # session is a deterministic function of them, so ``replay`` rebuilds it (a restart's resumption).
-        self.events: list[tuple[str, Payload | None]] = []
         self.outbox: dict[str, Payload] = {}  # what the last close gave each organization
-
-    def replay(self, events: list[tuple[str, Payload | None]]) -> None:
-        """Feed a fresh round the ``events`` of an earlier one of the same setup: it ends at the same stage with
-        the same outbox (a client that asks again gets the same message, so nothing more is revealed)."""
-        if self.events:
-            raise ValueError("replay into a fresh round only")
-        for organization, payload in events:
-            if payload is None:
-                self.close_stage()
-            else:
-                self.receive(organization, payload)
 
     @property
     def stage(self) -> str:
@@ -150,7 +137,6 @@ class SecureRound:
             handler(message)
         except secagg.SecAggError as exc:
             raise from_secagg(exc) from None
-        self.events.append((organization, payload))
 
     def close_stage(self) -> dict[str, Payload]:
         """End the open stage (advertise, share_keys or mask): what each remaining organization receives next.
@@ -162,7 +148,6 @@ class SecureRound:
         if self.stage not in closers:
             raise WireError("unexpected_stage", f"no stage to close at {self.stage}")
         close, wrap = closers[self.stage]
-        self.events.append(("", None))
         try:
             self.outbox = {org: wrap(msg) for org, msg in close().items()}
             return dict(self.outbox)
