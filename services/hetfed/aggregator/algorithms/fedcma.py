@@ -213,6 +213,8 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
             reported = e_weight > 0
             if reported.any():
                 target = self._e_sum.total()[reported] / e_weight[reported, None]
+                if self.config.bounded_latent:  # a no-op on exact sums; under distributed DP, post-processing
+                    target = target.clip(0.0, 1.0)
                 self.means[reported] = (1 - self.mean_step) * self.means[reported] + self.mean_step * target
                 self.present |= reported
             if self._v_weight > 0:

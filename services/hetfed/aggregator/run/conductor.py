@@ -124,7 +124,7 @@ class Run:
                            self.spec.first_phase, str(self.journal.dir))
         # Secure aggregation's stages of the open round (``params`` None: not secure; no run option sets it yet).
         self.secure = SecureStages(self.spec, self.rules, cfg.seed, cfg.round_deadline_seconds,
-                                   SecureParams() if cfg.secure_aggregation else None)
+                                   SecureParams() if cfg.secure_aggregation else None, cfg.distributed_sum)
         self.intake = Intake(cfg, limits, self.max_examples, self.rules, self.journal, self.aggregation, self._lock,
                              lambda: self.state, lambda: self.secure.active(self.state))
         self.state = RunState.start(self.rules)

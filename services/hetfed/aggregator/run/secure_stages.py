@@ -32,6 +32,7 @@ from hetfed.aggregator.run.secure import SecureParams, SecureRound
 from hetfed.aggregator.run.state import Rules, RunState
 from hetfed.wire import codec
 from hetfed.wire.contract import Schema
+from hetfed.wire.distributed import DistributedSum
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import Payload, PayloadKind, Received, SecAggMaskedInput
 from hetfed.wire.phases import Phase
@@ -64,11 +65,12 @@ class SecureStages:
     """The open round's stages 1, 2 and 4 (module docstring); call under the run's lock."""
 
     def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, deadline_seconds: float,
-                 params: SecureParams | None = None) -> None:
+                 params: SecureParams | None = None, distributed: DistributedSum | None = None) -> None:
         self.spec, self.rules, self.run_seed, self.deadline_seconds = spec, rules, run_seed, deadline_seconds
         self._unmasking_since = 0.0  # when the mask stage closed (time.monotonic)
         self._stage_since = 0.0  # when the open stage (advertise or share_keys) opened
         self.params = params  # None: the run does not aggregate securely
+        self.distributed = distributed  # the summed kind under distributed DP (None: none)
         self.round: SecureRound | None = None
         self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
 
@@ -81,7 +83,8 @@ class SecureStages:
         if self.round is None or self.round.config.round != state.round:
             roster = tuple(o for o in self.rules.organizations if not state.given_up(o, self.rules))
             self.round = SecureRound(self.spec, half(), self.rules.run_id, state.round, roster, self.run_seed,
-                                     schema_shapes(state.schema, self.spec.summed_upload), self.params)
+                                     schema_shapes(state.schema, self.spec.summed_upload), self.params,
+                                     self.distributed)
             self._sent = {}
             self._stage_since = time.monotonic()
         return self.round
