@@ -180,8 +180,11 @@ def test_uploaded_means_are_eval_mode_means_over_the_fixed_batches() -> None:
     np.testing.assert_allclose(means.means[0], z[yb == 0].mean(0), rtol=1e-6)
     np.testing.assert_allclose(means.means[1], z[yb == 1].mean(0), rtol=1e-6)
     np.testing.assert_array_equal(means.means[2], [0.0, 0.0])
-    np.testing.assert_array_equal(means.counts, [4, 3, 0])
+    # Counted with the setup counts n_i^k (eq. 7's weights), not the 4 and 3 points of the fixed batches: their
+    # summed form under secure aggregation, (n_i^k·e_i^k, n_i^k), and the head's, (N_i·v_i, N_i), are eq. 7's.
+    np.testing.assert_array_equal(means.counts, [5, 3, 0])
     np.testing.assert_array_equal(means.presence, [True, True, False])
+    assert client.head().num_examples == 8
     assert means.means.shape == (3, 2) and (means.means >= 0).all() and (means.means <= 1).all()
 
 

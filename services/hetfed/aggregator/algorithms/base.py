@@ -91,6 +91,11 @@ class ServerHalf(Generic[C]):
         """True when the half sums its uploads unweighted (``hetfed.wire.summation``: every weight 1)."""
         return False
 
+    def summed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The names and shapes of the summed form (``hetfed.wire.summation.shapes``) when the half fixes them from
+        its config (no organization declares them at Join); empty: the run's declared tensor schema gives them."""
+        return {}
+
     def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
         """Fold the secure sum of the round's uploads of the summed kinds (``organizations``: whose uploads it
         holds), instead of ``accumulate`` on each: the same round as those uploads one by one would give.

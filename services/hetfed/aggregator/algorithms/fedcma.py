@@ -27,7 +27,7 @@ from hetfed.wire.payloads import ClassCounts, ClassMeanEmbeddings, HeadWeights, 
 from hetfed.wire.phases import Phase
 from hetfed.wire.specs import fedcma
 from hetfed.wire.specs.fedcma import FedCMAConfig
-from hetfed.wire.summation import Summed
+from hetfed.wire.summation import Summed, shapes
 
 # Stream of the run seed that draws v̄⁰ (independent of every other draw made from the seed).
 _HEAD_INIT_STREAM = 0xC3A
@@ -175,6 +175,14 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
     def secure_aggregation_refusal(self) -> str:
         """Eq. 7 needs only Σ_i p_i^k e_i^k and Σ_i p_i v_i with their weights: a sum."""
         return ""
+
+    def summed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The summed form's arrays from K and d_e of the run's config (no organization declares a schema): the
+        class means' n_i^k·e_i^k [K, d_e] with their weights n_i^k [K], the head's N_i·v_i and N_i."""
+        k, d = self.config.num_classes, self.config.latent_dim
+        ones = np.ones(k, dtype=np.int64)
+        means = ClassMeanEmbeddings(np.arange(k, dtype=np.int64), np.zeros((k, d)), ones, ones > 0)
+        return {**shapes(means), **shapes(HeadWeights(np.zeros((k, d)), np.zeros(k), 1))}
 
     def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
         """Train: the secure sums Σ_i n_i^k e_i^k, Σ_i n_i^k (each organization's setup counts as its class

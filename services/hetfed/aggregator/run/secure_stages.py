@@ -4,7 +4,8 @@
 ``SecureStages`` keeps the open round's coordinator (``hetfed.aggregator.run.secure.SecureRound``), built on the
 first stage call of a training round: its roster is every member of the run that is not given up (one that has
 not joined yet, or does not advertise, is a dropout before masking: nobody masks with it), its shapes are the
-spec's summed kinds as the run's tensor schema declares them. A stage closes as soon as every organization the
+spec's summed kinds as the server half fixes them from its config (``ServerHalf.summed_shapes``), else as the
+run's tensor schema declares them. A stage closes as soon as every organization the
 previous stage's close addressed (every roster member, for the first) has sent its message, or once a round
 deadline has passed since it opened with at least the run's quorum sent (``expire``); the close's
 messages then wait for their organizations. A message sent again, byte for byte, is a retry and changes
@@ -82,9 +83,10 @@ class SecureStages:
             raise WireError("unexpected_stage", f"no secure aggregation in the {state.phase.value} phase")
         if self.round is None or self.round.config.round != state.round:
             roster = tuple(o for o in self.rules.organizations if not state.given_up(o, self.rules))
-            self.round = SecureRound(self.spec, half(), self.rules.run_id, state.round, roster, self.run_seed,
-                                     schema_shapes(state.schema, self.spec.summed_upload), self.params,
-                                     self.distributed)
+            server = half()
+            shapes = server.summed_shapes() or schema_shapes(state.schema, self.spec.summed_upload)
+            self.round = SecureRound(self.spec, server, self.rules.run_id, state.round, roster, self.run_seed,
+                                     shapes, self.params, self.distributed)
             self._sent = {}
             self._stage_since = time.monotonic()
         return self.round

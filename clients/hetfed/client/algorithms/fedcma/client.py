@@ -294,7 +294,9 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
 
     @torch.no_grad()
     def class_means(self) -> ClassMeanEmbeddings:
-        """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows."""
+        """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows. Their
+        counts are the setup counts n_i^k (eq. 7 weighs e_i^k by p_i^k = n_i^k / Σ_j n_j^k, whatever b_i^k), so
+        under secure aggregation the summed form (n_i^k·e_i^k, n_i^k) gives the plain round's weighted mean."""
         if self.ctx.distributed is not None:
             return self.distributed_class_means()
         if self.ctx.privacy is not None:
@@ -307,11 +309,12 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         sums = torch.zeros(k, z.shape[1], dtype=torch.float64, device=z.device).index_add_(0, batch.y, z)
         sizes = torch.as_tensor(self._batch_sizes, dtype=torch.float64, device=z.device)
         means = (sums / sizes.clamp(min=1)[:, None]).cpu().numpy().astype(np.float32)
-        counts = self._batch_sizes.copy()
+        counts = self.counts.copy()  # b_i^k > 0 exactly where n_i^k > 0: the same presence
         return ClassMeanEmbeddings(np.arange(k, dtype=np.int64), means, counts, counts > 0)
 
     def head(self) -> HeadWeights:
-        """v_i: the head's weight and bias."""
+        """v_i: the head's weight and bias, with the organization's example count (without DP N_i = Σ_k n_i^k,
+        the weight of eq. 7's p_i = N_i / N, which secure aggregation sums)."""
         head = self.ctx.model.head
         return HeadWeights(head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy(),
                            self.ctx.num_examples)
