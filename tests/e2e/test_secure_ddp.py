@@ -71,3 +71,21 @@ def test_each_ledger_holds_one_distributed_release_per_round_and_reports_its_com
         organization = path.parent.parent.name
         assert summary["privacy"]["organizations"][organization]["epsilon"] == pytest.approx(eps, rel=1e-12)
         assert sorted(int(r) for r in raw["rounds"]) == list(range(ROUNDS + 2))  # setup, rounds, evaluation
+
+
+def test_fedavg_under_privacy_and_secure_aggregation_keeps_its_local_noise(tmp_path: Path) -> None:
+    """FedAvg has no distributed plan: under `[privacy]` and secure aggregation its weights carry DP-SGD's full
+    local noise, its ledger holds no distributed release, and the run goes through with the weights masked."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "hetfed.cli", "run", "--algorithm", "fedavg", "--dataset", "mnist5k",
+                           "--clients", "3", "--rounds", "1", "--secure-aggregation", "--set",
+                           f"privacy.epsilon_budget={BUDGET}", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (summary,) = json.loads((out / "results.json").read_text())["runs"]
+    assert 0 < summary["privacy"]["epsilon_max"] <= BUDGET
+    (train,) = summary["rounds"][1:-1]
+    assert "secagg_masked_input" in train["bytes_up"] and "model_weights" not in train["bytes_up"]
+    for path in (out / "client-state").glob(f"*/*/{FILE_NAME}"):
+        raw = json.loads(path.read_text())
+        assert raw["distributed"] == [] and raw["epsilon"] <= BUDGET
