@@ -125,3 +125,35 @@ def test_a_plan_without_secure_aggregation_or_beyond_the_ring_is_refused_in_one_
     assert RunConfig(**base, secure_aggregation=True).distributed_sum is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="ring bits cannot hold"):
         RunConfig(**{**base, "algorithm_config": _config(ddp_ring_bits=8)}, secure_aggregation=True)  # type: ignore[arg-type]
+
+
+def test_noisy_class_weights_above_the_setup_counts_are_capped_and_the_means_kept() -> None:
+    """Under distributed DP the summed class weights carry the noise: Fed-CMA's half caps them at the survivors'
+    setup counts, scaling each class's sum with its weight, where the plain secure sum refuses them."""
+    from hetfed.aggregator.algorithms import make_server_half
+    from hetfed.aggregator.algorithms.base import RunInfo
+    from hetfed.wire.payloads import ClassCounts, Received
+    from hetfed.wire.phases import Phase
+    from hetfed.wire.summation import Summed
+
+    counts = class_counts()
+    half = make_server_half(fedcma.SPEC, _config(), RunInfo(SEED, ORGS))
+    for org in ORGS:
+        half.accumulate(Phase.SETUP, org, Received([ClassCounts(counts[org])]))
+    half.close_round(Phase.SETUP, 0)
+    setup = sum(counts[o] for o in ORGS).astype(np.float64)
+    weight = setup + np.where(np.arange(K) % 2 == 0, 7.0, -3.0)  # noise above the setup counts in even classes
+    weight = np.maximum(weight, 0.0)
+    means = np.random.default_rng(1).uniform(0.1, 0.9, (K, D))
+    sums = {CME: Summed(CME, {"means": means * weight[:, None]}, weight),
+            PayloadKind.HEAD_WEIGHTS: Summed(PayloadKind.HEAD_WEIGHTS, {"weight": np.zeros((K, D)),
+                                                                        "bias": np.zeros(K)}, np.array(100.0))}
+    half.accumulate_sum(Phase.TRAIN, sums, ORGS)
+    np.testing.assert_array_equal(half._e_weight.total(), np.minimum(weight, setup))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(half._e_sum.total() / half._e_weight.total()[:, None], means, rtol=1e-12)  # type: ignore[attr-defined]
+    plain = make_server_half(fedcma.SPEC, dataclasses.replace(_config(), ddp_epsilon=0.0), RunInfo(SEED, ORGS))
+    for org in ORGS:
+        plain.accumulate(Phase.SETUP, org, Received([ClassCounts(counts[org])]))
+    plain.close_round(Phase.SETUP, 0)
+    with pytest.raises(Exception, match="exceed the survivors' setup counts"):
+        plain.accumulate_sum(Phase.TRAIN, sums, ORGS)

@@ -2,10 +2,12 @@
 by hand with ``SecureClient``: the setup counts go up in plain, the class means and heads only masked. The round
 closes with eq. 7's new ē and v̄ within the encoding's quantization of the float64 values computed by hand and of
 the plain half fed each upload; what the aggregator learns of the weights is Σ_i n_i^k and Σ_i N_i. A class mean
-beyond the encoding's value bound is refused by its own client before anything is masked."""
+beyond the encoding's value bound is refused by its own client before anything is masked; class weights beyond
+the survivors' setup counts are refused on the sum."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 from hetfed import secagg
 from hetfed.aggregator.algorithms.base import RunInfo
 from hetfed.aggregator.algorithms.fedcma import FedCMAServer
+from hetfed.aggregator.run.secure import SecureRound
 from hetfed.client.secure import SecureClient
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import (
@@ -171,3 +174,34 @@ def test_a_fedcma_round_unmasks_to_eq_7s_new_means_and_head(aggregator: Callable
     finally:
         for c in clients.values():
             c.close()
+
+
+def test_class_weights_beyond_the_setup_counts_are_refused_and_the_half_untouched() -> None:
+    """The plain round refuses an upload counted beyond its setup counts; under secure aggregation the aggregator
+    sees only the sum, so it refuses a sum whose class weights exceed the survivors' setup counts (a lie the
+    others' honest weights cannot hide: weights are never negative). The round's aggregate is abandoned."""
+    half = FedCMAServer(FedCMAConfig(**CONFIG), RunInfo(0, ORGS))  # type: ignore[arg-type]
+    for org in ORGS:
+        half.accumulate(Phase.SETUP, org, Received([ClassCounts(np.array(COUNTS[org], np.int64))]))
+    half.close_round(Phase.SETUP, 0)
+    before = half.state()
+    sr = SecureRound(fedcma.SPEC, half, "r", 1, ORGS, 0, half.summed_shapes())
+    clients = {o: SecureClient(sr.setup(), o, secagg.SeededEntropy(o)) for o in ORGS}
+    for o, c in clients.items():
+        sr.receive(o, c.advertise())
+    for o, keys in sr.close_stage().items():
+        sr.receive(o, clients[o].share(keys))  # type: ignore[arg-type]
+    for i, (o, shares) in enumerate(sr.close_stage().items()):
+        sent = upload(o)
+        if o == "a":  # weighs its class 0 by 3, not its setup count 2
+            cme = sent[0]
+            assert isinstance(cme, ClassMeanEmbeddings)
+            sent[0] = dataclasses.replace(cme, counts=np.array([3, 0, 2], np.int64))
+        sr.receive(o, clients[o].mask(shares, sent, fedcma.SPEC.summed_upload, np.random.default_rng([2, i])))  # type: ignore[arg-type]
+    for o, request in sr.close_stage().items():
+        sr.receive(o, clients[o].unmask(request))  # type: ignore[arg-type]
+    assert sr.finish() is None and sr.result is None
+    assert sr.abandoned.startswith("implausible_update") and "setup counts" in sr.abandoned
+    half.close_round(Phase.TRAIN, 1)
+    after = half.state()
+    assert all(np.array_equal(after[name], before[name]) for name in before)  # ē and v̄ untouched

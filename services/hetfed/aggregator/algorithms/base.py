@@ -99,7 +99,8 @@ class ServerHalf(Generic[C]):
     def accumulate_sum(self, phase: Phase, sums: Mapping[PayloadKind, Summed], organizations: tuple[str, ...]) -> None:
         """Fold the secure sum of the round's uploads of the summed kinds (``organizations``: whose uploads it
         holds), instead of ``accumulate`` on each: the same round as those uploads one by one would give.
-        Payloads that are not summed (EvalMetrics) still arrive one by one through ``accumulate``."""
+        Payloads that are not summed (EvalMetrics) still arrive one by one through ``accumulate``. A half may
+        refuse an implausible sum (``WireError``) before it changes anything: the round's aggregate is abandoned."""
         raise NotImplementedError(f"{type(self).__name__} does not take secure sums")
 
     def close_round(self, phase: Phase, round_: int) -> None:

@@ -33,6 +33,8 @@ from hetfed.wire.summation import Summed, shapes
 _HEAD_INIT_STREAM = 0xC3A
 # Latents are sigmoid-bounded (Assumption 2): means outside [0, 1] by more than this are rejected.
 _BOUND_TOLERANCE = 1e-3
+# How far a secure sum of integer class weights may lie above the survivors' setup counts (quantization only).
+_WEIGHT_SLACK = 0.5
 
 
 def initial_head(num_classes: int, latent_dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,8 +192,6 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
         them by a factor the same for every organization, which the renormalised ratios of eq. 7 cancel."""
         if phase is not Phase.TRAIN:
             return
-        for org in organizations:
-            self._index(org)
         k, d = self.config.num_classes, self.config.latent_dim
         cme, head = sums[PayloadKind.CLASS_MEAN_EMBEDDINGS], sums[PayloadKind.HEAD_WEIGHTS]
         e_sum, e_weight = cme.values["means"], cme.weight
@@ -200,6 +200,20 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
             raise WireError("shape_mismatch", f"the secure sums are not of K = {k}, d_e = {d}")
         if (e_weight < 0).any() or not v_weight > 0:
             raise WireError("implausible_update", "the summed class weights must be >= 0 and the head's > 0")
+        # Each organization weighs its class means by its counts n_i^k, at most its setup counts (the plain round's
+        # check of one upload, on the sum): a weight beyond them is refused. The weights are integers, quantized
+        # on steps far under _WEIGHT_SLACK.
+        setup = self.counts[[self._index(org) for org in organizations]].sum(axis=0)
+        if self.config.ddp_epsilon > 0:
+            # Under distributed DP the weights carry the noise, which alone may pass any bound: capped at the setup
+            # counts instead, each class's sum scaled with its weight so its mean stays (post-processing of the
+            # release, as a client caps its local release), not refused.
+            capped = np.minimum(e_weight, setup).astype(np.float64)
+            e_sum = e_sum * np.divide(capped, e_weight, out=np.zeros_like(capped), where=e_weight > 0)[:, None]
+            e_weight = capped
+        elif (e_weight > setup + _WEIGHT_SLACK).any():
+            raise WireError("implausible_update", "the summed class weights exceed the survivors' setup counts: an "
+                                                  "organization weighs its class means beyond the counts it sent")
         if self._e_weight.count or self._v_weight:
             raise ValueError("a round takes one secure sum and no single update")
         self._e_sum.add(e_sum)

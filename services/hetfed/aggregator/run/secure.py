@@ -180,7 +180,8 @@ class SecureRound:
     def finish(self) -> secagg.Aggregate | None:
         """Unmask and decode the sum, check it, and hand it to the server half (``accumulate_sum``); None when
         the round's aggregate is abandoned (too few parties) or refused (an element of the sum beyond the
-        survivors times its bound, which no honest inputs give): the half is not touched, ``abandoned`` says why."""
+        survivors times its bound, which no honest inputs give, or by the half's own checks of the sum): the half is
+        not touched, ``abandoned`` says why."""
         if self.stage != "unmask":
             raise WireError("unexpected_stage", f"finishing at {self.stage}")
         try:
@@ -197,6 +198,10 @@ class SecureRound:
                 return None
         summed = {kind: replace(total, values={n: total.values[n] for n in self._order[kind] if n in total.values})
                   for kind, total in sums(self.spec.summed_upload, values).items()}
-        self.half.accumulate_sum(Phase.TRAIN, summed, result.survivors)
+        try:  # the half's own checks of the sum (a half may refuse it: WireError)
+            self.half.accumulate_sum(Phase.TRAIN, summed, result.survivors)
+        except WireError as exc:
+            self.abandoned = str(exc)
+            return None
         self.result = result
         return result
