@@ -34,12 +34,16 @@ from hetfed.wire.rpc import AggregatorClient, OutgoingPush, RemoteError
 from hetfed.wire.specs import AlgorithmSpec
 from hetfed.wire.specs.base import PeriodicEvalConfig
 
+# Stream of an organization's distributed-DP generator when its noise_seed is fixed (a repeatable experiment).
+_DDP_STREAM = 0xDD9
+
 if TYPE_CHECKING:
     from hetfed.client.algorithms.base import ClientHalf
     from hetfed.client.data import ClientData
     from hetfed.client.own_record import OwnRecord
     from hetfed.client.pending import PendingPushFile, RoundKey
     from hetfed.client.privacy.session import PrivacySession
+    from hetfed.client.secure import Distributed
     from hetfed.client.state import StateFile
 
 log = logging.getLogger("hetfed.client")
@@ -214,7 +218,8 @@ class RoundLoop:
         cfg = self.config
         exchange = SecureExchange(self.client, cfg.organization, ins.round, cfg.pull_wait_seconds)
         rng = np.random.default_rng([int(ins.round_seed), zlib.crc32(cfg.organization.encode())])
-        masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng)
+        masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng,
+                                        distributed=self._distributed(ins.round))
         if masked is None:
             log.warning("%s: left out of round %d's secure aggregation (it came after its keys were exchanged, or "
                         "the round's aggregate ended); the round closed without its update", cfg.organization,
@@ -231,6 +236,23 @@ class RoundLoop:
             return
         if not exchange.unmask():
             log.warning("%s: round %d ended without asking this organization to unmask", cfg.organization, ins.round)
+
+    def _distributed(self, round_: int) -> Distributed | None:
+        """Under distributed DP: the half's plan, the round's rotation seed and a secret generator for the rounding
+        and the noise share (from the organization's ``noise_seed`` when it fixes one, else OS entropy: the round
+        seed is the aggregator's, and whoever knows the generator can subtract the share)."""
+        plan = self.member.half.ctx.distributed
+        if plan is None:
+            return None
+        from hetfed.wire.distributed import rotation_seed
+
+        privacy, org = self.member.privacy, self.config.organization
+        if privacy is not None and privacy.cfg.noise_seed >= 0:
+            secret = np.random.default_rng([privacy.cfg.noise_seed, round_, zlib.crc32(org.encode()), _DDP_STREAM,
+                                            sum(r.count for r in privacy.ledger.releases)])
+        else:
+            secret = np.random.default_rng()
+        return plan, rotation_seed(int(self.member.joined.seed), round_), secret
 
     def _send(self, outgoing: OutgoingPush, resume: bool = False) -> None:
         sending = _half_sent if crashpoints.armed("push.half_sent") else None

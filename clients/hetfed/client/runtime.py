@@ -20,6 +20,7 @@ from hetfed.client.config import ClientConfig
 from hetfed.client.errors import ClientError, PrivacyBudgetSpent
 from hetfed.client.rounds import Gauges, Member, RoundLoop, evaluation_due, run_round
 from hetfed.wire.contract import DeclaredTensor
+from hetfed.wire.errors import WireError
 from hetfed.wire.messages import Fingerprint, JoinReply
 from hetfed.wire.payloads import EvalMetrics
 from hetfed.wire.rpc import AggregatorClient, RemoteError
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
     from hetfed.client.algorithms.base import ClientHalf
     from hetfed.client.data import ClientData
     from hetfed.client.models import SplitModel
+    from hetfed.client.privacy.ledger import DistributedRelease
     from hetfed.client.privacy.session import PrivacySession
     from hetfed.client.state import StateFile
+    from hetfed.wire.distributed import DistributedSum
 
 log = logging.getLogger("hetfed.client")
 T = TypeVar("T")
@@ -211,7 +214,9 @@ class ClientRuntime:
             every = half.config.eval_every if isinstance(half.config, PeriodicEvalConfig) else 1
             evaluations = sum(evaluation_due(r, every) for r in range(1, rounds + 1)) + 1
             sets = 1 + len(half.ctx.eval_sets) if half.deployed_under_dp else 0
-            privacy.plan(mechanism, setup, per_round, rounds, privacy.evaluation_plan(sets, evaluations))
+            mechanism, distributed = distributed_releases(half, mechanism)
+            privacy.plan(mechanism, setup, per_round, rounds, privacy.evaluation_plan(sets, evaluations),
+                         distributed)
         except (PrivacyError, ValueError) as exc:
             raise ClientError(f"{self.config.organization}: {' '.join(str(exc).split())}", permanent=True) from None
 
@@ -298,8 +303,10 @@ class ClientRuntime:
         if privacy is not None:  # before anything trains or is declared
             self._privacy_joined(privacy, half_type.privacy_mechanism is not None, joined, config.batch_size)
         build = self._model_builder(half_type, spec, config, joined, data, privacy, device)
+        distributed = distributed_plan(config, joined, cfg.organization)
         ctx = ClientContext(cfg.organization, build(), data, device, config, int(joined.seed), build_model=build,
-                            num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, privacy=privacy)
+                            num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, privacy=privacy,
+                            distributed=distributed)
         try:
             half = half_type(ctx)
         except ValueError as exc:  # the algorithm cannot serve this model: one line (the traceback at debug level)
@@ -351,3 +358,24 @@ class ClientRuntime:
             return model.to(device)  # type: ignore[return-value]
 
         return build
+
+
+def distributed_plan(config: TrainConfig, joined: JoinReply, organization: str) -> DistributedSum | None:
+    """Under secure aggregation, the run's distributed-DP plan (``TrainConfig.distributed_sum``): the same one the
+    aggregator builds from the run's config, its organizations and rounds."""
+    if not joined.secure_aggregation:
+        return None
+    try:
+        return config.distributed_sum(len(joined.organizations), int(joined.total_rounds))
+    except WireError as exc:
+        raise ClientError(f"{organization}: {exc.message}", permanent=True) from None
+
+
+def distributed_releases(half: ClientHalf, mechanism: str) -> tuple[str, list[DistributedRelease]]:  # type: ignore[type-arg]
+    """The declared mechanism and each training round's distributed releases: one of the run's plan when the half
+    uploads its summed kind for the secure sum to noise, else none."""
+    if half.ctx.distributed is None:
+        return mechanism, []
+    from hetfed.client.privacy.ledger import DistributedRelease
+
+    return "dp-sgd+distributed-skellam", [DistributedRelease.of(half.ctx.distributed.plan)]

@@ -6,7 +6,11 @@ the spec's summed kinds (``hetfed.wire.summation``). ``mask`` turns the round's 
 checks every value against its declared bound before anything is masked (strict: a value beyond its bound is
 refused here, ``implausible_update``, and nothing leaves the organization), encodes, and masks.
 
-Distributed differential privacy's seam: ``mask`` takes ``noise``, a function of the encoding that returns
+Distributed differential privacy: ``mask`` takes ``distributed``, a summed kind's plan (``hetfed.wire.distributed``)
+with the round's rotation seed and a secret generator: that kind's weighted form is replaced by its distributed
+Skellam encoding, this organization's share of the noise included, before the encoding and the masks.
+
+A further seam: ``mask`` takes ``noise``, a function of the encoding that returns
 integers (a vector of the ring's dtype, one per element) to add to the encoded input. Masking is addition mod
 2^b, so the noise is added to the masked vector, which is the same ring element as noising before masking.
 
@@ -24,6 +28,7 @@ import numpy as np
 from hetfed import secagg
 from hetfed.secagg.keys import Entropy, system_entropy
 from hetfed.secagg.ring import reduce
+from hetfed.wire.distributed import DistributedSum
 from hetfed.wire.errors import WireError, from_secagg
 from hetfed.wire.payloads import (
     Payload,
@@ -44,6 +49,9 @@ Noise = Callable[[secagg.Encoding], np.ndarray]
 # on to the next round: the round closed (``late``), or it is at another stage than this organization, as after
 # a restart that abandoned the round's aggregate (``unexpected_stage``).
 SIT_OUT = ("late", "unexpected_stage")
+# Distributed DP's plan for one summed kind, the round's rotation seed and the secret generator of the rounding
+# and the Skellam share (``hetfed.wire.distributed``).
+Distributed = tuple[DistributedSum, int, np.random.Generator]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -97,10 +105,15 @@ class SecureClient:
         return SecAggSharedKeys(self._run(self.session.share_keys, peer_keys.message))
 
     def mask(self, peer_shares: SecAggPeerShares, payloads: Iterable[Payload], kinds: frozenset[PayloadKind],
-             rng: np.random.Generator, noise: Noise | None = None) -> SecAggMaskedInput:
-        """Stage 3: the summed payloads checked against their bounds (strict), encoded (``rng`` draws the
-        stochastic rounding), noised (``noise``, if given) and masked."""
+             rng: np.random.Generator, noise: Noise | None = None,
+             distributed: Distributed | None = None) -> SecAggMaskedInput:
+        """Stage 3: the summed payloads (one kind through distributed DP, when ``distributed`` is given) checked
+        against their bounds (strict), encoded (``rng`` draws the stochastic rounding), noised (``noise``, if
+        given) and masked."""
         values = summed_fields(payloads, kinds, self.setup.unit_weights)
+        if distributed is not None:
+            plan, rotation, secret = distributed
+            values = plan.encode(values, rotation, secret)
         check_ranges(values, self.setup.config.encoding)
         masked = self._run(self.session.mask, peer_shares.message, values, rng, True)
         if noise is not None:
@@ -155,7 +168,7 @@ class SecureExchange:
         return reply.payload
 
     def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,
-                      noise: Noise | None = None) -> list[Payload] | None:
+                      noise: Noise | None = None, distributed: Distributed | None = None) -> list[Payload] | None:
         """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is); None when
         the organization is left out of the round (class docstring), once the round has ended."""
         upload = list(upload)
@@ -166,7 +179,7 @@ class SecureExchange:
         if not isinstance(shares, SecAggPeerShares):
             self._next(None)  # left out: wait for the round to end
             return None
-        masked = self.secure.mask(shares, upload, kinds, rng, noise)
+        masked = self.secure.mask(shares, upload, kinds, rng, noise, distributed)
         return [masked, *(p for p in upload if p.kind not in kinds)]
 
     def unmask(self) -> bool:

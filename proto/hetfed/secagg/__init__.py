@@ -42,7 +42,8 @@ public keys (the wire layer binds each organization's keys to its mTLS identity)
 of the malicious-secure variants (signed survivor lists), a server that picks the graph seed to surround a
 client with colluders (moot with k = n - 1), a client that submits a masked value outside its declared range
 (only the unmasked sum is checked), and what the sum itself reveals (distributed differential privacy adds
-noise for that: ``ddp``, the distributed Skellam mechanism and its accounting, not yet called by a round).
+noise for that: ``ddp``, the distributed Skellam mechanism and its accounting, which a secure round applies to
+the summed kind an algorithm's config plans: ``hetfed.wire.distributed``).
 
 What the tests prove (tests/secagg): the unmasked sum equals the plain sum of the encoded inputs exactly, for
 n = 2..10, every allowed degree, fields of every shape (test_protocol); dropouts after masking down to the

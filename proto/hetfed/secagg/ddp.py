@@ -48,6 +48,15 @@ scale s at which k standard deviations of the sum fit in half the ring, the pape
 Section 4.4; reference code ``skellam_params``, k = 3), with the noise solved for the target ε at each s.
 
 Subsampling does not apply: every organization takes part in every round, and its vector uses all its data.
+
+Masking an encoded vector (``exact_field``, ``Plan.field_values``, ``Plan.ring_sum``). Secure aggregation's
+``Encoding`` scales each field by level / bound, with level = 2^(q-1) - 1 for q value bits, and rounds. A field
+whose bound is the level itself scales by exactly 1, so integers pass through it unchanged (float64 holds every
+integer below 2^53 exactly, and stochastic rounding leaves an integer as it is). An organization gives its
+encoded vector, centred into [-2^(b-1), 2^(b-1)), as such a field: with b <= q - 1 every element lies within the
+level, so strict encoding accepts it, and a sum of n of them stays within n times the level, which the secure
+sum checks and decodes exactly (its ring has at least q + log2(n) bits). The server reduces that integer sum
+mod 2^b: the plain ring sum of the encoded vectors, which ``Plan.decode`` takes.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetfed.secagg.errors import SecAggError
-from hetfed.secagg.ring import MAX_RING_BITS, reduce, ring_dtype
+from hetfed.secagg.ring import MAX_RING_BITS, Field, reduce, ring_dtype
 
 # RDP orders: the integers 2..128 and 256 (reference code, distributed_dp/accounting_utils.py:23); Theorem 3.5
 # holds at integer orders.
@@ -346,6 +355,23 @@ class Plan:
             signed[signed >= 1 << (self.ring_bits - 1)] -= 1 << self.ring_bits
         return signed
 
+    def field_values(self, encoded: np.ndarray) -> np.ndarray:
+        """An encoded vector (``encode``'s, mod 2^b) as the float64 values of an ``exact_field``: its elements
+        centred into [-2^(b-1), 2^(b-1)), each an integer held exactly."""
+        return self.centred(encoded).astype(np.float64)
+
+    def ring_sum(self, field_sum: np.ndarray) -> np.ndarray:
+        """The decoded secure sum of ``exact_field`` values (integers as float64) as the ring sum mod 2^b of the
+        encoded vectors, ``dtype``; refused unless every element is an integer below 2^53."""
+        x = np.asarray(field_sum, np.float64).reshape(-1)
+        if x.shape != (self.size,) or not np.isfinite(x).all() or (np.abs(x) >= 2.0**53).any() or \
+                (x != np.rint(x)).any():
+            raise SecAggError("malformed", f"a secure sum of {x.shape} that is not {self.size} exact integers")
+        z = x.astype(np.int64).view(np.uint64)
+        if self.ring_bits < 64:
+            z = z & np.uint64((1 << self.ring_bits) - 1)
+        return z.astype(self.dtype)
+
     def decode(self, ring_sum: np.ndarray, rotation_seed: int, inputs: int) -> np.ndarray:
         """The noisy float sum of ``inputs`` organizations' clipped vectors: centred, un-rotated, divided by s.
         Refused for fewer than ``honest`` inputs: such a sum cannot hold the honest shares the accountant counted
@@ -355,6 +381,15 @@ class Plan:
                 f"a sum of {inputs} inputs; the plan counts the noise of {self.honest} honest ones of "
                 f"{self.clients}"))
         return Rotation(self.dim, rotation_seed).inverse(self.centred(ring_sum).astype(np.float64)) / self.scale
+
+
+def exact_field(name: str, size: int, value_bits: int) -> Field:
+    """A field of ``size`` elements that an ``Encoding`` of ``value_bits`` passes through exactly: its bound is the
+    encoding's level 2^(q-1) - 1, so it scales by 1 (module docstring). It carries ``Plan.field_values`` of a plan
+    of at most ``value_bits`` - 1 ring bits."""
+    if not 3 <= value_bits <= 53:
+        raise SecAggError("bad_parameters", f"value_bits {value_bits} must be in [3, 53] for an exact field")
+    return Field(name, (size,), float(2 ** (value_bits - 1) - 1))
 
 
 def solve_variance(plan: Plan, epsilon: float, delta: float, rounds: int) -> float:

@@ -13,8 +13,9 @@ from typing import NoReturn
 
 from hetfed.wire.errors import WireError
 
-# The mechanisms a client may declare: DP-SGD on its training, alone or with Gaussian noise on the sums it uploads.
-MECHANISMS = ("dp-sgd", "dp-sgd+gaussian-sums")
+# The mechanisms a client may declare: DP-SGD on its training, alone, with Gaussian noise on the sums it uploads,
+# or with its share of the distributed Skellam noise on the sums secure aggregation adds up.
+MECHANISMS = ("dp-sgd", "dp-sgd+gaussian-sums", "dp-sgd+distributed-skellam")
 # The privacy accountants that compute the declared ε: Rényi DP or privacy loss distributions.
 ACCOUNTANTS = ("rdp", "pld")
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hetfed.aggregator.algorithms import make_server_half
 from hetfed.aggregator.algorithms.base import RunInfo, SeedSetInfo
 from hetfed.wire.config import ConfigError, check, dependent, from_mapping, load_file
 from hetfed.wire.specs import AlgorithmSpec, TrainConfig, get_spec
+
+if TYPE_CHECKING:
+    from hetfed.wire.distributed import DistributedSum
 from hetfed.wire.tls import TlsConfig
 from hetfed.wire.windows import DEFAULT_WINDOW_BYTES
 
@@ -125,6 +129,7 @@ class RunConfig:
         check(type(self.algorithm_config) is spec.config_type,
               f"algorithm_config must be a {spec.config_type.__name__} (algorithm {self.algorithm!r}'s config), "
               f"got {type(self.algorithm_config).__name__}")
+        self._check_distributed()
         if spec.needs_seed_set:
             check(self.seed_set is not None, f"algorithm {self.algorithm!r} needs the run's seed_set "
                                              "({id, sha256}, and size and parts to check uploads)")
@@ -136,6 +141,28 @@ class RunConfig:
             why = half.secure_aggregation_refusal()
             check(not why, f"secure_aggregation: algorithm {self.algorithm!r} cannot run with "
                            f"secure_aggregation = true: {why}")
+
+    def _check_distributed(self) -> None:
+        """Distributed DP (``TrainConfig.distributed_sum``) runs under secure aggregation only, and its plan must
+        exist for this run's organizations and rounds: refused in one line otherwise."""
+        from hetfed.wire.errors import WireError
+
+        try:
+            planned = self.algorithm_config.distributed_sum(len(self.organizations), self.rounds)
+        except WireError as exc:
+            check(False, f"algorithm_config: {exc.message}")
+        else:
+            check(planned is None or self.secure_aggregation, "algorithm_config plans distributed DP (ddp_epsilon), "
+                  "which needs secure_aggregation = true: without it the aggregator would see each organization's "
+                  "share of the noise alone")
+            if self.secure_aggregation:
+                self.__dict__["distributed_sum"] = planned
+
+    @functools.cached_property
+    def distributed_sum(self) -> DistributedSum | None:
+        """The summed kind that goes through distributed DP in this run's secure rounds (None: none)."""
+        return self.algorithm_config.distributed_sum(len(self.organizations), self.rounds) \
+            if self.secure_aggregation else None
 
     @property
     def quorum(self) -> int:

@@ -28,6 +28,7 @@ from hetfed.wire.specs import TrainConfig
 if TYPE_CHECKING:
     from hetfed.client.privacy.ledger import Release
     from hetfed.client.privacy.session import PrivacySession
+    from hetfed.wire.distributed import DistributedSum
 
 C = TypeVar("C", bound=TrainConfig)
 
@@ -51,6 +52,9 @@ class ClientContext(Generic[C]):
     # Under DP (the organization's [privacy]): the session whose mechanisms and ledger the half's releases use;
     # ``train`` is then read through DP-SGD's Poisson sampling.
     privacy: PrivacySession | None = None
+    # Under secure aggregation with distributed DP (``TrainConfig.distributed_sum``): the summed kind and its plan,
+    # which the half uploads exact (clipped per example, unnoised) for the round's secure sum to encode and noise.
+    distributed: DistributedSum | None = None
     eval_sets: dict[str, DataSource] = field(init=False)
     # Set by the round loop each round: evaluate on the held-out sets, or resend the last evaluation's figures.
     evaluating: bool = field(default=True, init=False)

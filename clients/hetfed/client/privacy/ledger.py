@@ -156,19 +156,33 @@ def epsilon_of(releases: Sequence[Release], delta: float, accountant: str = "rdp
 
 
 def solve_noise_multiplier(plan: Sequence[Release], target_epsilon: float, delta: float,
-                           accountant: str = "rdp", fixed: Sequence[Release] = ()) -> float:
+                           accountant: str = "rdp", fixed: Sequence[Release] = (),
+                           distributed: Sequence[DistributedRelease] = ()) -> float:
     """The smallest σ ≥ 0.05 (to 0.1%) at which the releases of ``plan`` (their ``sigma`` the multiple of σ each gets:
     1 for a plain step, 1/√k for k objectives on one batch), composed with the ``fixed`` releases (their ``sigma``
-    their own noise multiplier, such as the example count's), spend at most ``target_epsilon`` at ``delta``."""
+    their own noise multiplier, such as the example count's) and the ``distributed`` ones (whose noise the run's
+    plan fixes), spend at most ``target_epsilon`` at ``delta``."""
     if not merged(plan):
         raise ValueError("nothing to account: the run plans no private release")
-    if merged(fixed) and epsilon_of(fixed, delta, accountant) >= target_epsilon:
+    if merged_distributed(distributed):
+        if accountant != "rdp":
+            raise ValueError(f"distributed DP is accounted in Rényi DP, and this organization's accountant is "
+                             f"{accountant!r}: use privacy.accountant = \"rdp\"")
+        before = epsilon_with_distributed(fixed, distributed, delta)
+        if before >= target_epsilon:
+            raise ValueError(f"the run's distributed class sums (the run's ddp_epsilon), with the releases made "
+                             f"before the plan, already spend ε={before:.4g} of this organization's target "
+                             f"ε={target_epsilon} at δ={delta:.3g}; allow a larger ε or plan a smaller ddp_epsilon")
+    elif merged(fixed) and epsilon_of(fixed, delta, accountant) >= target_epsilon:
         raise ValueError(f"the releases made before the run's plan (the example count) already spend "
                          f"ε={epsilon_of(fixed, delta, accountant):.4g} of the target ε={target_epsilon} at "
                          f"δ={delta:.3g}; allow a larger ε or a larger count_noise_multiplier")
 
     def spent(sigma: float) -> float:
-        return epsilon_of([*[Release(r.q, r.sigma * sigma, r.count) for r in plan], *fixed], delta, accountant)
+        releases = [*[Release(r.q, r.sigma * sigma, r.count) for r in plan], *fixed]
+        if merged_distributed(distributed):
+            return epsilon_with_distributed(releases, distributed, delta)
+        return epsilon_of(releases, delta, accountant)
 
     lo, hi = 0.05, 1.0
     while spent(hi) > target_epsilon:

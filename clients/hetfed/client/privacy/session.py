@@ -3,6 +3,7 @@ step, the budget, and the declaration every upload carries (docs/privacy.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,15 @@ import torch
 from torch import nn
 
 from hetfed.client.privacy.config import PrivacyConfig
-from hetfed.client.privacy.ledger import Ledger, LedgerError, Release, epsilon_of, solve_noise_multiplier
+from hetfed.client.privacy.ledger import (
+    DistributedRelease,
+    Ledger,
+    LedgerError,
+    Release,
+    epsilon_of,
+    epsilon_with_distributed,
+    solve_noise_multiplier,
+)
 from hetfed.client.privacy.mechanisms import (
     NoiseSource,
     PrivacyError,
@@ -66,6 +75,8 @@ class PrivacySession:
         # The releases ``plan`` expects of the setup round and of each training round (multiples of σ).
         self._setup: list[Release] = []
         self._per_round: list[Release] = []
+        # The distributed releases each training round makes (under secure aggregation's distributed DP).
+        self._per_round_distributed: list[DistributedRelease] = []
         self._data: PrivateData | None = None
         # The models DP-SGD attached Opacus' hooks to (removed by ``release`` before a model is exported).
         self.hooked: dict[int, tuple[nn.Module, object]] = {}
@@ -164,11 +175,16 @@ class PrivacySession:
         return [set_release(self.cfg.metrics_noise_multiple, sets * evaluations)]
 
     def plan(self, mechanism: str, setup: Sequence[Release], per_round: Sequence[Release], rounds: int,
-             evaluations: Sequence[Release] = ()) -> float:
+             evaluations: Sequence[Release] = (), distributed: Sequence[DistributedRelease] = ()) -> float:
         """Fix σ: the ledger's when it was kept before, the configured one, or the one at which the setup releases,
         ``rounds`` rounds of ``per_round`` and the run's metric releases (``evaluations``) spend the target ε
         (their ``sigma`` are multiples of σ), together with the releases already committed (the count Û, whose
-        ``sigma`` is a noise multiplier)."""
+        ``sigma`` is a noise multiplier) and ``rounds`` rounds of the ``distributed`` releases (their noise fixed by
+        the run's plan; Rényi DP only)."""
+        self._per_round_distributed = list(distributed)
+        if distributed and self.cfg.accountant != "rdp":
+            raise PrivacyError(f"distributed DP is accounted in Rényi DP, and this organization's accountant is "
+                               f"{self.cfg.accountant!r}: use privacy.accountant = \"rdp\"")
         if self.cfg.unit == "group" and mechanism != "dp-sgd":
             raise PrivacyError(f"privacy.unit = \"group\" serves DP-SGD alone, and {mechanism} also releases "
                                "class sums and counts computed per record; use unit = \"record\"")
@@ -181,9 +197,13 @@ class PrivacySession:
             else:
                 plan = [*setup, *[Release(r.q, r.sigma, r.count * rounds) for r in per_round], *evaluations]
                 fixed = list(self.ledger.releases)
+                planned = [dataclasses.replace(d, count=d.count * rounds) for d in distributed]
                 self.ledger.noise_multiplier = solve_noise_multiplier(plan, target, self.delta, self.cfg.accountant,
-                                                                      fixed)
-                self.planned_epsilon = epsilon_of([*fixed, *self.scaled(plan)], self.delta, self.cfg.accountant)
+                                                                      fixed, planned)
+                if planned:
+                    self.planned_epsilon = epsilon_with_distributed([*fixed, *self.scaled(plan)], planned, self.delta)
+                else:
+                    self.planned_epsilon = epsilon_of([*fixed, *self.scaled(plan)], self.delta, self.cfg.accountant)
                 log.info("%s: privacy: σ=%.4f spends ε=%.3g at δ=%.3g over %d rounds (%s, %s accountant)",
                          self.organization, self.sigma, target, self.delta, rounds, mechanism, self.cfg.accountant)
         return self.sigma
@@ -198,7 +218,8 @@ class PrivacySession:
         if budget is None:
             return None
         spent = self.spent()
-        after = self.ledger.epsilon(self.scaled(self._setup if setup else self._per_round))
+        after = self.ledger.epsilon(self.scaled(self._setup if setup else self._per_round),
+                                    () if setup else self._per_round_distributed)
         if after > budget * (1 + _BUDGET_SLACK):
             return (f"{self.organization}: privacy budget ε={budget:g} at δ={self.delta:.3g} would be exceeded by the "
                     f"next round (ε {spent:.4g} spent, {after:.4g} after it); this organization sends nothing more "

@@ -15,12 +15,15 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from hetfed.wire.config import check, from_mapping
 from hetfed.wire.payloads import PayloadKind
 from hetfed.wire.phases import Phase
 from hetfed.wire.summation import SUMMABLE
+
+if TYPE_CHECKING:
+    from hetfed.wire.distributed import DistributedSum
 
 WireDtype = Literal["float32", "float16", "bfloat16"]
 Optimizer = Literal["sgd", "adam", "amsgrad"]
@@ -59,6 +62,12 @@ class TrainConfig:
     # Keep each organization's optimisers (their SGD momentum) from round to round, and across a restart,
     # instead of fresh ones every round: what reference implementations that build their optimiser once do.
     keep_optimizer_state: bool = False
+
+    def distributed_sum(self, clients: int, rounds: int) -> DistributedSum | None:
+        """Under secure aggregation, the summed kind that goes through distributed DP
+        (``hetfed.wire.distributed``) for a run of ``clients`` organizations and ``rounds`` training rounds; None
+        (the default): every summed kind takes the secure sum's own encoding."""
+        return None
 
     def lr_factor(self, round_: int) -> float:
         """The factor on every base learning rate in training round ``round_`` (1-based)."""

@@ -10,12 +10,16 @@ settings over them, the configuration under which Fed-CMA's claim holds in docs/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from hetfed.wire.config import check
 from hetfed.wire.payloads import PayloadKind as K
 from hetfed.wire.specs.base import AlgorithmSpec, Figure, SharedSpaceConfig
+
+if TYPE_CHECKING:
+    from hetfed.wire.distributed import DistributedSum
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,22 @@ class FedCMAConfig(SharedSpaceConfig):
     # means outside it. False: the architecture's own last activation (FedGen's CNN ends in a ReLU); the paper
     # calls boundedness "not necessary", a help to the proof (section 3, after Assumption 3).
     bounded_latent: bool = True
+    # Distributed DP under secure aggregation (docs/privacy.md): > 0, the class sums and counts of every round go
+    # through the distributed Skellam mechanism, its noise chosen so that they alone spend this ε over the run's
+    # rounds at ``ddp_delta`` when at least ``ddp_honest`` organizations are honest; each organization's ledger
+    # accounts them with its other releases. 0: no distributed DP (an organization under [privacy] adds its own
+    # Gaussian class sums).
+    ddp_epsilon: float = 0.0
+    # δ at which the class sums' plan spends ``ddp_epsilon`` (each ledger then converts at its own δ).
+    ddp_delta: float = 1e-6
+    # t: the organizations assumed honest (they add their noise share and keep it secret); 0: the secure
+    # aggregation's threshold, floor((n - 1)/2) + 1 of n.
+    ddp_honest: int = 0
+    # b: the ring the encoded class sums are reduced in (at most 39: the secure sum's 40 value bits carry it).
+    ddp_ring_bits: int = 32
+    # An organization's class sums and counts are clipped as a whole to the norm of this many examples' (a
+    # larger one is shrunk: a bias, no privacy cost); the ring holds n of them.
+    ddp_max_examples: int = 100_000
 
     @property
     def head_eta(self) -> float:
@@ -67,7 +87,40 @@ class FedCMAConfig(SharedSpaceConfig):
             check(0 < lam * eta <= 1, f"{name}·{eta_field} must lie in (0, 1] (eq. 7), got {lam}·{eta} = {lam * eta:g}")
         check(self.class_batch_size >= 1, f"class_batch_size must be >= 1, got {self.class_batch_size}")
         check(isinstance(self.bounded_latent, bool), f"bounded_latent must be true or false, got {self.bounded_latent!r}")
+        check(math.isfinite(self.ddp_epsilon) and self.ddp_epsilon >= 0,
+              f"ddp_epsilon must be >= 0 (0: no distributed DP), got {self.ddp_epsilon}")
+        check(0 < self.ddp_delta < 1, f"ddp_delta must be in (0, 1), got {self.ddp_delta}")
+        check(self.ddp_honest >= 0, f"ddp_honest must be >= 0 (0: the secure aggregation's threshold), got "
+              f"{self.ddp_honest}")
+        check(8 <= self.ddp_ring_bits <= 39, f"ddp_ring_bits must be in [8, 39], got {self.ddp_ring_bits}")
+        check(self.ddp_max_examples >= 1, f"ddp_max_examples must be >= 1, got {self.ddp_max_examples}")
+        check(not (self.ddp_epsilon > 0 and not self.bounded_latent),
+              "ddp_epsilon needs bounded_latent = true: the class sums' bound comes from [0, 1]^d_e")
 
+    @property
+    def class_sum_sensitivity(self) -> float:
+        """How far one example moves its organization's class sums and counts (L2): its embedding, clipped to
+        C_z = √d_e (the bound of [0, 1]^d_e), in one class's sum, and 1 in that class's count: √(C_z² + 1)."""
+        return math.sqrt(self.latent_dim + 1)
+
+    def distributed_sum(self, clients: int, rounds: int) -> DistributedSum | None:
+        """With ``ddp_epsilon`` > 0: the class mean embeddings' weighted form (Σ n^k e^k and n^k per class, the
+        organization's class sums and counts) through the distributed Skellam mechanism, per example
+        (sensitivity √(C_z² + 1)), clipped as a whole to ``ddp_max_examples`` times it."""
+        if not self.ddp_epsilon > 0:
+            return None
+        from hetfed.secagg.messages import default_degree, default_threshold
+        from hetfed.wire.distributed import DistributedSum
+        from hetfed.wire.summation import WEIGHT
+
+        k, d = self.num_classes, self.latent_dim
+        kind = K.CLASS_MEAN_EMBEDDINGS
+        honest = self.ddp_honest or default_threshold(default_degree(clients))
+        delta = self.class_sum_sensitivity
+        return DistributedSum.choose(kind, {f"{kind.value}/means": (k, d), kind.value + WEIGHT: (k,)},
+                                     epsilon=self.ddp_epsilon, delta=self.ddp_delta, rounds=rounds, clients=clients,
+                                     honest=min(honest, clients), clip=self.ddp_max_examples * delta,
+                                     sensitivity=delta, ring_bits=self.ddp_ring_bits)
 
 # The reference code's run script (ajavvadi/FedCMA-ktboi, code/script_cifar.sh:99, read through code/main_full.py):
 # --lamda 1.0 (alignment, λ2) and --lamda_l2 5.0 (head, λ1) in the code's forms λ·MSE and λ·‖v − v̄‖²

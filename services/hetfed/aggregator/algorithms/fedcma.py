@@ -204,7 +204,14 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
         # check of one upload, on the sum): a weight beyond them is refused. The weights are integers, quantized
         # on steps far under _WEIGHT_SLACK.
         setup = self.counts[[self._index(org) for org in organizations]].sum(axis=0)
-        if (e_weight > setup + _WEIGHT_SLACK).any():
+        if self.config.ddp_epsilon > 0:
+            # Under distributed DP the weights carry the noise, which alone may pass any bound: capped at the setup
+            # counts instead, each class's sum scaled with its weight so its mean stays (post-processing of the
+            # release, as a client caps its local release), not refused.
+            capped = np.minimum(e_weight, setup).astype(np.float64)
+            e_sum = e_sum * np.divide(capped, e_weight, out=np.zeros_like(capped), where=e_weight > 0)[:, None]
+            e_weight = capped
+        elif (e_weight > setup + _WEIGHT_SLACK).any():
             raise WireError("implausible_update", "the summed class weights exceed the survivors' setup counts: an "
                                                   "organization weighs its class means beyond the counts it sent")
         if self._e_weight.count or self._v_weight:
@@ -228,6 +235,8 @@ class FedCMAServer(ServerHalf[FedCMAConfig]):
             reported = e_weight > 0
             if reported.any():
                 target = self._e_sum.total()[reported] / e_weight[reported, None]
+                if self.config.bounded_latent:  # a no-op on exact sums; under distributed DP, post-processing
+                    target = target.clip(0.0, 1.0)
                 self.means[reported] = (1 - self.mean_step) * self.means[reported] + self.mean_step * target
                 self.present |= reported
             if self._v_weight > 0:

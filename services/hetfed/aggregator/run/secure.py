@@ -12,6 +12,11 @@ checks the sum (every element within survivors × its bound, else ``implausible_
 half; below the threshold it abandons the round's aggregate, with nothing asked that would reveal an input,
 and the half is not touched (``abandoned`` says why).
 
+Distributed DP (``distributed``, ``hetfed.wire.distributed``): one summed kind's weighted form is replaced in the
+encoding by one exact field that carries each organization's distributed Skellam encoding; ``finish`` decodes it
+(refusing fewer inputs than the plan's honest organizations: the round's aggregate is abandoned) before the half
+takes the sums.
+
 Resumption: the round is a deterministic function of the stage messages it accepted and its closes, in order.
 ``hetfed.aggregator.run.secure_stages`` journals them (the stage log, with the update log's masked inputs) and
 feeds them to a fresh round of the same setup after a restart: it ends at the same stage with the same outbox.
@@ -30,6 +35,7 @@ from typing import Any
 
 from hetfed import secagg
 from hetfed.aggregator.algorithms.base import ServerHalf
+from hetfed.wire.distributed import DistributedSum, rotation_seed
 from hetfed.wire.errors import WireError, from_secagg
 from hetfed.wire.payloads import (
     Payload,
@@ -82,7 +88,8 @@ class SecureRound:
     """The aggregator's side of one round's secure aggregation (module docstring)."""
 
     def __init__(self, spec: AlgorithmSpec, half: ServerHalf, run_id: str, round_: int, roster: tuple[str, ...],
-                 run_seed: int, shapes: Mapping[str, tuple[int, ...]], params: SecureParams = SecureParams()) -> None:
+                 run_seed: int, shapes: Mapping[str, tuple[int, ...]], params: SecureParams = SecureParams(),
+                 distributed: DistributedSum | None = None) -> None:
         refusal = spec.secure_aggregation_refusal() or half.secure_aggregation_refusal()
         if refusal:
             raise WireError("invalid_value", f"secure aggregation: {refusal}")
@@ -90,8 +97,15 @@ class SecureRound:
         n = len(roster)
         degree = params.degree or secagg.default_degree(n)
         threshold = params.threshold or secagg.default_threshold(degree)
+        self.distributed = distributed
+        self.rotation_seed = rotation_seed(run_seed, round_)
+        summed = shapes if distributed is None else distributed.replace_shapes(shapes)
+        fields = encoding_fields(summed, params, self.unit)
+        if distributed is not None:
+            exact = distributed.field(params.value_bits)
+            fields = tuple(exact if f.name == exact.name else f for f in fields)
         try:
-            encoding = secagg.Encoding.for_inputs(encoding_fields(shapes, params, self.unit), n, params.value_bits)
+            encoding = secagg.Encoding.for_inputs(fields, n, params.value_bits)
             self.config = secagg.RoundConfig(run_id, round_, tuple(roster), degree, threshold,
                                              graph_seed(run_seed, round_), encoding)
         except secagg.SecAggError as exc:
@@ -168,8 +182,15 @@ class SecureRound:
         except secagg.SecAggError as exc:  # too few shares, or a sum no honest inputs give: refused
             self.abandoned = str(from_secagg(exc))
             return None
+        values = result.values
+        if self.distributed is not None:
+            try:
+                values = self.distributed.decode(values, self.rotation_seed, len(result.survivors))
+            except WireError as exc:  # fewer inputs than the honest organizations the noise counts on
+                self.abandoned = str(exc)
+                return None
         summed = {kind: replace(total, values={n: total.values[n] for n in self._order[kind] if n in total.values})
-                  for kind, total in sums(self.spec.summed_upload, result.values).items()}
+                  for kind, total in sums(self.spec.summed_upload, values).items()}
         try:  # the half's own checks of the sum (a half may refuse it: WireError)
             self.half.accumulate_sum(Phase.TRAIN, summed, result.survivors)
         except WireError as exc:

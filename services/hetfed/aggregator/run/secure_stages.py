@@ -42,6 +42,7 @@ from hetfed.aggregator.run.secure import SecureParams, SecureRound
 from hetfed.aggregator.run.state import Rules, RunState, check_member, check_round
 from hetfed.wire import codec
 from hetfed.wire.contract import Schema
+from hetfed.wire.distributed import DistributedSum
 from hetfed.wire.errors import WireError
 from hetfed.wire.payloads import Payload, PayloadKind, Received, SecAggMaskedInput
 from hetfed.wire.phases import Phase
@@ -85,13 +86,15 @@ class SecureStages:
 
     def __init__(self, spec: AlgorithmSpec, rules: Rules, run_seed: int, deadline_seconds: float,
                  params: SecureParams | None, half: Callable[[RunState], ServerHalf],
-                 notify: Callable[[], None], journal: Journal) -> None:
+                 notify: Callable[[], None], journal: Journal,
+                 distributed: DistributedSum | None = None) -> None:
         self.spec, self.rules, self.run_seed, self.deadline_seconds = spec, rules, run_seed, deadline_seconds
         self.half, self.notify = half, notify  # the run's server half as the disk has it; wakes waiting callers
         self.journal = journal  # its stage log holds the open round's stage messages and closes
         self._unmasking_since = 0.0  # when the mask stage closed (time.monotonic)
         self._stage_since = 0.0  # when the open stage (advertise or share_keys) opened
         self.params = params  # None: the run does not aggregate securely
+        self.distributed = distributed  # the summed kind under distributed DP (None: none)
         self.round: SecureRound | None = None
         self._sent: dict[tuple[str, str], bytes] = {}  # (stage, organization) -> the message it sent there
 
@@ -100,7 +103,8 @@ class SecureStages:
            notify: Callable[[], None], journal: Journal) -> SecureStages:
         """A run's stages: ``SecureParams`` when the run aggregates securely, none (``params`` None) otherwise."""
         return cls(cfg.spec, rules, cfg.seed, cfg.round_deadline_seconds,
-                   SecureParams() if cfg.secure_aggregation else None, half, notify, journal)
+                   SecureParams() if cfg.secure_aggregation else None, half, notify, journal,
+                   cfg.distributed_sum)
 
     def current(self, state: RunState) -> SecureRound:
         """The open round's coordinator, built on first use (WireError when the run or the phase has none)."""
@@ -119,7 +123,8 @@ class SecureStages:
         assert self.params is not None
         server = self.half(state)
         shapes = server.summed_shapes() or schema_shapes(state.schema, self.spec.summed_upload)
-        sr = SecureRound(self.spec, server, self.rules.run_id, state.round, roster, self.run_seed, shapes, self.params)
+        sr = SecureRound(self.spec, server, self.rules.run_id, state.round, roster, self.run_seed, shapes, self.params,
+                         self.distributed)
         if log:
             self.journal.open_stages_locked(state.round, json.dumps(list(roster)).encode())
         self.round, self._sent, self._stage_since = sr, {}, time.monotonic()

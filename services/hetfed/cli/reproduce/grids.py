@@ -38,6 +38,9 @@ class Method:
     # Algorithm config fields for the cells under differential privacy only, over ``config`` (DP-SGD's clipped
     # gradients usually want their own step size).
     private_config: dict[str, Any] = field(default_factory=dict)
+    # Algorithm config fields for the cells of one privacy budget, keyed by the ε axis value as written ("3"),
+    # over ``private_config`` (a share of the budget a run-wide mechanism plans, as Fed-CMA's ddp_epsilon).
+    epsilon_config: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

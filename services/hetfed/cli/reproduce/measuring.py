@@ -38,6 +38,7 @@ def federation_options(grid: Grid, method: Method, cell: Mapping[str, Any], seed
         privacy = {**privacy, "epsilon_budget": cell[EPSILON_AXIS]} if cell[EPSILON_AXIS] else {}
     if privacy:
         config.update(method.private_config)
+        config.update(method.epsilon_config.get(str(cell.get(EPSILON_AXIS)), {}))
         # Each organization then keeps its own exact figures in its artifacts (own_final_test_accuracy): its
         # uploads withhold them.
         artifacts = True

@@ -140,6 +140,8 @@ def _settings(grid: Grid, m: Method, rounds: int | None = None) -> list[str]:
     shown_privacy = {"privacy": m.privacy} if m.privacy else {}
     if m.private_config:
         shown_privacy["under DP"] = m.private_config
+    for budget, fields in m.epsilon_config.items():
+        shown_privacy[f"at ε = {budget}"] = fields
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in {**m.config, **m.options, **shown_privacy}.items())
     ran = rounds or m.rounds or grid.rounds
     shown = str(ran) if ran == (m.rounds or grid.rounds) else f"{ran} (the grid declares {m.rounds or grid.rounds})"

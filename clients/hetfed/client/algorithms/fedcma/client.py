@@ -137,6 +137,8 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         m = self.ctx.privacy.cfg.direct_noise_multiple
         from hetfed.client.privacy.ledger import Release
 
+        if self.ctx.distributed is not None:  # the class sums go through the run's distributed plan instead
+            return [Release(1.0, m, 1)], [Release(q, 1.0, steps)]
         return [Release(1.0, m, 1)], [Release(q, 1.0, steps), Release(1.0, m / math.sqrt(2), 1)]
 
     # ------------------------------------------------------------------ rounds
@@ -258,10 +260,45 @@ class FedCMAClient(ClientHalf[FedCMAConfig]):
         return ClassMeanEmbeddings(np.arange(k, dtype=np.int64), means.astype(np.float32), released, present)
 
     @torch.no_grad()
+    def clipped_class_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """(Σ over class k's training examples of g(x) clipped to C_z = √d_e [K, d_e], n^k [K]), float64, every
+        training example in eval mode: the class sums and counts one example moves by at most √(C_z² + 1)."""
+        model, k = self.ctx.model, self.ctx.data.num_classes
+        train, n = self.ctx.train, len(self.ctx.train)
+        bound = math.sqrt(self.cfg.latent_dim)
+        sums = np.zeros((k, self.cfg.latent_dim), np.float64)
+        counts = np.zeros(k, np.int64)
+        with eval_mode(model):
+            for batch in train.batches(slice(s, s + 1024) for s in range(0, n, 1024)):
+                z = model.embed(batch.x).double()
+                z = z * (bound / (z.norm(dim=1, keepdim=True) + 1e-12)).clamp(max=1.0)
+                y = batch.y.cpu().numpy()
+                np.add.at(sums, y, z.cpu().numpy())
+                counts += np.bincount(y, minlength=k)
+        return sums, counts
+
+    def distributed_class_means(self) -> ClassMeanEmbeddings:
+        """Under secure aggregation's distributed DP: the exact clipped class sums and counts, as the class means
+        whose weighted form (Σ n^k e^k, n^k) they are (float64, so that the form gives the sums back to the last
+        bits). They leave only through the round's secure sum, which encodes them with the run's plan and this
+        organization's Skellam share; under [privacy] the ledger records the round's distributed release."""
+        assert self.ctx.distributed is not None
+        sums, counts = self.clipped_class_sums()
+        if self.ctx.privacy is not None:
+            from hetfed.client.privacy.ledger import DistributedRelease
+
+            self.ctx.privacy.ledger.record_distributed(DistributedRelease.of(self.ctx.distributed.plan))
+        present = counts > 0
+        means = sums / np.maximum(counts, 1)[:, None]
+        return ClassMeanEmbeddings(np.arange(len(counts), dtype=np.int64), means, counts, present)
+
+    @torch.no_grad()
     def class_means(self) -> ClassMeanEmbeddings:
         """e_i^k = mean of g_i(x) over B_i^k, in eval mode without gradients; absent classes are zero rows. Their
         counts are the setup counts n_i^k (eq. 7 weighs e_i^k by p_i^k = n_i^k / Σ_j n_j^k, whatever b_i^k), so
         under secure aggregation the summed form (n_i^k·e_i^k, n_i^k) gives the plain round's weighted mean."""
+        if self.ctx.distributed is not None:
+            return self.distributed_class_means()
         if self.ctx.privacy is not None:
             return self.private_class_means()
         batch = self.fixed_batch()
