@@ -110,3 +110,37 @@ def test_an_organization_sits_out_a_round_abandoned_at_stage_1(aggregator: Calla
         assert run.round == 2 and run.aggregation.half.state() == {}
         assert run.status().history[0].secure_abandoned.startswith("below_threshold: abandoned at advertise")
         assert client.pull(1, 5.0, None).round == 2  # the next round's instructions
+
+
+def test_an_organization_whose_own_value_is_beyond_its_bound_sends_nothing_and_the_round_goes_on(
+        aggregator: Callable[..., Any]) -> None:
+    # d's weight 150 is beyond the encoding's bound of 100 (SecureParams.value_bound): its own client refuses it
+    # after sharing its keys, pushes nothing, and is a dropout after masking; the round closes at its deadline
+    # with a, b and c's weighted mean.
+    run, w, clients = joined(aggregator, seed=11)
+    w["d"] = np.full(4, 150.0, np.float32)
+
+    def organization(i: int, o: str) -> tuple[Any, str, bool]:
+        ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
+        upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
+                                  fedavg.SPEC.summed_upload, np.random.default_rng([6, i]))
+        if upload is None:
+            return None, ex.refused, False
+        clients[o].push(1, upload)
+        return upload, ex.refused, ex.unmask()
+
+    try:
+        with ThreadPoolExecutor(len(ORGS)) as pool:
+            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
+    finally:
+        for c in clients.values():
+            c.close()
+    assert done["d"][0] is None and "implausible_update" in done["d"][1] and "beyond its declared bound" in done["d"][1]
+    assert [done[o][1] for o in "abc"] == ["", "", ""] and [done[o][2] for o in "abc"] == [True, True, True]
+    sr = run.secure.round
+    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
+    assert sr.result.dropped == ("d",) and run.round == 2
+    enc = sr.config.encoding
+    step = max(f.bound for f in enc.fields) / enc.level
+    plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in "abc") / 60.0
+    assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 60.0 + 1e-6

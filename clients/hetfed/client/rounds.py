@@ -220,6 +220,10 @@ class RoundLoop:
         rng = np.random.default_rng([int(ins.round_seed), zlib.crc32(cfg.organization.encode())])
         masked = exchange.masked_upload(upload, self.member.spec.summed_upload, rng,
                                         distributed=self._distributed(ins.round))
+        if masked is None and exchange.refused:
+            log.error("%s: round %d's update refused before masking, nothing of it sent (%s); the organization is "
+                      "a dropout of the round", cfg.organization, ins.round, exchange.refused)
+            return
         if masked is None:
             log.warning("%s: left out of round %d's secure aggregation (it came after its keys were exchanged, or "
                         "the round's aggregate ended); the round closed without its update", cfg.organization,

@@ -150,6 +150,7 @@ class SecureExchange:
     def __init__(self, client: AggregatorClient, organization: str, round_: int, wait_seconds: float,
                  entropy: Entropy = system_entropy) -> None:
         self.client, self.round, self.wait = client, round_, wait_seconds
+        self.refused = ""  # why this organization refused its own update before masking ("" while it did not)
         setup = self._next(None)  # past stage 1 it waits here for the round to end
         self.secure = SecureClient(setup, organization, entropy) if isinstance(setup, SecAggSetup) else None
 
@@ -170,7 +171,9 @@ class SecureExchange:
     def masked_upload(self, upload: Iterable[Payload], kinds: frozenset[PayloadKind], rng: np.random.Generator,
                       noise: Noise | None = None, distributed: Distributed | None = None) -> list[Payload] | None:
         """The upload to push: its summed ``kinds`` replaced by their masked input (the rest as it is); None when
-        the organization is left out of the round (class docstring), once the round has ended."""
+        the organization is left out of the round (class docstring), once the round has ended, or when it refuses
+        its own update (a value beyond its declared bound: ``refused`` says which). Nothing of a refused update
+        leaves: the organization is a dropout after sharing its keys, whose masks its neighbours' shares remove."""
         upload = list(upload)
         if self.secure is None:
             return None
@@ -179,7 +182,13 @@ class SecureExchange:
         if not isinstance(shares, SecAggPeerShares):
             self._next(None)  # left out: wait for the round to end
             return None
-        masked = self.secure.mask(shares, upload, kinds, rng, noise, distributed)
+        try:
+            masked = self.secure.mask(shares, upload, kinds, rng, noise, distributed)
+        except WireError as err:
+            if err.reason != "implausible_update":
+                raise
+            self.refused = str(err)
+            return None
         return [masked, *(p for p in upload if p.kind not in kinds)]
 
     def unmask(self) -> bool:
