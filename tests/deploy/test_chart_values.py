@@ -168,3 +168,19 @@ def test_privacy_with_a_state_volume_renders_the_ledger_dir_and_the_run_limits(h
     (agg,) = [v for k, v in cms.items() if k.endswith("-aggregator")]
     (run,) = tomllib.loads(agg["aggregator.toml"])["runs"]
     assert (run["require_privacy"], run["refuse_ephemeral_ledgers"], run["max_epsilon"]) == (True, True, 4.0)
+
+
+def test_a_runs_secure_aggregation_graph_reaches_the_aggregators_config(helm: Helm, tmp_path: Path) -> None:
+    """runs[].secure_degree and secure_threshold pass the schema and reach the aggregator's run as given."""
+    import tomllib
+
+    values = {"organizations": ["org-a", "org-b", "org-c", "org-d", "org-e"],
+              "runs": [{"id": "demo", "algorithm": "fedavg", "secure_aggregation": True, "secure_degree": 2,
+                        "secure_threshold": 2}]}
+    f = tmp_path / "values.yaml"
+    f.write_text(yaml.safe_dump(values))
+    objects = [d for d in yaml.safe_load_all(helm.template(f)) if d]
+    cms = {c["metadata"]["name"]: c.get("data", {}) for c in by_kind(objects, "ConfigMap")}
+    (agg,) = [v for k, v in cms.items() if k.endswith("-aggregator")]
+    (run,) = tomllib.loads(agg["aggregator.toml"])["runs"]
+    assert (run["secure_aggregation"], run["secure_degree"], run["secure_threshold"]) == (True, 2, 2)

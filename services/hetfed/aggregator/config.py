@@ -104,6 +104,26 @@ class RunConfig:
     # Sum the uploads under secure aggregation (SecAgg+, docs/security.md): the aggregator learns only the sum of
     # the summed kinds (AlgorithmSpec.summed_upload). Refused for an algorithm that needs each organization's own.
     secure_aggregation: bool = False
+    # The SecAgg+ neighbourhood graph's degree k (0: the complete graph, k = n - 1, the original SecAgg) and the
+    # Shamir threshold t (0: floor(k/2) + 1; it must lie in (k/2, k]); docs/security.md gives their security
+    # argument. A round with fewer members than the run's caps k at n - 1 (one less where n·k is odd) and t at k.
+    secure_degree: int = 0
+    secure_threshold: int = 0
+
+    def _check_secure_graph(self) -> None:
+        """``secure_degree`` and ``secure_threshold``: only under secure aggregation, and a graph SecAgg+ can use
+        over the run's organizations (``hetfed.secagg``: 1 <= k <= n - 1 with n·k even, k/2 < t <= k)."""
+        n, k, t = len(self.organizations), self.secure_degree, self.secure_threshold
+        check(k >= 0 and t >= 0, f"secure_degree and secure_threshold must be >= 0 (0: the default), got {k}, {t}")
+        check(self.secure_aggregation or not (k or t), "secure_degree and secure_threshold need secure_aggregation = true")
+        if not self.secure_aggregation:
+            return
+        check(k <= n - 1, f"secure_degree {k} must be at most n - 1 = {n - 1} (the run's organizations)")
+        check(not k or n * k % 2 == 0, f"secure_degree {k}: no {k}-regular graph on {n} organizations (n·k is odd)")
+        degree = k or n - 1
+        check(not t or degree / 2 < t <= degree,
+              f"secure_threshold {t} must be in (k/2, k] = ({degree / 2:g}, {degree}] for secure_degree k = {degree}: "
+              "a smaller t lets an aggregator that lies about dropouts ask for both shares of one organization")
 
     def __post_init__(self) -> None:
         check(bool(NAME_RE.match(self.id)), f"id {self.id!r} must match {NAME_RE.pattern}")
@@ -126,6 +146,7 @@ class RunConfig:
         refusal = spec.secure_aggregation_refusal()
         check(not (self.secure_aggregation and refusal),
               f"secure_aggregation: {refusal}")
+        self._check_secure_graph()
         check(type(self.algorithm_config) is spec.config_type,
               f"algorithm_config must be a {spec.config_type.__name__} (algorithm {self.algorithm!r}'s config), "
               f"got {type(self.algorithm_config).__name__}")

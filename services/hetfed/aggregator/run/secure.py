@@ -70,6 +70,17 @@ class SecureParams:
     threshold: int = 0
 
 
+def graph_parameters(members: int, params: SecureParams) -> tuple[int, int]:
+    """k and t of a round over ``members``: the configured degree (0: the complete graph) capped at n - 1, one
+    less where n·k is odd (no k-regular graph); the configured threshold (0: floor(k/2) + 1) capped at k. A run's
+    config keeps k/2 < t for its full roster (``RunConfig``), and a cap keeps it: min(t, k) > k/2."""
+    degree = min(params.degree, members - 1) if params.degree else secagg.default_degree(members)
+    if degree > 1 and members * degree % 2:
+        degree -= 1
+    threshold = min(params.threshold, degree) if params.threshold else secagg.default_threshold(degree)
+    return degree, threshold
+
+
 def graph_seed(run_seed: int, round_: int) -> bytes:
     """The round's 32-byte graph seed, derived from the run seed and the round (both sides can recompute it)."""
     return hashlib.sha256(f"hetfed-secagg-graph:{run_seed}:{round_}".encode()).digest()
@@ -95,8 +106,7 @@ class SecureRound:
             raise WireError("invalid_value", f"secure aggregation: {refusal}")
         self.spec, self.half, self.unit = spec, half, half.summed_unit_weights
         n = len(roster)
-        degree = params.degree or secagg.default_degree(n)
-        threshold = params.threshold or secagg.default_threshold(degree)
+        degree, threshold = graph_parameters(n, params)
         self.distributed = distributed
         self.rotation_seed = rotation_seed(run_seed, round_)
         summed = shapes if distributed is None else distributed.replace_shapes(shapes)

@@ -102,9 +102,9 @@ class SecureStages:
     def of(cls, cfg: RunConfig, rules: Rules, half: Callable[[RunState], ServerHalf],
            notify: Callable[[], None], journal: Journal) -> SecureStages:
         """A run's stages: ``SecureParams`` when the run aggregates securely, none (``params`` None) otherwise."""
-        return cls(cfg.spec, rules, cfg.seed, cfg.round_deadline_seconds,
-                   SecureParams() if cfg.secure_aggregation else None, half, notify, journal,
-                   cfg.distributed_sum)
+        params = SecureParams(degree=cfg.secure_degree, threshold=cfg.secure_threshold)
+        return cls(cfg.spec, rules, cfg.seed, cfg.round_deadline_seconds, params if cfg.secure_aggregation else None,
+                   half, notify, journal, cfg.distributed_sum)
 
     def current(self, state: RunState) -> SecureRound:
         """The open round's coordinator, built on first use (WireError when the run or the phase has none)."""
