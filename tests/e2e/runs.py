@@ -3,7 +3,11 @@ organization in this process with every request it sends recorded."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,3 +52,32 @@ def recorded_run(workdir: Path, opts: LocalRunOptions, processes: Sequence[tuple
         yield RecordedRun(fed, status, sent, reports)
     finally:
         fed.stop()
+
+
+@contextmanager
+def digits_clients(workdir: Path, address: str, organizations: Sequence[str], model: str,
+                   crash: Mapping[str, str] | None = None) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """One real ``hetfed client`` process per organization, each on its IID share of ``digits`` with ``model``
+    (config and log in ``workdir/<org>.json`` and ``<org>.log``); ``crash`` maps an organization to the client
+    crash point it dies at (``HETFED_CLIENT_CRASH_AT``). Every process still alive is killed on leaving."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HETFED_CLIENT_CRASH_AT", "HETFED_CRASH_AT")}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for i, org in enumerate(organizations):
+            cfg = {"organization": org, "run": "r", "aggregator": address, "threads": 1, "device": "cpu",
+                   "pull_wait_seconds": 2, "model": {"name": model},
+                   "data": {"dataset": "digits", "partition": "iid", "num_clients": len(organizations),
+                            "client_index": i},
+                   "retry": {"initial_backoff_seconds": 0.05, "max_backoff_seconds": 0.5}}
+            (workdir / f"{org}.json").write_text(json.dumps(cfg))
+            at = (crash or {}).get(org)
+            log = open(workdir / f"{org}.log", "wb")  # noqa: SIM115
+            procs[org] = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "client", "--config",
+                                           str(workdir / f"{org}.json")], stdout=log, stderr=subprocess.STDOUT,
+                                          env=env if at is None else {**env, "HETFED_CLIENT_CRASH_AT": at})
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()

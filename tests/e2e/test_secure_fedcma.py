@@ -5,7 +5,6 @@ cross the wire (its setup counts still do, in plain), and a client process kille
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 
 from hetfed.wire.traffic import Direction
 from tests.conftest import run_config
+from tests.e2e.runs import digits_clients
 
 pytestmark = pytest.mark.e2e
 CLIENTS, ROUNDS = 3, 2
@@ -80,26 +80,8 @@ def test_a_fedcma_client_killed_after_masking_is_recovered(aggregator: Callable[
     config = {"latent_dim": 8, "local_steps": 5}
     agg = aggregator(run_config(algorithm="fedcma", algorithm_config=config, organizations=list(orgs), rounds=1,
                                 min_clients=3, round_deadline_seconds=8, secure_aggregation=True))
-    procs = {}
-    for i, org in enumerate(orgs):
-        cfg = {"organization": org, "run": "r", "aggregator": f"127.0.0.1:{agg.port}", "threads": 1,
-               "device": "cpu", "pull_wait_seconds": 2,
-               "data": {"dataset": "digits", "partition": "iid", "num_clients": len(orgs), "client_index": i},
-               "model": {"name": "mlp"}, "retry": {"initial_backoff_seconds": 0.05, "max_backoff_seconds": 0.5}}
-        (tmp_path / f"{org}.json").write_text(json.dumps(cfg))
-        env = {k: v for k, v in os.environ.items() if k != "HETFED_CLIENT_CRASH_AT"}
-        if org == "d":
-            env["HETFED_CLIENT_CRASH_AT"] = "secure.masked"
-        log = open(tmp_path / f"{org}.log", "wb")  # noqa: SIM115
-        procs[org] = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "client", "--config",
-                                       str(tmp_path / f"{org}.json")], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
+    with digits_clients(tmp_path, f"127.0.0.1:{agg.port}", orgs, "mlp", crash={"d": "secure.masked"}) as procs:
         codes = {org: p.wait(timeout=240) for org, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     logs = {org: (tmp_path / f"{org}.log").read_text() for org in orgs}
     assert codes == {"a": 0, "b": 0, "c": 0, "d": -signal.SIGKILL}, logs
     run = agg.service.runs["r"]

@@ -9,11 +9,7 @@ bit for bit (the unmasked sum is exact, the clients' training is seeded)."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +18,7 @@ import pytest
 from hetfed.aggregator.journal.crashpoints import EXIT_CODE
 from hetfed.v1 import aggregator_pb2 as apb
 from tests.conftest import RawClient, load_benchmark, run_config, wait_until
+from tests.e2e.runs import digits_clients
 
 faults = load_benchmark("faults")
 pytestmark = pytest.mark.e2e
@@ -55,41 +52,26 @@ def _federation(tmp_path: Path, kill: bool) -> tuple[dict[str, np.ndarray], apb.
     agg = faults.AggregatorProcess(tmp_path, [run_config(organizations=list(ORGS), rounds=ROUNDS, min_clients=3,
                                                          round_deadline_seconds=60, secure_aggregation=True)])
     assert agg.start(delay_at="push.acknowledged:30" if kill else "") == ""
-    procs = {}
-    env = {k: v for k, v in os.environ.items() if k not in ("HETFED_CLIENT_CRASH_AT", "HETFED_CRASH_AT")}
     try:
-        for i, org in enumerate(ORGS):
-            cfg = {"organization": org, "run": "r", "aggregator": agg.address, "threads": 1, "device": "cpu",
-                   "pull_wait_seconds": 2, "model": {"name": "mlp1"},
-                   "data": {"dataset": "digits", "partition": "iid", "num_clients": len(ORGS), "client_index": i},
-                   "retry": {"initial_backoff_seconds": 0.05, "max_backoff_seconds": 0.5}}
-            (tmp_path / f"{org}.json").write_text(json.dumps(cfg))
-            log = open(tmp_path / f"{org}.log", "wb")  # noqa: SIM115
-            procs[org] = subprocess.Popen([sys.executable, "-m", "hetfed.cli", "client", "--config",
-                                           str(tmp_path / f"{org}.json")], stdout=log, stderr=subprocess.STDOUT,
-                                          env=env)
-        if kill:
-            wait_until(lambda: _logged_an_update(agg.state_dir), timeout=300, what="a masked push to be logged")
-            agg.kill()
-            assert agg.exited() == -signal.SIGKILL
-            for crash_at in CRASHES:
-                assert agg.start(crash_at=crash_at) == ""
-                wait_until(lambda: agg.exited() is not None, timeout=300, what=f"the aggregator to die at {crash_at}")
-                assert agg.exited() == EXIT_CODE, agg.log_tail()
-            assert agg.start() == ""
-        codes = {org: p.wait(timeout=300) for org, p in procs.items()}
-        logs = {org: (tmp_path / f"{org}.log").read_text()[-2000:] for org in ORGS}
-        assert codes == dict.fromkeys(ORGS, 0), logs
-        raw = RawClient(agg.port, "a")
-        try:
-            status = raw.stub.Status(apb.StatusRequest(run_id="r"), timeout=10).runs[0]
-        finally:
-            raw.close()
+        with digits_clients(tmp_path, agg.address, ORGS, "mlp1") as procs:
+            if kill:
+                wait_until(lambda: _logged_an_update(agg.state_dir), timeout=300, what="a masked push to be logged")
+                agg.kill()
+                assert agg.exited() == -signal.SIGKILL
+                for crash_at in CRASHES:
+                    assert agg.start(crash_at=crash_at) == ""
+                    wait_until(lambda: agg.exited() is not None, timeout=300, what=f"the aggregator to die at {crash_at}")
+                    assert agg.exited() == EXIT_CODE, agg.log_tail()
+                assert agg.start() == ""
+            codes = {org: p.wait(timeout=300) for org, p in procs.items()}
+            logs = {org: (tmp_path / f"{org}.log").read_text()[-2000:] for org in ORGS}
+            assert codes == dict.fromkeys(ORGS, 0), logs
+            raw = RawClient(agg.port, "a")
+            try:
+                status = raw.stub.Status(apb.StatusRequest(run_id="r"), timeout=10).runs[0]
+            finally:
+                raw.close()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         agg.kill()
     with np.load(tmp_path / "state" / "r" / "checkpoint.npz") as z:
         model = {k: z[k] for k in z.files if k != "meta"}  # the server half's arrays (meta: the run's state)
