@@ -125,6 +125,12 @@ def test_a_plan_without_secure_aggregation_or_beyond_the_ring_is_refused_in_one_
     assert RunConfig(**base, secure_aggregation=True).distributed_sum is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="ring bits cannot hold"):
         RunConfig(**{**base, "algorithm_config": _config(ddp_ring_bits=8)}, secure_aggregation=True)  # type: ignore[arg-type]
+    # Distributed DP counts the honest shares of every input: a sparse graph, whose cuts give partial sums, is refused.
+    n = len(ORGS)
+    sparse = next(k for k in range(n - 2, 0, -1) if n * k % 2 == 0)
+    with pytest.raises(ConfigError, match="assumes the complete graph"):
+        RunConfig(**base, secure_aggregation=True, secure_degree=sparse)  # type: ignore[arg-type]
+    assert RunConfig(**base, secure_aggregation=True, secure_degree=n - 1).distributed_sum is not None  # type: ignore[arg-type]
 
 
 def test_noisy_class_weights_above_the_setup_counts_are_capped_and_the_means_kept() -> None:

@@ -176,6 +176,11 @@ class RunConfig:
             check(planned is None or self.secure_aggregation, "algorithm_config plans distributed DP (ddp_epsilon), "
                   "which needs secure_aggregation = true: without it the aggregator would see each organization's "
                   "share of the noise alone")
+            n = len(self.organizations)
+            check(planned is None or self.secure_degree in (0, n - 1),
+                  f"algorithm_config plans distributed DP (ddp_epsilon), which assumes the complete graph: "
+                  f"secure_degree {self.secure_degree} < n - 1 = {n - 1} lets colluding organizations cut the graph "
+                  "and give the aggregator partial sums with fewer honest shares than the accountant counts")
             if self.secure_aggregation:
                 self.__dict__["distributed_sum"] = planned
 
