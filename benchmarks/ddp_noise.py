@@ -3,6 +3,7 @@ alone today (the local Gaussian mechanism), at the same (ε, δ) over the same r
 
     python benchmarks/ddp_noise.py                    # Fed-CMA's class sums: K = 10, d_e = 32, 50 rounds
     python benchmarks/ddp_noise.py --trials 20 --json
+    python benchmarks/ddp_noise.py --whole-vector      # FedAvg's weights, one organization's vector the unit
 
 The released vector is Fed-CMA's: K class sums of d_e latents, each example's latent clipped to C, and the K
 class counts times C, so d = K·(d_e + 1) and one example added or removed moves it by at most √2·C. Today each
@@ -14,6 +15,11 @@ the accountant counts the t honest shares. "measured" is the standard deviation 
 against the exact sum of the clipped vectors, over ``--trials`` seeded rounds of n random organizations
 (expected: √n times the share's). ε of both sides is RDP (dp-accounting's orders today, integer orders 2..256
 for Skellam).
+
+``--whole-vector`` asks what distributed DP would cost FedAvg's model weights, whose organizations have no per-example
+form: the unit is one organization's vector (clipped to c) present or absent, the paper's unit. It prints the noise
+per coordinate of the sum that the accountant needs, against the root-mean-square coordinate of one clipped vector
+(c/√d): the ratio is how far the noise drowns one organization's update.
 """
 
 from __future__ import annotations
@@ -96,6 +102,20 @@ def table(rows: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def whole_vector_rows(clients: list[int], epsilons: list[float], rounds: int, dims: list[int]) -> list[dict]:
+    """Per (d, n, ε): the central noise per coordinate (units of c) for one organization's vector as the unit,
+    and its ratio to a clipped vector's root-mean-square coordinate."""
+    rows = []
+    for d in dims:
+        for n in clients:
+            for e in epsilons:
+                plan = choose(epsilon=e, delta=1e-5, rounds=rounds, dim=d, clip=1.0, clients=n, honest=n // 2 + 1,
+                              ring_bits=32)
+                rows.append({"dim": d, "n": n, "epsilon": e, "central_std": plan.central_std(),
+                             "ratio": plan.central_std() * math.sqrt(d)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[4, 8, 16])
@@ -103,7 +123,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    ap.add_argument("--whole-vector", action="store_true",
+                    help="FedAvg's weights instead: one organization's vector the unit, d = 7,850 and 101,770")
     args = ap.parse_args()
+    if args.whole_vector:
+        rows = whole_vector_rows(args.clients, args.epsilons, args.rounds, [7850, 101770])
+        print("| d | n | t | ε | noise per coordinate of the sum (units of c) | over a clipped vector's rms coordinate |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['dim']:,} | {r['n']} | {r['n'] // 2 + 1} | {r['epsilon']:g} | {r['central_std']:.3f} | "
+                  f"{r['ratio']:,.0f} |")
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        return
     rows = [cell(n, e, rounds=args.rounds, trials=args.trials) for n in args.clients for e in args.epsilons]
     print(table(rows))
     if args.json:
