@@ -320,10 +320,12 @@ def test_the_privacy_grid_declares_the_epsilon_axis_and_its_privacy_table() -> N
     grid = rp.load_grid("privacy")
     assert grid.results == "docs/results/privacy.md" and grid.seeds == (0, 1, 2)
     assert [(a.name, a.values) for a in grid.axes] == [("epsilon", (0, 1, 3, 8))]
-    assert [m.algorithm for m in grid.methods] == ["fedavg", "fedcma_paper", "fedh2l"]
+    # fedcma_secure: Fed-CMA under secure aggregation with distributed DP (tests/cli/test_privacy_grid.py).
+    assert [(m.id, m.algorithm) for m in grid.methods] == [("fedavg", "fedavg"), ("fedcma", "fedcma_paper"),
+                                                           ("fedcma_secure", "fedcma_paper"), ("fedh2l", "fedh2l")]
     assert all(m.privacy == {"clip_norm": 1.0} for m in grid.methods)
     assert {f.source for f in grid.figures} >= {"epsilon", "bytes_per_round"}
-    assert len(grid.cells()) * len(grid.seeds) * len(grid.methods) == 36
+    assert len(grid.cells()) * len(grid.seeds) * len(grid.methods) == 48
     for method in grid.methods:
         for cell in grid.cells():
             p = lr.plan(rp.federation_options(grid, method, cell, 0, artifacts=False))

@@ -35,7 +35,7 @@ def check(parsed: ParsedUpdate) -> Received:
 
 
 def test_the_constants_are_the_documented_ones() -> None:
-    assert MECHANISMS == ("dp-sgd", "dp-sgd+gaussian-sums")
+    assert MECHANISMS == ("dp-sgd", "dp-sgd+gaussian-sums", "dp-sgd+distributed-skellam")
     assert ACCOUNTANTS == ("rdp", "pld")
     assert [f.name for f in dataclasses.fields(PrivacyDeclaration)] == [
         "mechanism", "noise_multiplier", "clip_norm", "epsilon", "delta", "accountant", "budget_spent",
@@ -94,7 +94,8 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
                            "privacy.accountant is 'moments'; it must be one of ['rdp', 'pld']"),
     "empty accountant": ({"accountant": ""}, "privacy.accountant is ''; it must be one of ['rdp', 'pld']"),
     "unknown mechanism": ({"mechanism": "laplace"},
-                          "privacy.mechanism is 'laplace'; it must be one of ['dp-sgd', 'dp-sgd+gaussian-sums']"),
+                          "privacy.mechanism is 'laplace'; it must be one of ['dp-sgd', 'dp-sgd+gaussian-sums', "
+                          "'dp-sgd+distributed-skellam']"),
     "empty mechanism": ({"mechanism": ""}, "privacy.mechanism is ''; it must be one of"),
 }
 
