@@ -6,8 +6,10 @@ within the quantization, and the traffic is counted per payload kind."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,41 @@ EXAMPLES = {"a": 10, "b": 20, "c": 30}
 def weights() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     return {o: rng.normal(0, 0.5, (2, 3)).astype(np.float32) for o in ORGS}
+
+
+@dataclass
+class Joined:
+    """A secure run's round 1 with its organizations joined and given their setup (``joined``)."""
+
+    agg: Any
+    run: Any
+    w: dict[str, np.ndarray]
+    clients: dict[str, AggregatorClient]
+    setup: SecAggSetup
+    secure: dict[str, SecureClient]
+
+
+@contextmanager
+def joined(aggregator: Callable[..., Any], orgs: tuple[str, ...], seed: int, shape: tuple[int, ...], *,
+           members: tuple[str, ...] = (), rounds: int = 1, min_clients: int = 3) -> Iterator[Joined]:
+    """A secure run of ``members`` (``orgs`` when empty; a 1 s round deadline) with ``orgs`` joined, each declaring
+    a seeded weight array of ``shape``, and each holding round 1's setup and its own ``SecureClient``. The
+    clients are closed on leaving."""
+    agg = aggregator(run_config(organizations=list(members or orgs), rounds=rounds, min_clients=min_clients,
+                                round_deadline_seconds=1.0))
+    run = agg.service.runs["r"]
+    run.secure.params = SecureParams()
+    rng = np.random.default_rng(seed)
+    w = {o: rng.normal(0, 0.5, shape).astype(np.float32) for o in orgs}
+    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
+    try:
+        for o, c in clients.items():
+            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
+        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+        yield Joined(agg, run, w, clients, setup, {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs})
+    finally:
+        for c in clients.values():
+            c.close()
 
 
 def together(calls: dict[str, Callable[[], SecureStageReply]]) -> dict[str, SecureStageReply]:
@@ -179,18 +216,9 @@ def test_a_run_that_is_not_secure_refuses_stage_messages(aggregator: Callable[..
 def test_a_client_that_drops_after_masking_is_recovered(aggregator: Callable[..., Any]) -> None:
     orgs = ("a", "b", "c", "d")  # complete graph: k = 3, t = 2; d shares its keys, then never pushes
     examples = {"a": 10, "b": 20, "c": 30, "d": 40}
-    agg = aggregator(run_config(organizations=list(orgs), rounds=1, min_clients=3, round_deadline_seconds=1.0))
-    run = agg.service.runs["r"]
-    run.secure.params = SecureParams()
-    rng = np.random.default_rng(8)
-    w = {o: rng.normal(0, 0.5, (2, 3)).astype(np.float32) for o in orgs}
-    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
-    try:
-        for o, c in clients.items():
-            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
-        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+    with joined(aggregator, orgs, 8, (2, 3)) as j:
+        run, w, clients, setup, secure = j.run, j.w, j.clients, j.setup, j.secure
         assert setup.config.threshold == 2
-        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
         _, shares = share_keys(clients, secure, orgs)
         survivors = orgs[:3]
         for i, o in enumerate(survivors):
@@ -211,24 +239,13 @@ def test_a_client_that_drops_after_masking_is_recovered(aggregator: Callable[...
         total = sum(examples[o] for o in survivors)
         plain = sum(np.float64(examples[o]) * w[o].astype(np.float64) for o in survivors) / total
         assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= len(survivors) * step / total + 1e-6
-    finally:
-        for c in clients.values():
-            c.close()
+
 
 
 def test_too_few_survivors_abandon_the_aggregate_shown_in_status_and_metrics(aggregator: Callable[..., Any]) -> None:
     orgs = ("a", "b", "c", "d")  # k = 3, t = 2: two dropouts after masking leave each survivor one live neighbour
-    agg = aggregator(run_config(organizations=list(orgs), rounds=2, min_clients=2, round_deadline_seconds=1.0))
-    run = agg.service.runs["r"]
-    run.secure.params = SecureParams()
-    rng = np.random.default_rng(10)
-    w = {o: rng.normal(0, 0.5, (3,)).astype(np.float32) for o in orgs}
-    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
-    try:
-        for o, c in clients.items():
-            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
-        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
-        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
+    with joined(aggregator, orgs, 10, (3,), rounds=2, min_clients=2) as j:
+        agg, run, w, clients, secure = j.agg, j.run, j.w, j.clients, j.secure
         _, shares = share_keys(clients, secure, orgs)
         for i, o in enumerate(("a", "b")):
             masked = secure[o].mask(shares[o], [ModelWeights({"w": w[o]}, 10)], fedavg.SPEC.summed_upload,
@@ -243,25 +260,14 @@ def test_too_few_survivors_abandon_the_aggregate_shown_in_status_and_metrics(agg
         assert summary.round == 1 and summary.secure_abandoned.startswith("below_threshold: abandoned at mask")
         labels = {"run": "r"}
         assert agg.service.metrics.registry.get_sample_value("hetfed_secure_rounds_abandoned_total", labels) == 1
-    finally:
-        for c in clients.values():
-            c.close()
+
 
 
 def test_a_member_that_never_comes_is_left_out_at_the_stage_deadline(aggregator: Callable[..., Any]) -> None:
     orgs, absent = ("a", "b", "c"), "d"  # d is in the run but never joins: stage 1 closes without it at its deadline
-    agg = aggregator(run_config(organizations=[*orgs, absent], rounds=1, min_clients=3, round_deadline_seconds=1.0))
-    run = agg.service.runs["r"]
-    run.secure.params = SecureParams()
-    rng = np.random.default_rng(11)
-    w = {o: rng.normal(0, 0.5, (3,)).astype(np.float32) for o in orgs}
-    clients = {o: AggregatorClient(f"127.0.0.1:{agg.port}", None, o, "r") for o in orgs}
-    try:
-        for o, c in clients.items():
-            c.join(declared=[DeclaredTensor.of(PayloadKind.MODEL_WEIGHTS, "w", w[o])])
-        setup = payloads({o: c.secure_stage(1, None, 0) for o, c in clients.items()}, SecAggSetup)["a"]
+    with joined(aggregator, orgs, 11, (3,), members=(*orgs, absent)) as j:
+        run, w, clients, setup, secure = j.run, j.w, j.clients, j.setup, j.secure
         assert setup.config.roster == (*orgs, absent)
-        secure = {o: SecureClient(setup, o, secagg.SeededEntropy(o)) for o in orgs}
         keys, shares = share_keys(clients, secure, orgs)
         assert all(absent not in {a.sender for a in k.message.peers} for k in keys.values())
         for i, o in enumerate(orgs):
@@ -277,6 +283,3 @@ def test_a_member_that_never_comes_is_left_out_at_the_stage_deadline(aggregator:
         step = max(f.bound for f in enc.fields) / enc.level
         plain = sum(w[o].astype(np.float64) for o in orgs) / 3
         assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 30 + 1e-6
-    finally:
-        for c in clients.values():
-            c.close()
