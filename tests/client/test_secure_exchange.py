@@ -38,33 +38,50 @@ def joined(aggregator: Callable[..., Any], seed: int) -> tuple[Any, dict[str, np
     return run, w, clients
 
 
-def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(aggregator: Callable[..., Any]) -> None:
-    run, w, clients = joined(aggregator, seed=9)
+def exchange_all(clients: dict[str, AggregatorClient], w: dict[str, np.ndarray], tag: int,
+                 drop: frozenset[str] = frozenset()) -> dict[str, tuple[list[Any] | None, str, bool]]:
+    """Every organization's ``SecureExchange`` of round 1, each in its own thread (its stochastic rounding from
+    ``tag`` and its index): per organization its upload (None: refused or left out), why it refused its own
+    update ("" if it did not) and whether it answered an unmask request. One in ``drop`` drops after masking: it
+    never pushes, never answers. The clients are closed after."""
 
-    def organization(i: int, o: str) -> tuple[list[Any], bool]:
+    def organization(i: int, o: str) -> tuple[list[Any] | None, str, bool]:
         ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
         upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
-                                  fedavg.SPEC.summed_upload, np.random.default_rng([5, i]))
-        if o == "d":  # drops after masking: never pushes, never answers
-            return upload, False
+                                  fedavg.SPEC.summed_upload, np.random.default_rng([tag, i]))
+        if upload is None or o in drop:
+            return upload, ex.refused, False
         clients[o].push(1, upload)
-        return upload, ex.unmask()
+        return upload, ex.refused, ex.unmask()
 
     try:
         with ThreadPoolExecutor(len(ORGS)) as pool:
-            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
+            return dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
     finally:
         for c in clients.values():
             c.close()
-    assert [p.kind.value for p in done["a"][0]] == ["secagg_masked_input", "eval_metrics"]
-    assert [done[o][1] for o in ORGS] == [True, True, True, False]
+
+
+def assert_the_survivors_weighted_mean(run: Any, w: dict[str, np.ndarray], survivors: tuple[str, ...]) -> None:
+    """The round closed with the survivors' sum unmasked into the half: their weighted mean, within 3 steps of
+    the encoding over the sum of their weights."""
     sr = run.secure.round
-    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
+    assert sr is not None and sr.result is not None and sr.result.survivors == survivors
     assert run.round == 2
     enc = sr.config.encoding
     step = max(f.bound for f in enc.fields) / enc.level
-    plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in "abc") / 60.0
-    assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 60.0 + 1e-6
+    total = sum(EXAMPLES[o] for o in survivors)
+    plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in survivors) / total
+    assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / total + 1e-6
+
+
+def test_four_exchanges_with_one_dropout_after_masking_give_the_survivors_mean(aggregator: Callable[..., Any]) -> None:
+    run, w, clients = joined(aggregator, seed=9)
+    done = exchange_all(clients, w, 5, drop=frozenset({"d"}))
+    upload = done["a"][0]
+    assert upload is not None and [p.kind.value for p in upload] == ["secagg_masked_input", "eval_metrics"]
+    assert [done[o][2] for o in ORGS] == [True, True, True, False]
+    assert_the_survivors_weighted_mean(run, w, ("a", "b", "c"))
 
 
 def test_an_organization_that_comes_after_stage_1_sits_the_round_out(aggregator: Callable[..., Any]) -> None:
@@ -119,28 +136,8 @@ def test_an_organization_whose_own_value_is_beyond_its_bound_sends_nothing_and_t
     # with a, b and c's weighted mean.
     run, w, clients = joined(aggregator, seed=11)
     w["d"] = np.full(4, 150.0, np.float32)
-
-    def organization(i: int, o: str) -> tuple[Any, str, bool]:
-        ex = SecureExchange(clients[o], o, 1, 30.0, secagg.SeededEntropy(o))
-        upload = ex.masked_upload([ModelWeights({"w": w[o]}, EXAMPLES[o]), EvalMetrics(0.5, EXAMPLES[o], 0.5)],
-                                  fedavg.SPEC.summed_upload, np.random.default_rng([6, i]))
-        if upload is None:
-            return None, ex.refused, False
-        clients[o].push(1, upload)
-        return upload, ex.refused, ex.unmask()
-
-    try:
-        with ThreadPoolExecutor(len(ORGS)) as pool:
-            done = dict(zip(ORGS, pool.map(organization, range(len(ORGS)), ORGS), strict=True))
-    finally:
-        for c in clients.values():
-            c.close()
+    done = exchange_all(clients, w, 6)
     assert done["d"][0] is None and "implausible_update" in done["d"][1] and "beyond its declared bound" in done["d"][1]
     assert [done[o][1] for o in "abc"] == ["", "", ""] and [done[o][2] for o in "abc"] == [True, True, True]
-    sr = run.secure.round
-    assert sr is not None and sr.result is not None and sr.result.survivors == ("a", "b", "c")
-    assert sr.result.dropped == ("d",) and run.round == 2
-    enc = sr.config.encoding
-    step = max(f.bound for f in enc.fields) / enc.level
-    plain = sum(np.float64(EXAMPLES[o]) * w[o].astype(np.float64) for o in "abc") / 60.0
-    assert np.abs(run.aggregation.half.state()["w"] - plain).max() <= 3 * step / 60.0 + 1e-6
+    assert run.secure.round.result.dropped == ("d",)
+    assert_the_survivors_weighted_mean(run, w, ("a", "b", "c"))
